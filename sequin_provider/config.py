@@ -1,0 +1,450 @@
+"""Typed configuration (``sequin.yaml``) with errors that name the file, the key path and the reason.
+
+The YAML is modelled on Sequin's ``sequin.yaml`` (DESIGN §4). Strings may use ``${VAR}`` or
+``${VAR:-default}``. Connections are DSNs or Airflow connection ids; a ``conn_id`` is resolved
+from the ``AIRFLOW_CONN_<ID>`` environment variable (URI or JSON), which is how Airflow hands
+connections to subprocesses, so this module never imports Airflow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import yaml
+
+DEFAULT_CONFIG_PATH = "sequin.yaml"
+ACTIONS = ("insert", "update", "delete")
+IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]*$")
+ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration: ``str(err)`` is ``<file>: <key.path>: <reason>``."""
+
+    def __init__(self, source: str, path: str, reason: str) -> None:
+        self.source, self.path, self.reason = source, path, reason
+        super().__init__(f"{source}: {path or '<top>'}: {reason}")
+
+
+@dataclass(frozen=True)
+class SlotConfig:
+    """The logical replication slot this database is read through."""
+
+    name: str = "sequin_slot"
+    create_if_not_exists: bool = True
+
+
+@dataclass(frozen=True)
+class PublicationConfig:
+    """The publication that selects which tables' changes reach the slot."""
+
+    name: str = "sequin_pub"
+    create_if_not_exists: bool = True
+
+
+@dataclass(frozen=True)
+class DatabaseConfig:
+    """A source database: how to reach it and its slot/publication."""
+
+    name: str
+    dsn: str = field(repr=False)
+    slot: SlotConfig = SlotConfig()
+    publication: PublicationConfig = PublicationConfig()
+    heartbeat_interval: float = 15.0
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """The internal Postgres (stream messages, buffer, status). ``dsn`` None = the source database."""
+
+    dsn: str | None = field(default=None, repr=False)
+    schema: str = "sequin"
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """A captured table of a sink, optionally with its own grouping columns."""
+
+    schema: str
+    name: str
+    group_column_names: tuple[str, ...] = ()
+
+    @property
+    def qualified(self) -> str:
+        """``schema.name``."""
+        return f"{self.schema}.{self.name}"
+
+
+@dataclass(frozen=True)
+class DestinationConfig:
+    """Where a sink delivers; ``options`` holds the type-specific settings."""
+
+    type: str
+    visibility_timeout: float = 30.0
+    max_ack_pending: int = 10_000
+    max_waiting: int = 20
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SinkConfig:
+    """One consumer of changes: which tables/actions, how to filter, transform, group and deliver."""
+
+    name: str
+    database: str
+    tables: tuple[TableConfig, ...]
+    destination: DestinationConfig
+    actions: tuple[str, ...] = ACTIONS
+    filter: str | None = None
+    transform: str | None = None
+    message_grouping: bool = True
+    message_kind: str = "change"
+    max_retry_count: int | None = None
+    initial_backfill: Any = False
+
+    @property
+    def consumer_id(self) -> str:
+        """A stable UUID for this sink, used as ``metadata.consumer.id``."""
+        return str(uuid.uuid5(uuid.NAMESPACE_URL, f"sequin-sink:{self.name}"))
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Settings of the stream app: checkpoint folder and micro-batch sizing."""
+
+    checkpoint_location: str = "var/checkpoints"
+    max_batch_rows: int = 200_000
+    max_batch_bytes: int = 256 * 1024 * 1024
+    max_batch_wait: float = 0.25
+    store_retry_timeout: float = 300.0
+
+
+@dataclass(frozen=True)
+class SequinConfig:
+    """The whole configuration file."""
+
+    databases: tuple[DatabaseConfig, ...]
+    sinks: tuple[SinkConfig, ...]
+    store: StoreConfig = StoreConfig()
+    stream: StreamConfig = StreamConfig()
+    source: str = DEFAULT_CONFIG_PATH
+
+    def database(self, name: str | None = None) -> DatabaseConfig:
+        """The named database, or the only one."""
+        if name is None:
+            if len(self.databases) != 1:
+                raise ConfigError(self.source, "databases", "several databases: name the one to use")
+            return self.databases[0]
+        for db in self.databases:
+            if db.name == name:
+                return db
+        raise ConfigError(self.source, "databases", f"no database named {name!r}")
+
+    def sinks_of(self, database: str) -> tuple[SinkConfig, ...]:
+        """The sinks reading from ``database``."""
+        return tuple(s for s in self.sinks if s.database == database)
+
+    def store_dsn(self, database: str | None = None) -> str:
+        """DSN of the store (defaults to the source database)."""
+        return self.store.dsn or self.database(database).dsn
+
+    def tables_of(self, database: str) -> list[TableConfig]:
+        """Distinct tables captured from ``database`` across its sinks, in config order."""
+        seen: dict[str, TableConfig] = {}
+        for sink in self.sinks_of(database):
+            for table in sink.tables:
+                seen.setdefault(table.qualified, table)
+        return list(seen.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from ``15``, ``"15s"``, ``"500ms"``, ``"2m"``, ``"1h"``."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration like 15s, 500ms, 2m")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError("a duration cannot be negative")
+        return float(value)
+    match = DURATION.match(str(value))
+    if not match:
+        raise ValueError(f"{value!r} is not a duration (examples: 15s, 500ms, 2m)")
+    number, unit = float(match.group(1)), match.group(2) or "s"
+    return number * {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[unit]
+
+
+def substitute_env(text: str, environ: dict[str, str] | None = None) -> str:
+    """Replace ``${VAR}`` / ``${VAR:-default}``; an unset variable without default is an error."""
+    env = os.environ if environ is None else environ
+
+    def repl(m: re.Match[str]) -> str:
+        name, default = m.group(1), m.group(2)
+        if name in env:
+            return env[name]
+        if default is not None:
+            return default
+        raise KeyError(name)
+
+    return ENV_REF.sub(repl, text)
+
+
+def dsn_from_airflow_conn(conn_id: str, environ: dict[str, str] | None = None) -> str:
+    """The DSN of Airflow connection ``conn_id`` from ``AIRFLOW_CONN_<ID>`` (URI or JSON)."""
+    env = os.environ if environ is None else environ
+    var = f"AIRFLOW_CONN_{conn_id.upper()}"
+    raw = env.get(var)
+    if not raw:
+        raise KeyError(var)
+    raw = raw.strip()
+    if raw.startswith("{"):
+        data = json.loads(raw)
+        user = quote(str(data.get("login") or ""), safe="")
+        password = data.get("password")
+        auth = f"{user}:{quote(str(password), safe='')}@" if password else (f"{user}@" if user else "")
+        host = data.get("host") or "localhost"
+        port = f":{data['port']}" if data.get("port") else ""
+        return f"postgresql://{auth}{host}{port}/{data.get('schema') or 'postgres'}"
+    for prefix in ("postgres://", "postgresql://", "sequin://"):
+        if raw.startswith(prefix):
+            return "postgresql://" + raw[len(prefix):]
+    return raw
+
+
+class _Reader:
+    """Walks the YAML tree, producing typed values or a ConfigError with the key path."""
+
+    def __init__(self, source: str, environ: dict[str, str] | None) -> None:
+        self.source = source
+        self.environ = environ
+
+    def fail(self, path: str, reason: str) -> ConfigError:
+        return ConfigError(self.source, path, reason)
+
+    def mapping(self, value: Any, path: str, allowed: set[str], required: set[str] = frozenset()) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise self.fail(path, f"expected a mapping, got {type(value).__name__}")
+        for key in value:
+            if key not in allowed:
+                hint = ", ".join(sorted(allowed))
+                raise self.fail(f"{path}.{key}" if path else str(key), f"unknown key (allowed: {hint})")
+        for key in sorted(required):
+            if value.get(key) is None:
+                raise self.fail(f"{path}.{key}" if path else key, "is required")
+        return value
+
+    def string(self, value: Any, path: str) -> str:
+        if not isinstance(value, str) or not value.strip():
+            raise self.fail(path, "expected a non-empty string")
+        try:
+            return substitute_env(value, self.environ)
+        except KeyError as exc:
+            raise self.fail(path, f"environment variable {exc.args[0]} is not set and has no default") from None
+
+    def identifier(self, value: Any, path: str) -> str:
+        text = self.string(value, path)
+        if not IDENTIFIER.match(text) or len(text) > 63:
+            raise self.fail(path, f"{text!r} is not a valid Postgres identifier (letters, digits, _; at most 63)")
+        return text
+
+    def boolean(self, value: Any, path: str) -> bool:
+        if not isinstance(value, bool):
+            raise self.fail(path, f"expected true or false, got {value!r}")
+        return value
+
+    def integer(self, value: Any, path: str, minimum: int = 0, maximum: int | None = None) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(path, f"expected an integer, got {value!r}")
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
+            raise self.fail(path, f"must be {bound}, got {value}")
+        return value
+
+    def duration(self, value: Any, path: str) -> float:
+        try:
+            return parse_duration(substitute_env(value, self.environ) if isinstance(value, str) else value)
+        except (ValueError, KeyError) as exc:
+            raise self.fail(path, str(exc)) from None
+
+    def connection(self, value: dict[str, Any], path: str) -> str | None:
+        has_dsn, has_conn = value.get("dsn") is not None, value.get("conn_id") is not None
+        if has_dsn and has_conn:
+            raise self.fail(path, "give either dsn or conn_id, not both")
+        if has_dsn:
+            return self.string(value["dsn"], f"{path}.dsn")
+        if has_conn:
+            conn_id = self.string(value["conn_id"], f"{path}.conn_id")
+            try:
+                return dsn_from_airflow_conn(conn_id, self.environ)
+            except KeyError as exc:
+                raise self.fail(f"{path}.conn_id", f"connection {conn_id!r} not found: set {exc.args[0]} or use dsn") from None
+            except json.JSONDecodeError as exc:
+                raise self.fail(f"{path}.conn_id", f"connection {conn_id!r} is not valid JSON: {exc}") from None
+        return None
+
+
+def _parse_table(r: _Reader, value: Any, path: str) -> TableConfig:
+    if isinstance(value, str):
+        value = {"name": value}
+    item = r.mapping(value, path, {"name", "group_column_names"}, {"name"})
+    name = r.string(item["name"], f"{path}.name")
+    parts = name.split(".")
+    if len(parts) == 1:
+        parts = ["public", parts[0]]
+    if len(parts) != 2 or not all(IDENTIFIER.match(p) for p in parts):
+        raise r.fail(f"{path}.name", f"{name!r} is not a table name (schema.table)")
+    groups = item.get("group_column_names") or []
+    if not isinstance(groups, list):
+        raise r.fail(f"{path}.group_column_names", "expected a list of column names")
+    cols = tuple(r.identifier(g, f"{path}.group_column_names[{i}]") for i, g in enumerate(groups))
+    return TableConfig(schema=parts[0], name=parts[1], group_column_names=cols)
+
+
+def _parse_destination(r: _Reader, value: Any, path: str) -> DestinationConfig:
+    if not isinstance(value, dict) or "type" not in value:
+        raise r.fail(f"{path}.type" if isinstance(value, dict) else path, "is required (sequin_stream | webhook)")
+    kind = r.string(value["type"], f"{path}.type")
+    if kind == "sequin_stream":
+        item = r.mapping(value, path, {"type", "visibility_timeout", "max_ack_pending", "max_waiting"})
+        return DestinationConfig(
+            type=kind,
+            visibility_timeout=r.duration(item.get("visibility_timeout", 30), f"{path}.visibility_timeout"),
+            max_ack_pending=r.integer(item.get("max_ack_pending", 10_000), f"{path}.max_ack_pending", 1),
+            max_waiting=r.integer(item.get("max_waiting", 20), f"{path}.max_waiting", 1),
+        )
+    if kind == "webhook":
+        item = r.mapping(value, path, {"type", "url", "headers", "batch", "batch_size", "timeout", "secret"}, {"url"})
+        return DestinationConfig(type=kind, options={k: v for k, v in item.items() if k != "type"})
+    raise r.fail(f"{path}.type", f"unknown destination type {kind!r} (sequin_stream | webhook)")
+
+
+def _parse_sink(r: _Reader, value: Any, path: str, databases: set[str]) -> SinkConfig:
+    allowed = {"name", "database", "tables", "table", "actions", "filter", "transform", "message_grouping",
+               "message_kind", "max_retry_count", "initial_backfill", "destination"}
+    item = r.mapping(value, path, allowed, {"name", "destination"})
+    name = r.identifier(item["name"], f"{path}.name")
+    database = r.string(item["database"], f"{path}.database") if item.get("database") is not None else None
+    if database is None:
+        if len(databases) != 1:
+            raise r.fail(f"{path}.database", "is required when several databases are configured")
+        database = next(iter(databases))
+    if database not in databases:
+        raise r.fail(f"{path}.database", f"no database named {database!r} (known: {', '.join(sorted(databases))})")
+    raw_tables = item.get("tables")
+    if raw_tables is None and item.get("table") is not None:
+        raw_tables = [item["table"]]
+    if not isinstance(raw_tables, list) or not raw_tables:
+        raise r.fail(f"{path}.tables", "expected a non-empty list of tables")
+    tables = tuple(_parse_table(r, t, f"{path}.tables[{i}]") for i, t in enumerate(raw_tables))
+    actions = item.get("actions", list(ACTIONS))
+    if not isinstance(actions, list) or not actions:
+        raise r.fail(f"{path}.actions", "expected a non-empty list of insert/update/delete")
+    for i, action in enumerate(actions):
+        if action not in ACTIONS:
+            raise r.fail(f"{path}.actions[{i}]", f"unknown action {action!r} (insert | update | delete)")
+    kind = item.get("message_kind", "change")
+    if kind not in ("change", "record"):
+        raise r.fail(f"{path}.message_kind", f"expected change or record, got {kind!r}")
+    transform = item.get("transform")
+    if transform is not None:
+        transform = r.string(transform, f"{path}.transform")
+        if transform != "record_only" and not re.match(r"^[\w.]+:[\w]+$", transform):
+            raise r.fail(f"{path}.transform", f"expected 'record_only' or 'module:function', got {transform!r}")
+    retry = item.get("max_retry_count")
+    return SinkConfig(
+        name=name,
+        database=database,
+        tables=tables,
+        destination=_parse_destination(r, item["destination"], f"{path}.destination"),
+        actions=tuple(actions),
+        filter=r.string(item["filter"], f"{path}.filter") if item.get("filter") is not None else None,
+        transform=transform,
+        message_grouping=r.boolean(item.get("message_grouping", True), f"{path}.message_grouping"),
+        message_kind=kind,
+        max_retry_count=None if retry is None else r.integer(retry, f"{path}.max_retry_count", 0),
+        initial_backfill=item.get("initial_backfill", False),
+    )
+
+
+def parse_config(data: Any, source: str = DEFAULT_CONFIG_PATH, environ: dict[str, str] | None = None) -> SequinConfig:
+    """Validate a parsed YAML document and return the typed config."""
+    r = _Reader(source, environ)
+    top = r.mapping(data, "", {"databases", "store", "sinks", "stream"}, {"databases"})
+    raw_dbs = top["databases"]
+    if not isinstance(raw_dbs, list) or not raw_dbs:
+        raise r.fail("databases", "expected a non-empty list")
+    databases: list[DatabaseConfig] = []
+    for i, raw in enumerate(raw_dbs):
+        p = f"databases[{i}]"
+        item = r.mapping(raw, p, {"name", "dsn", "conn_id", "slot", "publication", "heartbeat_interval"}, {"name"})
+        dsn = r.connection(item, p)
+        if dsn is None:
+            raise r.fail(p, "needs dsn or conn_id")
+        slot = r.mapping(item.get("slot") or {}, f"{p}.slot", {"name", "create_if_not_exists"})
+        pub = r.mapping(item.get("publication") or {}, f"{p}.publication", {"name", "create_if_not_exists"})
+        databases.append(DatabaseConfig(
+            name=r.identifier(item["name"], f"{p}.name"),
+            dsn=dsn,
+            slot=SlotConfig(r.identifier(slot.get("name", "sequin_slot"), f"{p}.slot.name"),
+                            r.boolean(slot.get("create_if_not_exists", True), f"{p}.slot.create_if_not_exists")),
+            publication=PublicationConfig(
+                r.identifier(pub.get("name", "sequin_pub"), f"{p}.publication.name"),
+                r.boolean(pub.get("create_if_not_exists", True), f"{p}.publication.create_if_not_exists")),
+            heartbeat_interval=r.duration(item.get("heartbeat_interval", "15s"), f"{p}.heartbeat_interval"),
+        ))
+    names = [d.name for d in databases]
+    if len(set(names)) != len(names):
+        raise r.fail("databases", "database names must be unique")
+    store_raw = r.mapping(top.get("store") or {}, "store", {"dsn", "conn_id", "schema"})
+    store = StoreConfig(dsn=r.connection(store_raw, "store"),
+                        schema=r.identifier(store_raw.get("schema", "sequin"), "store.schema"))
+    raw_sinks = top.get("sinks") or []
+    if not isinstance(raw_sinks, list):
+        raise r.fail("sinks", "expected a list")
+    sinks = tuple(_parse_sink(r, s, f"sinks[{i}]", set(names)) for i, s in enumerate(raw_sinks))
+    sink_names = [s.name for s in sinks]
+    if len(set(sink_names)) != len(sink_names):
+        raise r.fail("sinks", "sink names must be unique")
+    stream_raw = r.mapping(top.get("stream") or {}, "stream",
+                           {"checkpoint_location", "max_batch_rows", "max_batch_bytes", "max_batch_wait",
+                            "store_retry_timeout"})
+    defaults = StreamConfig()
+    stream = StreamConfig(
+        checkpoint_location=r.string(stream_raw.get("checkpoint_location", defaults.checkpoint_location),
+                                     "stream.checkpoint_location"),
+        max_batch_rows=r.integer(stream_raw.get("max_batch_rows", defaults.max_batch_rows), "stream.max_batch_rows", 1),
+        max_batch_bytes=r.integer(stream_raw.get("max_batch_bytes", defaults.max_batch_bytes), "stream.max_batch_bytes", 1024),
+        max_batch_wait=r.duration(stream_raw.get("max_batch_wait", defaults.max_batch_wait), "stream.max_batch_wait"),
+        store_retry_timeout=r.duration(stream_raw.get("store_retry_timeout", defaults.store_retry_timeout),
+                                       "stream.store_retry_timeout"),
+    )
+    return SequinConfig(databases=tuple(databases), sinks=sinks, store=store, stream=stream, source=source)
+
+
+def load_config(path: str | os.PathLike[str] | None = None, environ: dict[str, str] | None = None) -> SequinConfig:
+    """Read and validate the config file (``SEQUIN_CONFIG`` or ``./sequin.yaml`` by default)."""
+    env = os.environ if environ is None else environ
+    file = Path(path or env.get("SEQUIN_CONFIG") or DEFAULT_CONFIG_PATH)
+    source = str(file)
+    if not file.exists():
+        raise ConfigError(source, "", "file not found (set SEQUIN_CONFIG or pass --config)")
+    try:
+        data = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "?"
+        raise ConfigError(source, "", f"malformed YAML at {where}: {getattr(exc, 'problem', exc)}") from None
+    if data is None:
+        raise ConfigError(source, "", "the file is empty")
+    return parse_config(data, source, environ)
+

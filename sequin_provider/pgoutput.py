@@ -1,0 +1,513 @@
+"""pgoutput (protocol version 1) decoder and Postgres text value -> JSON conversion.
+
+The decoder turns the replication payloads of one slot into change rows (``messages.ChangeRow``)
+with the record and changes already rendered as JSON text. Values are rendered straight from
+Postgres' text output, so ``numeric`` keeps every digit and ``json``/``jsonb`` pass through
+untouched. The walsender session must use ``DateStyle=ISO``, ``TimeZone=UTC`` and
+``IntervalStyle=iso_8601`` (``replication.REPLICATION_SESSION_OPTIONS``).
+
+Value mapping (DESIGN §5): int2/4/8, oid -> JSON integers; numeric -> JSON number with every
+digit, ``"NaN"``/``"Infinity"``/``"-Infinity"`` as strings; float4/8 -> JSON numbers, non-finite
+values as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``; bool -> true/false;
+json/jsonb -> the JSON value; timestamptz -> ``2024-01-02T03:04:05.123456Z``; timestamp ->
+``2024-01-02T03:04:05.123456``; timetz -> ``03:04:05+02:00``; date, time as Postgres prints them
+(ISO); ``infinity`` timestamps and BC dates as Postgres prints them; interval -> ISO 8601
+duration (``P1Y2M3DT4H5M6S``); bytea -> ``"\\x0102ff"`` (Postgres hex format); arrays -> nested
+lists with ``null`` elements, elements converted by their type; enum, domain (as its base
+type), uuid, inet, cidr, macaddr, text types and anything else -> the text value as a string.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Callable, Iterable
+
+log = logging.getLogger(__name__)
+
+PG_EPOCH = datetime(2000, 1, 1, tzinfo=timezone.utc)
+_UNPACK_I16 = struct.Struct(">h").unpack_from
+_UNPACK_I32 = struct.Struct(">i").unpack_from
+_UNPACK_U32 = struct.Struct(">I").unpack_from
+_UNPACK_I64 = struct.Struct(">q").unpack_from
+
+UNCHANGED_TOAST = object()
+"""Marker for a TOASTed value that the WAL did not carry because it did not change."""
+
+Converter = Callable[[str], str]
+
+
+def lsn_to_int(lsn: str) -> int:
+    """``'16/B374D848'`` -> integer."""
+    hi, lo = lsn.split("/")
+    return (int(hi, 16) << 32) + int(lo, 16)
+
+
+def int_to_lsn(value: int) -> str:
+    """Integer -> ``'16/B374D848'``."""
+    return f"{value >> 32:X}/{value & 0xFFFFFFFF:X}"
+
+
+def pg_timestamp_to_iso(micros: int) -> str:
+    """Microseconds since 2000-01-01 UTC (the wire format of commit timestamps) -> ISO 8601 UTC."""
+    ts = PG_EPOCH + timedelta(microseconds=micros)
+    return ts.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+# ---------------------------------------------------------------------------------------------
+# Value converters: Postgres text output -> JSON text
+
+
+_json_string = json.JSONEncoder(ensure_ascii=False).encode
+
+
+def as_string(text: str) -> str:
+    """Any value as a JSON string."""
+    return _json_string(text)
+
+
+def as_raw(text: str) -> str:
+    """A value whose text is already JSON (integers, json, jsonb)."""
+    return text
+
+
+def as_bool(text: str) -> str:
+    """``t``/``f`` -> ``true``/``false``."""
+    return "true" if text == "t" else "false"
+
+
+_NON_FINITE = {"NaN": '"NaN"', "Infinity": '"Infinity"', "-Infinity": '"-Infinity"',
+               "inf": '"Infinity"', "-inf": '"-Infinity"', "nan": '"NaN"'}
+
+
+def as_number(text: str) -> str:
+    """numeric/float text -> JSON number, keeping every digit; non-finite values as strings."""
+    special = _NON_FINITE.get(text)
+    return special if special is not None else text
+
+
+def as_timestamptz(text: str) -> str:
+    """``2024-01-02 03:04:05.1+00`` -> ``"2024-01-02T03:04:05.1Z"``; other offsets as ``+hh:mm``."""
+    if not text[:1].isdigit() or text.endswith(" BC"):
+        return _json_string(text)
+    date_time = text.replace(" ", "T", 1)
+    if date_time.endswith("+00"):
+        return f'"{date_time[:-3]}Z"'
+    return _json_string(_iso_offset(date_time, date_time.index("T")))
+
+
+def as_timestamp(text: str) -> str:
+    """``2024-01-02 03:04:05`` -> ``"2024-01-02T03:04:05"``."""
+    if not text[:1].isdigit() or text.endswith(" BC"):
+        return _json_string(text)
+    return f'"{text.replace(" ", "T", 1)}"'
+
+
+def as_timetz(text: str) -> str:
+    """``03:04:05+02`` -> ``"03:04:05+02:00"``."""
+    return _json_string(_iso_offset(text, 0))
+
+
+def _iso_offset(text: str, time_start: int) -> str:
+    """Write the UTC offset that follows the time part (``+hh``) as ``+hh:mm``."""
+    for i in range(time_start, len(text)):
+        if text[i] in "+-":
+            return text + ":00" if len(text) - i == 3 else text
+    return text
+
+
+BUILTIN_CONVERTERS: dict[int, Converter] = {
+    16: as_bool,                      # bool
+    20: as_raw, 21: as_raw, 23: as_raw, 26: as_raw,  # int8, int2, int4, oid
+    700: as_number, 701: as_number,   # float4, float8
+    1700: as_number,                  # numeric
+    114: as_raw, 3802: as_raw,        # json, jsonb
+    1184: as_timestamptz,             # timestamptz
+    1114: as_timestamp,               # timestamp
+    1266: as_timetz,                  # timetz
+}
+
+# Array type OID -> element type OID, for the built-in array types (others come from the catalog).
+BUILTIN_ARRAYS: dict[int, int] = {
+    1000: 16, 1001: 17, 1002: 18, 1003: 19, 1005: 21, 1007: 23, 1016: 20, 1009: 25, 1014: 1042,
+    1015: 1043, 1021: 700, 1022: 701, 1231: 1700, 2951: 2950, 199: 114, 3807: 3802, 1182: 1082,
+    1183: 1083, 1115: 1114, 1185: 1184, 1187: 1186, 1270: 1266, 1041: 869, 651: 650, 1040: 829,
+    775: 774, 1028: 26, 143: 142, 791: 790, 1561: 1560, 1563: 1562,
+}
+
+
+def parse_array_literal(text: str, delimiter: str = ",") -> list[object]:
+    """Parse Postgres array output (``{1,NULL,"a b",{2,3}}``) into nested lists of str/None."""
+    if text.startswith("["):  # explicit bounds: [0:2]={...}
+        text = text[text.index("=") + 1:]
+    pos = 0
+    length = len(text)
+
+    def parse_level() -> list[object]:
+        nonlocal pos
+        assert text[pos] == "{", f"malformed array literal at {pos}: {text!r}"
+        pos += 1
+        items: list[object] = []
+        if text[pos] == "}":
+            pos += 1
+            return items
+        while True:
+            ch = text[pos]
+            if ch == "{":
+                items.append(parse_level())
+            elif ch == '"':
+                pos += 1
+                chunk: list[str] = []
+                while text[pos] != '"':
+                    if text[pos] == "\\":
+                        pos += 1
+                    chunk.append(text[pos])
+                    pos += 1
+                pos += 1
+                items.append("".join(chunk))
+            else:
+                start = pos
+                while pos < length and text[pos] != delimiter and text[pos] != "}":
+                    pos += 1
+                token = text[start:pos].strip()
+                items.append(None if token == "NULL" else token)
+            if text[pos] == delimiter:
+                pos += 1
+                continue
+            if text[pos] == "}":
+                pos += 1
+                return items
+            raise ValueError(f"malformed array literal at {pos}: {text!r}")
+
+    return parse_level()
+
+
+def array_converter(element: Converter, delimiter: str = ",") -> Converter:
+    """Converter for an array whose elements use ``element``."""
+
+    def render(value: object) -> str:
+        if value is None:
+            return "null"
+        if isinstance(value, list):
+            return "[" + ",".join(render(v) for v in value) + "]"
+        return element(value)  # type: ignore[arg-type]
+
+    def convert(text: str) -> str:
+        return render(parse_array_literal(text, delimiter))
+
+    return convert
+
+
+@dataclass(frozen=True)
+class TypeInfo:
+    """What the catalog says about a type OID (``pg_type``)."""
+
+    oid: int
+    name: str
+    typtype: str          # b base, d domain, e enum, c composite, r range, m multirange, p pseudo
+    category: str         # A array, ...
+    element: int          # typelem for arrays
+    base: int             # typbasetype for domains
+    delimiter: str = ","
+
+
+class TypeRegistry:
+    """Maps type OIDs to converters; unknown OIDs are looked up once in the catalog."""
+
+    def __init__(self, lookup: Callable[[int], TypeInfo | None] | None = None) -> None:
+        self._lookup = lookup
+        self._cache: dict[int, Converter] = {}
+
+    def converter(self, oid: int, _depth: int = 0) -> Converter:
+        """The JSON converter of type ``oid`` (text fallback for anything unknown)."""
+        cached = self._cache.get(oid)
+        if cached is not None:
+            return cached
+        conv = BUILTIN_CONVERTERS.get(oid)
+        if conv is None and oid in BUILTIN_ARRAYS:
+            conv = array_converter(self.converter(BUILTIN_ARRAYS[oid], _depth + 1))
+        if conv is None and self._lookup is not None and _depth < 8 and oid not in _KNOWN_TEXT_TYPES:
+            info = self._lookup(oid)
+            if info is not None:
+                if info.typtype == "d" and info.base:
+                    conv = self.converter(info.base, _depth + 1)
+                elif info.category == "A" and info.element:
+                    conv = array_converter(self.converter(info.element, _depth + 1), info.delimiter)
+        if conv is None:
+            conv = as_string
+        self._cache[oid] = conv
+        return conv
+
+
+_KNOWN_TEXT_TYPES = frozenset({17, 18, 19, 25, 142, 650, 774, 790, 829, 869, 1042, 1043, 1082, 1083, 1186,
+                               1560, 1562, 2950})
+
+
+# ---------------------------------------------------------------------------------------------
+# Protocol messages
+
+
+@dataclass
+class Relation:
+    """A table as announced by a Relation message, with precomputed rendering."""
+
+    oid: int
+    schema: str
+    name: str
+    replica_identity: str
+    columns: list[str]
+    type_oids: list[int]
+    key_flags: list[bool]
+    primary_key: list[str]
+    converters: list[Converter] = field(default_factory=list)
+    prefixes: list[str] = field(default_factory=list)
+    pk_positions: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LogicalMessage:
+    """A ``pg_logical_emit_message`` payload."""
+
+    transactional: bool
+    lsn: int
+    prefix: str
+    content: bytes
+
+
+@dataclass(frozen=True)
+class Begin:
+    """Start of a transaction: its commit LSN and commit time are known here."""
+
+    final_lsn: int
+    commit_ts: int
+    xid: int
+
+
+@dataclass(frozen=True)
+class Commit:
+    """End of a transaction; ``end_lsn`` is where the next one starts (used for offsets)."""
+
+    commit_lsn: int
+    end_lsn: int
+    commit_ts: int
+
+
+@dataclass(frozen=True)
+class Truncate:
+    """TRUNCATE of one or more captured tables (not delivered as messages; see README)."""
+
+    relations: tuple[str, ...]
+
+
+ChangeRow = tuple
+"""(commit_lsn, commit_idx, commit_timestamp, xid, table_schema, table_name, action, record,
+changes, record_pks, unchanged_toast) — the columns of ``messages.CHANGE_SCHEMA``."""
+
+
+class DecodeError(ValueError):
+    """A payload that is not valid pgoutput (or refers to an unknown relation)."""
+
+
+class PgOutputDecoder:
+    """Stateful decoder of one replication stream.
+
+    ``decode(payload)`` returns a ``ChangeRow`` for Insert/Update/Delete, a ``Begin``/``Commit``/
+    ``LogicalMessage``/``Truncate`` object for those, and None for Relation/Type/Origin.
+    ``primary_key(relid, schema, name)`` tells the primary-key columns of a table (catalog).
+    """
+
+    def __init__(self, types: TypeRegistry, primary_key: Callable[[int, str, str], list[str]] | None = None) -> None:
+        self.types = types
+        self._primary_key = primary_key
+        self.relations: dict[int, Relation] = {}
+        self.commit_lsn = 0
+        self.commit_ts_iso = ""
+        self.xid = 0
+        self.idx = 0
+
+    # -- framing --------------------------------------------------------------------------
+    def decode(self, buf: bytes) -> object:
+        """Decode one pgoutput message."""
+        if not buf:
+            raise DecodeError("empty pgoutput message")
+        kind = buf[0]
+        try:
+            if kind == 73:  # I
+                return self._insert(buf)
+            if kind == 85:  # U
+                return self._update(buf)
+            if kind == 68:  # D
+                return self._delete(buf)
+            if kind == 66:  # B
+                final_lsn, ts, xid = _UNPACK_I64(buf, 1)[0], _UNPACK_I64(buf, 9)[0], _UNPACK_U32(buf, 17)[0]
+                self.commit_lsn, self.xid, self.idx = final_lsn, xid, 0
+                self.commit_ts_iso = pg_timestamp_to_iso(ts)
+                return Begin(final_lsn, ts, xid)
+            if kind == 67:  # C
+                return Commit(_UNPACK_I64(buf, 2)[0], _UNPACK_I64(buf, 10)[0], _UNPACK_I64(buf, 18)[0])
+            if kind == 82:  # R
+                self._relation(buf)
+                return None
+            if kind == 77:  # M
+                return self._message(buf)
+            if kind == 84:  # T
+                return self._truncate(buf)
+            if kind in (89, 79):  # Y (type), O (origin)
+                return None
+        except (struct.error, IndexError, UnicodeDecodeError) as exc:
+            raise DecodeError(f"truncated or malformed pgoutput message {chr(kind)!r}: {exc}") from exc
+        raise DecodeError(f"unknown pgoutput message type {chr(kind)!r}")
+
+    # -- catalog messages -------------------------------------------------------------------
+    def _relation(self, buf: bytes) -> None:
+        relid = _UNPACK_U32(buf, 1)[0]
+        pos = 5
+        schema, pos = _cstring(buf, pos)
+        name, pos = _cstring(buf, pos)
+        replident = chr(buf[pos])
+        ncols = _UNPACK_I16(buf, pos + 1)[0]
+        pos += 3
+        columns, oids, keys = [], [], []
+        for _ in range(ncols):
+            flags = buf[pos]
+            col, pos = _cstring(buf, pos + 1)
+            oids.append(_UNPACK_U32(buf, pos)[0])
+            pos += 8  # type oid + typmod
+            columns.append(col)
+            keys.append(bool(flags & 1))
+        pk = self._primary_key(relid, schema, name) if self._primary_key else []
+        if not pk:
+            pk = [c for c, k in zip(columns, keys) if k]
+        rel = Relation(relid, schema, name, replident, columns, oids, keys, pk)
+        rel.converters = [self.types.converter(o) for o in oids]
+        rel.prefixes = [_json_string(c) + ":" for c in columns]
+        rel.pk_positions = [columns.index(c) for c in pk if c in columns]
+        self.relations[relid] = rel
+
+    def _rel(self, buf: bytes) -> Relation:
+        relid = _UNPACK_U32(buf, 1)[0]
+        rel = self.relations.get(relid)
+        if rel is None:
+            raise DecodeError(f"change for relation {relid} before its Relation message")
+        return rel
+
+    # -- tuples -----------------------------------------------------------------------------
+    @staticmethod
+    def _tuple(buf: bytes, pos: int) -> tuple[list[object], int]:
+        n = _UNPACK_I16(buf, pos)[0]
+        pos += 2
+        values: list[object] = []
+        append = values.append
+        for _ in range(n):
+            kind = buf[pos]
+            pos += 1
+            if kind == 116 or kind == 98:  # 't' text / 'b' binary
+                length = _UNPACK_I32(buf, pos)[0]
+                pos += 4
+                append(buf[pos:pos + length].decode("utf-8"))
+                pos += length
+            elif kind == 110:  # 'n' null
+                append(None)
+            elif kind == 117:  # 'u' unchanged toast
+                append(UNCHANGED_TOAST)
+            else:
+                raise DecodeError(f"unknown tuple value kind {chr(kind)!r}")
+        return values, pos
+
+    def _render(self, rel: Relation, values: list[object], only: Iterable[int] | None = None,
+                fill: list[object] | None = None) -> tuple[str, list[str]]:
+        """Record JSON of ``values``; unchanged TOAST filled from ``fill`` or reported."""
+        parts: list[str] = []
+        missing: list[str] = []
+        convs, prefixes = rel.converters, rel.prefixes
+        for i in (range(len(values)) if only is None else only):
+            v = values[i]
+            if v is UNCHANGED_TOAST and fill is not None and i < len(fill) and fill[i] is not UNCHANGED_TOAST:
+                v = fill[i]
+            if v is None:
+                parts.append(prefixes[i] + "null")
+            elif v is UNCHANGED_TOAST:
+                missing.append(rel.columns[i])
+            else:
+                parts.append(prefixes[i] + convs[i](v))  # type: ignore[arg-type]
+        return "{" + ",".join(parts) + "}", missing
+
+    def _pks(self, rel: Relation, values: list[object]) -> list[str]:
+        return [str(values[i]) for i in rel.pk_positions if values[i] is not None and values[i] is not UNCHANGED_TOAST]
+
+    def _row(self, rel: Relation, action: str, record: str, changes: str | None, pks: list[str],
+             missing: list[str]) -> ChangeRow:
+        idx = self.idx
+        self.idx += 1
+        return (self.commit_lsn, idx, self.commit_ts_iso, self.xid, rel.schema, rel.name, action,
+                record, changes, pks, missing)
+
+    def _insert(self, buf: bytes) -> ChangeRow:
+        rel = self._rel(buf)
+        values, _ = self._tuple(buf, 6)  # 'N' at 5
+        record, missing = self._render(rel, values)
+        return self._row(rel, "insert", record, None, self._pks(rel, values), missing)
+
+    def _update(self, buf: bytes) -> ChangeRow:
+        rel = self._rel(buf)
+        pos = 5
+        old: list[object] | None = None
+        old_kind = buf[pos]
+        if old_kind in (75, 79):  # 'K' key / 'O' old
+            old, pos = self._tuple(buf, pos + 1)
+        new, _ = self._tuple(buf, pos + 1)  # 'N'
+        record, missing = self._render(rel, new, fill=old)
+        if old is None:
+            changes = "{}"
+        else:
+            changed = []
+            for i, (o, n) in enumerate(zip(old, new)):
+                if o is UNCHANGED_TOAST or n is UNCHANGED_TOAST:
+                    continue
+                if old_kind == 75 and not rel.key_flags[i]:
+                    continue  # a key tuple carries only the replica identity columns
+                if o != n:
+                    changed.append(i)
+            changes, _ = self._render(rel, old, only=changed)
+        return self._row(rel, "update", record, changes, self._pks(rel, new), missing)
+
+    def _delete(self, buf: bytes) -> ChangeRow:
+        rel = self._rel(buf)
+        old_kind = buf[5]
+        old, _ = self._tuple(buf, 6)
+        if old_kind == 75:  # key only: the record carries the replica identity columns
+            record, missing = self._render(rel, old, only=[i for i, k in enumerate(rel.key_flags) if k])
+        else:
+            record, missing = self._render(rel, old)
+        return self._row(rel, "delete", record, None, self._pks(rel, old), missing)
+
+    # -- other ------------------------------------------------------------------------------
+    def message_row(self, event: LogicalMessage) -> ChangeRow:
+        """A change row carrying a ``sequin:`` logical message at its place in the transaction."""
+        idx = self.idx
+        self.idx += 1
+        return (self.commit_lsn, idx, self.commit_ts_iso, self.xid, "", event.prefix, "message",
+                event.content.decode("utf-8", "replace"), None, [], [])
+
+    def _message(self, buf: bytes) -> LogicalMessage:
+        transactional = bool(buf[1])
+        lsn = _UNPACK_I64(buf, 2)[0]
+        prefix, pos = _cstring(buf, 10)
+        length = _UNPACK_I32(buf, pos)[0]
+        return LogicalMessage(transactional, lsn, prefix, bytes(buf[pos + 4:pos + 4 + length]))
+
+    def _truncate(self, buf: bytes) -> Truncate:
+        count = _UNPACK_I32(buf, 1)[0]
+        names = []
+        for i in range(count):
+            rel = self.relations.get(_UNPACK_U32(buf, 6 + 4 * i)[0])
+            names.append(f"{rel.schema}.{rel.name}" if rel else "?")
+        return Truncate(tuple(names))
+
+
+def _cstring(buf: bytes, pos: int) -> tuple[str, int]:
+    end = buf.index(0, pos)
+    return bytes(buf[pos:end]).decode("utf-8"), end + 1

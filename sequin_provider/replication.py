@@ -1,0 +1,407 @@
+"""Logical replication: prerequisites, publication and slot management, the change reader, heartbeats.
+
+``ChangeReader`` reads complete transactions from a pgoutput slot starting at an offset (the end
+LSN of the last transaction already taken) and acknowledges the slot only when told to
+(``acknowledge``), which the stream app does once a micro-batch is durable (DESIGN §2.1, §6).
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import psycopg
+import psycopg2
+import psycopg2.extras
+from psycopg import sql
+
+from sequin_provider.config import TableConfig
+from sequin_provider.pgoutput import (
+    Begin,
+    Commit,
+    LogicalMessage,
+    PgOutputDecoder,
+    Truncate,
+    TypeInfo,
+    TypeRegistry,
+    int_to_lsn,
+    lsn_to_int,
+)
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_PREFIX = "sequin:heartbeat"
+MESSAGE_PREFIX = "sequin:"
+# DateStyle/TimeZone/IntervalStyle of the walsender decide the text pgoutput sends (pgoutput.py).
+REPLICATION_SESSION_OPTIONS = "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=iso_8601 -c extra_float_digits=1 -c bytea_output=hex"
+
+
+class ReplicationError(RuntimeError):
+    """A prerequisite or slot problem, with an actionable message."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Prerequisites, publication, slot
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    """Catalog facts about a captured table."""
+
+    qualified: str
+    oid: int
+    primary_key: tuple[str, ...]
+    replica_identity: str  # d default, f full, i index, n nothing
+    columns: tuple[str, ...]
+
+
+def server_version(conn: psycopg.Connection[Any]) -> int:
+    """``server_version_num`` (e.g. 150004)."""
+    return int(conn.execute("SHOW server_version_num").fetchone()[0])  # type: ignore[index]
+
+
+def table_info(conn: psycopg.Connection[Any], table: TableConfig) -> TableInfo | None:
+    """Catalog facts of ``table`` or None when it does not exist."""
+    row = conn.execute(
+        "SELECT c.oid, c.relreplident, c.relkind FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = %s AND c.relname = %s", (table.schema, table.name)).fetchone()
+    if row is None or row[2] not in ("r", "p"):
+        return None
+    oid = int(row[0])
+    return TableInfo(table.qualified, oid, tuple(primary_key_columns(conn, oid)), str(row[1]),
+                     tuple(r[0] for r in conn.execute(
+                         "SELECT attname FROM pg_attribute WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped"
+                         " ORDER BY attnum", (oid,)).fetchall()))
+
+
+def primary_key_columns(conn: psycopg.Connection[Any], relid: int) -> list[str]:
+    """Primary key columns of a table, in key order."""
+    rows = conn.execute(
+        "SELECT a.attname FROM pg_index i CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)"
+        " JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum"
+        " WHERE i.indrelid = %s AND i.indisprimary ORDER BY k.ord", (relid,)).fetchall()
+    return [r[0] for r in rows]
+
+
+def check_prerequisites(conn: psycopg.Connection[Any], tables: Iterable[TableConfig]) -> tuple[list[str], list[str], dict[str, TableInfo]]:
+    """(errors, warnings, table infos): everything that must hold before a slot is created."""
+    errors: list[str] = []
+    warnings: list[str] = []
+    infos: dict[str, TableInfo] = {}
+    version = server_version(conn)
+    if version < 120000:
+        errors.append(f"PostgreSQL {version // 10000} is not supported: 12 or newer is required")
+    wal_level = conn.execute("SHOW wal_level").fetchone()[0]  # type: ignore[index]
+    if wal_level != "logical":
+        errors.append(f"wal_level is '{wal_level}', must be 'logical': run ALTER SYSTEM SET wal_level = logical; "
+                      "then restart PostgreSQL")
+    encoding = conn.execute("SHOW server_encoding").fetchone()[0]  # type: ignore[index]
+    if encoding != "UTF8":
+        errors.append(f"server_encoding is {encoding}: only UTF8 databases are supported")
+    for table in tables:
+        info = table_info(conn, table)
+        if info is None:
+            errors.append(f"table {table.qualified} does not exist (or is not a table)")
+            continue
+        infos[table.qualified] = info
+        if not info.primary_key:
+            errors.append(f"table {table.qualified} has no primary key: add one (ALTER TABLE {table.qualified} "
+                          "ADD PRIMARY KEY (...)); messages are grouped and identified by it")
+        for col in table.group_column_names:
+            if col not in info.columns:
+                errors.append(f"table {table.qualified} has no column {col!r} (group_column_names)")
+        if info.replica_identity == "n":
+            errors.append(f"table {table.qualified} has REPLICA IDENTITY NOTHING: updates and deletes cannot be "
+                          f"captured; run ALTER TABLE {table.qualified} REPLICA IDENTITY DEFAULT (or FULL)")
+        elif info.replica_identity != "f":
+            warnings.append(f"table {table.qualified} has REPLICA IDENTITY {'DEFAULT' if info.replica_identity == 'd' else 'USING INDEX'}: "
+                            "updates carry changes = {} and deletes carry only the key; run ALTER TABLE "
+                            f"{table.qualified} REPLICA IDENTITY FULL for old values")
+    return errors, warnings, infos
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """A replication slot's position and state."""
+
+    name: str
+    plugin: str
+    database: str
+    active: bool
+    active_pid: int | None
+    confirmed_flush_lsn: int | None
+    restart_lsn: int | None
+    lag_bytes: int | None
+    retained_bytes: int | None
+
+
+def slot_info(conn: psycopg.Connection[Any], name: str) -> SlotInfo | None:
+    """State of slot ``name`` or None."""
+    row = conn.execute(
+        "SELECT slot_name, plugin, database, active, active_pid, confirmed_flush_lsn::text, restart_lsn::text,"
+        " pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint,"
+        " pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint"
+        " FROM pg_replication_slots WHERE slot_name = %s", (name,)).fetchone()
+    if row is None:
+        return None
+    return SlotInfo(row[0], row[1] or "", row[2] or "", bool(row[3]), row[4],
+                    lsn_to_int(row[5]) if row[5] else None, lsn_to_int(row[6]) if row[6] else None,
+                    None if row[7] is None else int(row[7]), None if row[8] is None else int(row[8]))
+
+
+def check_slot_usable(conn: psycopg.Connection[Any], name: str) -> SlotInfo | None:
+    """Raise when slot ``name`` exists but cannot be ours (other plugin, database, or in use)."""
+    info = slot_info(conn, name)
+    if info is None:
+        return None
+    dbname = conn.info.dbname
+    if info.plugin != "pgoutput":
+        raise ReplicationError(f"slot {name!r} uses plugin {info.plugin!r}, not pgoutput: pick another slot name")
+    if info.database != dbname:
+        raise ReplicationError(f"slot {name!r} belongs to database {info.database!r}, not {dbname!r}")
+    if info.active:
+        raise ReplicationError(f"slot {name!r} is in use by another consumer (walsender pid {info.active_pid}); "
+                               "stop it, or configure another slot name")
+    return info
+
+
+def ensure_publication(conn: psycopg.Connection[Any], name: str, tables: list[TableConfig], create: bool) -> bool:
+    """Make sure publication ``name`` covers ``tables``; return True when it was created now."""
+    exists = conn.execute("SELECT puballtables FROM pg_publication WHERE pubname = %s", (name,)).fetchone()
+    if exists is None:
+        if not create:
+            raise ReplicationError(f"publication {name!r} does not exist and create_if_not_exists is false: "
+                                   f"CREATE PUBLICATION {name} FOR TABLE ...")
+        conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
+            sql.Identifier(name), sql.SQL(", ").join(sql.Identifier(t.schema, t.name) for t in tables)))
+        return True
+    if exists[0]:
+        return False
+    present = {f"{s}.{t}" for s, t in conn.execute(
+        "SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s", (name,)).fetchall()}
+    missing = [t for t in tables if t.qualified not in present]
+    if missing:
+        if not create:
+            raise ReplicationError(f"publication {name!r} lacks {', '.join(t.qualified for t in missing)}")
+        conn.execute(sql.SQL("ALTER PUBLICATION {} ADD TABLE {}").format(
+            sql.Identifier(name), sql.SQL(", ").join(sql.Identifier(t.schema, t.name) for t in missing)))
+    return False
+
+
+def create_slot(conn: psycopg.Connection[Any], name: str) -> int:
+    """Create logical slot ``name`` (pgoutput); return its confirmed flush LSN."""
+    row = conn.execute("SELECT lsn::text FROM pg_create_logical_replication_slot(%s, 'pgoutput')", (name,)).fetchone()
+    return lsn_to_int(row[0])  # type: ignore[index]
+
+
+def emit_heartbeat(conn: psycopg.Connection[Any], version: int, content: str = "") -> None:
+    """Write a transactional heartbeat into the WAL so an idle database's slot can advance.
+
+    PG 14+: a logical message. Below: an upsert into ``sequin_heartbeat`` (in the publication).
+    """
+    if version >= 140000:
+        conn.execute("SELECT pg_logical_emit_message(true, %s, %s)", (HEARTBEAT_PREFIX, content or "{}"))
+    else:
+        conn.execute("INSERT INTO public.sequin_heartbeat (id, beat_at) VALUES (1, now())"
+                     " ON CONFLICT (id) DO UPDATE SET beat_at = now()")
+    conn.commit()
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+class _Catalog:
+    """Type and primary-key lookups over a normal connection, for the decoder."""
+
+    def __init__(self, dsn: str) -> None:
+        self.conn = psycopg.connect(dsn, autocommit=True)
+
+    def type_info(self, oid: int) -> TypeInfo | None:
+        row = self.conn.execute(
+            "SELECT oid, typname, typtype, typcategory, typelem, typbasetype, typdelim FROM pg_type WHERE oid = %s",
+            (oid,)).fetchone()
+        if row is None:
+            return None
+        return TypeInfo(int(row[0]), row[1], row[2], row[3], int(row[4]), int(row[5]), row[6])
+
+    def primary_key(self, relid: int, schema: str, name: str) -> list[str]:
+        return primary_key_columns(self.conn, relid)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+@dataclass
+class ReadResult:
+    """Complete transactions read: their change rows, logical messages and the new offset."""
+
+    rows: list[tuple] = field(default_factory=list)
+    end_lsn: int = 0
+    transactions: int = 0
+    bytes: int = 0
+    truncates: list[Truncate] = field(default_factory=list)
+
+
+class ChangeReader:
+    """Reads whole transactions from a logical slot (pgoutput) and acknowledges on demand.
+
+    Offsets are the end LSN of the last complete transaction returned: starting replication there
+    skips exactly the transactions already taken. The slot moves only in ``acknowledge``.
+    """
+
+    def __init__(self, dsn: str, slot: str, publication: str) -> None:
+        self.dsn = dsn
+        self.slot = slot
+        self.publication = publication
+        self._conn: Any = None
+        self._cur: Any = None
+        self._catalog: _Catalog | None = None
+        self._decoder: PgOutputDecoder | None = None
+        self.position: int | None = None  # end LSN of the last complete transaction handed out
+        self._pending: list[tuple] = []
+        self._pending_bytes = 0
+        self._in_txn = False
+        self._version = 0
+
+    # -- connection -------------------------------------------------------------------------
+    def open(self, start_lsn: int, attempts: int = 30) -> None:
+        """(Re)start replication at ``start_lsn``, retrying while a previous walsender lets go of the slot."""
+        self.close()
+        self._catalog = _Catalog(self.dsn)
+        self._version = server_version(self._catalog.conn)
+        self._decoder = PgOutputDecoder(TypeRegistry(self._catalog.type_info), self._catalog.primary_key)
+        options = {"proto_version": "1", "publication_names": self.publication}
+        if self._version >= 140000:
+            options["messages"] = "true"
+        last: Exception | None = None
+        for attempt in range(attempts):
+            try:
+                self._conn = psycopg2.connect(self.dsn, connection_factory=psycopg2.extras.LogicalReplicationConnection,
+                                              options=REPLICATION_SESSION_OPTIONS)
+                self._cur = self._conn.cursor()
+                self._cur.start_replication(slot_name=self.slot, decode=False, start_lsn=int_to_lsn(start_lsn),
+                                            options=options, status_interval=10)
+                break
+            except psycopg2.Error as exc:
+                last = exc
+                self._close_replication()
+                text = str(exc)
+                if "does not exist" in text:
+                    raise ReplicationError(f"replication slot {self.slot!r} does not exist: run `sequin init`") from exc
+                if "is active" not in text:
+                    raise ReplicationError(f"cannot start replication on slot {self.slot!r}: {text.strip()}") from exc
+                time.sleep(min(0.2 * (attempt + 1), 2.0))
+        else:
+            raise ReplicationError(f"slot {self.slot!r} stays in use by another consumer: {last}")
+        self.position = start_lsn
+        self._pending, self._pending_bytes, self._in_txn = [], 0, False
+
+    def _close_replication(self) -> None:
+        for obj in (self._cur, self._conn):
+            try:
+                if obj is not None:
+                    obj.close()
+            except Exception:  # noqa: BLE001 - closing a broken connection
+                pass
+        self._cur = self._conn = None
+
+    def close(self) -> None:
+        """Close the replication and catalog connections (safe to call twice)."""
+        self._close_replication()
+        if self._catalog is not None:
+            try:
+                self._catalog.close()
+            except Exception:  # noqa: BLE001
+                pass
+            self._catalog = None
+
+    @property
+    def is_open(self) -> bool:
+        """True while a replication connection is streaming."""
+        return self._conn is not None and not self._conn.closed
+
+    # -- reading ----------------------------------------------------------------------------
+    def read(self, max_rows: int, max_bytes: int, max_wait: float, stop_at: int | None = None,
+             timeout: float = 600.0) -> ReadResult:
+        """Read complete transactions.
+
+        Without ``stop_at``: return after ``max_wait`` seconds, or at the first transaction
+        boundary after ``max_rows``/``max_bytes``. With ``stop_at`` (recovery): read exactly up
+        to the transaction whose end LSN is ``stop_at``, waiting up to ``timeout`` seconds.
+        """
+        assert self._cur is not None and self._decoder is not None, "open() first"
+        result = ReadResult(end_lsn=self.position or 0)
+        decoder, cur = self._decoder, self._cur
+        deadline = time.monotonic() + (timeout if stop_at is not None else max_wait)
+        if stop_at is not None and stop_at == self.position:
+            return result
+        while True:
+            msg = cur.read_message()
+            if msg is None:
+                now = time.monotonic()
+                if now >= deadline:
+                    if stop_at is not None:
+                        raise ReplicationError(f"timed out re-reading up to {int_to_lsn(stop_at)}")
+                    return result
+                select.select([self._conn], [], [], min(deadline - now, 1.0))
+                continue
+            payload = msg.payload
+            event = decoder.decode(payload)
+            if type(event) is tuple:
+                self._pending.append(event)
+                self._pending_bytes += len(payload)
+                continue
+            if isinstance(event, Begin):
+                self._in_txn = True
+            elif isinstance(event, Commit):
+                self._in_txn = False
+                if stop_at is not None and event.end_lsn > stop_at:
+                    raise ReplicationError(f"re-read passed the recorded offset {int_to_lsn(stop_at)} "
+                                           f"(transaction ending at {int_to_lsn(event.end_lsn)})")
+                result.rows.extend(self._pending)
+                result.bytes += self._pending_bytes
+                result.transactions += 1
+                self._pending, self._pending_bytes = [], 0
+                result.end_lsn = self.position = event.end_lsn
+                if stop_at is not None:
+                    if event.end_lsn == stop_at:
+                        return result
+                elif len(result.rows) >= max_rows or result.bytes >= max_bytes or time.monotonic() >= deadline:
+                    return result
+            elif isinstance(event, LogicalMessage):
+                if event.transactional and event.prefix.startswith(MESSAGE_PREFIX) and event.prefix != HEARTBEAT_PREFIX:
+                    self._pending.append(decoder.message_row(event))
+            elif isinstance(event, Truncate):
+                log.warning("TRUNCATE of %s is not delivered as messages (see README: Truncate)", ", ".join(event.relations))
+                result.truncates.append(event)
+
+    def heartbeat(self) -> None:
+        """Emit a heartbeat through the reader's normal connection to the source."""
+        if self._catalog is not None:
+            emit_heartbeat(self._catalog.conn, self._version)
+
+    def acknowledge(self, lsn: int) -> None:
+        """Tell the server everything up to ``lsn`` is durable; the slot may release it."""
+        if self._cur is None:
+            raise ReplicationError("acknowledge() without an open replication connection")
+        self._cur.send_feedback(write_lsn=lsn, flush_lsn=lsn, apply_lsn=lsn, force=True)
+
+    @property
+    def server_version(self) -> int:
+        """Server version of the source (after ``open``)."""
+        return self._version
+
+
+def confirmed_flush_lsn(dsn: str, slot: str) -> int:
+    """The slot's confirmed flush LSN (where a new stream starts)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        info = slot_info(conn, slot)
+    if info is None:
+        raise ReplicationError(f"replication slot {slot!r} does not exist: run `sequin init`")
+    if info.confirmed_flush_lsn is None:
+        raise ReplicationError(f"replication slot {slot!r} has no confirmed position (is it a logical slot?)")
+    return info.confirmed_flush_lsn

@@ -1,0 +1,65 @@
+"""Sequin Stream sink: messages become durable rows of the store's stream table (DESIGN §9).
+
+Writes are idempotent on (sink, idempotency key), so a micro-batch replayed after a crash adds
+nothing. A store that cannot be reached is retried with backoff for ``retry_timeout`` seconds;
+until then the batch is not complete and the slot does not advance (DESIGN §2.1).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Iterable
+
+import psycopg
+
+from sequin_provider import store
+from sequin_provider.store import StreamRow
+
+log = logging.getLogger(__name__)
+
+
+class StoreUnavailableError(RuntimeError):
+    """The store stayed unreachable for longer than the retry budget."""
+
+
+class SequinStreamSink:
+    """Writes stream messages of any number of sinks to the store, one transaction per call."""
+
+    def __init__(self, dsn: str, schema: str, retry_timeout: float = 300.0) -> None:
+        self.dsn = dsn
+        self.schema = schema
+        self.retry_timeout = retry_timeout
+        self._conn: psycopg.Connection[Any] | None = None
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(self.dsn, connect_timeout=5)
+        return self._conn
+
+    def write(self, rows: Iterable[StreamRow]) -> int:
+        """Durably write ``rows``; return how many were new. Retries while the store is down."""
+        batch = list(rows)
+        if not batch:
+            return 0
+        deadline = time.monotonic() + self.retry_timeout
+        delay = 0.2
+        while True:
+            try:
+                return store.insert_stream_messages(self._connection(), self.schema, batch)
+            except psycopg.OperationalError as exc:
+                self.close()
+                if time.monotonic() + delay > deadline:
+                    raise StoreUnavailableError(f"store unreachable for {self.retry_timeout:.0f}s: {exc}") from exc
+                log.warning("store unreachable (%s); retrying in %.1fs", str(exc).strip(), delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def close(self) -> None:
+        """Close the store connection."""
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except Exception:  # noqa: BLE001
+                pass
+            self._conn = None

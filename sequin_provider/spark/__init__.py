@@ -1,0 +1,1 @@
+"""Spark glue: the replication data source and the micro-batch pipeline. Never imports Airflow."""

@@ -1,0 +1,109 @@
+"""The replication stream app: provision, then run the Structured Streaming query until stopped."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from sequin_provider import store
+from sequin_provider.config import ConfigError, load_config
+from sequin_provider.provisioning import initialize
+from sequin_provider.replication import ReplicationError
+
+log = logging.getLogger("sequin.stream")
+
+
+def spark_session(app_name: str, master: str | None = None) -> Any:
+    """A SparkSession tuned for the stream app (small shuffles, quiet logs)."""
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.appName(app_name)
+    if master:
+        builder = builder.master(master)
+    elif "spark.master" not in os.environ.get("SPARK_SUBMIT_OPTS", "") and not os.environ.get("SPARK_MASTER"):
+        builder = builder.config("spark.master", os.environ.get("SEQUIN_SPARK_MASTER", "local[2]"))
+    builder = (builder.config("spark.sql.shuffle.partitions", "2")
+               .config("spark.ui.enabled", os.environ.get("SEQUIN_SPARK_UI", "false"))
+               .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+               .config("spark.sql.streaming.noDataMicroBatches.enabled", "false"))
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel(os.environ.get("SEQUIN_SPARK_LOG_LEVEL", "WARN"))
+    return spark
+
+
+def run_stream_app(config_path: str | None, database: str | None, checkpoint: str | None,
+                   master: str | None = None) -> int:
+    """Run the stream app for one database; returns the process exit code."""
+    logging.basicConfig(level=os.environ.get("SEQUIN_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        path = str(Path(config_path or os.environ.get("SEQUIN_CONFIG") or "sequin.yaml").absolute())
+        config = load_config(path)
+        db = config.database(database)
+        report = initialize(config, db.name)
+    except (ConfigError, ReplicationError) as exc:
+        log.error("%s", exc)
+        return 2
+    for line in report.created:
+        log.info("created %s", line)
+    for line in report.warnings:
+        log.warning("%s", line)
+
+    from sequin_provider.spark.pipeline import Pipeline
+    from sequin_provider.spark.source import SequinReplicationDataSource
+
+    spark = spark_session(f"sequin-replication-{db.name}", master)
+    spark.dataSource.register(SequinReplicationDataSource)
+    pipeline = Pipeline(config, db.name)
+    try:
+        pipeline.validate(spark)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    checkpoint_dir = checkpoint or str(Path(config.stream.checkpoint_location) / db.name)
+    with psycopg.connect(config.store_dsn(db.name)) as conn:
+        store.update_status(conn, config.store.schema, db.name, slot=db.slot.name,
+                            app_started_at=datetime.now(timezone.utc), last_error=None)
+
+    changes = (spark.readStream.format("sequin_replication")
+               .option("config", path).option("database", db.name).load())
+    query = (changes.writeStream.foreachBatch(pipeline)
+             .option("checkpointLocation", checkpoint_dir)
+             .queryName(f"sequin_{db.name}")
+             .start())
+    stopping = threading.Event()
+
+    def stop(signum: int, _frame: Any) -> None:
+        log.info("signal %d: stopping the stream query", signum)
+        stopping.set()
+        threading.Thread(target=query.stop, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    log.info("streaming database %r from slot %r (checkpoint %s)", db.name, db.slot.name, checkpoint_dir)
+    try:
+        query.awaitTermination()
+    except Exception as exc:  # noqa: BLE001 - StreamingQueryException carries the batch's error
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        log.error("stream query failed: %s", message)
+        _record_error(config, db.name, message)
+        return 1
+    finally:
+        pipeline.close()
+    return 0 if stopping.is_set() else 1
+
+
+def _record_error(config: Any, database: str, message: str) -> None:
+    try:
+        with psycopg.connect(config.store_dsn(database), connect_timeout=5) as conn:
+            store.update_status(conn, config.store.schema, database, last_error=message[:2000])
+    except Exception:  # noqa: BLE001 - the store may be the reason we failed
+        pass

@@ -1,0 +1,105 @@
+"""Config parsing: typed values, defaults, and errors naming file, key path and reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sequin_provider.config import ConfigError, dsn_from_airflow_conn, load_config, parse_config, parse_duration
+
+GOOD = """
+databases:
+  - name: app
+    dsn: ${SRC_DSN:-postgresql://postgres@127.0.0.1:5432/app}
+    slot: {name: my_slot}
+    heartbeat_interval: 500ms
+sinks:
+  - name: orders
+    tables: [{name: public.orders, group_column_names: [account_id]}, users]
+    actions: [insert, update]
+    filter: "record.status <> 'draft'"
+    destination: {type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "sequin.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_good_config_is_typed(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, GOOD), environ={})
+    db = config.database()
+    assert db.dsn == "postgresql://postgres@127.0.0.1:5432/app"
+    assert db.slot.name == "my_slot" and db.publication.name == "sequin_pub"
+    assert db.heartbeat_interval == 0.5
+    sink = config.sinks[0]
+    assert [t.qualified for t in sink.tables] == ["public.orders", "public.users"]
+    assert sink.tables[0].group_column_names == ("account_id",)
+    assert sink.actions == ("insert", "update")
+    assert sink.destination.visibility_timeout == 60.0 and sink.destination.max_ack_pending == 5
+    assert sink.database == "app" and sink.message_grouping and sink.message_kind == "change"
+    assert config.store_dsn() == db.dsn and config.store.schema == "sequin"
+    assert sink.consumer_id == load_config(write(tmp_path, GOOD), environ={}).sinks[0].consumer_id
+
+
+def test_env_substitution_and_conn_id(tmp_path: Path) -> None:
+    env = {"SRC_DSN": "postgresql://u@h:1/x"}
+    assert load_config(write(tmp_path, GOOD), environ=env).database().dsn == "postgresql://u@h:1/x"
+    text = GOOD.replace("dsn: ${SRC_DSN:-postgresql://postgres@127.0.0.1:5432/app}", "conn_id: sequin_source")
+    env = {"AIRFLOW_CONN_SEQUIN_SOURCE": "postgres://bob:p%40ss@db:6543/shop"}
+    assert load_config(write(tmp_path, text), environ=env).database().dsn == "postgresql://bob:p%40ss@db:6543/shop"
+    assert dsn_from_airflow_conn("x", {"AIRFLOW_CONN_X": '{"conn_type": "postgres", "host": "h", "login": "u",'
+                                           ' "password": "p w", "port": 5, "schema": "d"}'}) == "postgresql://u:p%20w@h:5/d"
+
+
+@pytest.mark.parametrize(
+    ("text", "path", "reason"),
+    [
+        ("databases: [ {name: app", "", "malformed YAML at line"),
+        ("", "", "the file is empty"),
+        (GOOD.replace("    slot: {name: my_slot}", "    slot: {name: my_slot, colour: red}"), "databases[0].slot.colour", "unknown key"),
+        (GOOD + "extra: 1\n", "extra", "unknown key"),
+        (GOOD.replace("actions: [insert, update]", "actions: [insert, upsert]"), "sinks[0].actions[1]", "unknown action 'upsert'"),
+        (GOOD.replace("type: sequin_stream", "type: kafka"), "sinks[0].destination.type", "unknown destination type"),
+        (GOOD.replace("heartbeat_interval: 500ms", "heartbeat_interval: soon"), "databases[0].heartbeat_interval", "not a duration"),
+        (GOOD.replace("max_ack_pending: 5", "max_ack_pending: 0"), "sinks[0].destination.max_ack_pending", "must be"),
+        (GOOD.replace("max_ack_pending: 5", "max_ack_pending: true"), "sinks[0].destination.max_ack_pending", "expected an integer"),
+        (GOOD.replace("name: public.orders", "name: a.b.c"), "sinks[0].tables[0].name", "is not a table name"),
+        (GOOD.replace("name: my_slot", "name: 'bad slot'"), "databases[0].slot.name", "not a valid Postgres identifier"),
+        (GOOD.replace("dsn: ${SRC_DSN:-postgresql://postgres@127.0.0.1:5432/app}", "dsn: ${NOPE}"), "databases[0].dsn", "NOPE is not set"),
+        (GOOD.replace("dsn: ${SRC_DSN:-postgresql://postgres@127.0.0.1:5432/app}", "conn_id: missing"), "databases[0].conn_id", "AIRFLOW_CONN_MISSING"),
+        (GOOD.replace("    tables:", "    database: other\n    tables:"), "sinks[0].database", "no database named 'other'"),
+        (GOOD.replace("message_grouping", "x") + "    message_kind: rows\n", "sinks[0].message_kind", "expected change or record"),
+        (GOOD + "    transform: 'not a spec'\n", "sinks[0].transform", "module:function"),
+        ("databases: []\n", "databases", "non-empty list"),
+        ("- a\n- b\n", "", "expected a mapping"),
+    ],
+)
+def test_bad_config_names_file_path_and_reason(tmp_path: Path, text: str, path: str, reason: str) -> None:
+    file = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(file, environ={})
+    assert err.value.source == str(file)
+    assert err.value.path == path
+    assert reason in err.value.reason
+    assert str(err.value).startswith(f"{file}: ")
+
+
+def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config(tmp_path / "nope.yaml", environ={})
+
+
+def test_duplicate_sink_names() -> None:
+    data = {"databases": [{"name": "a", "dsn": "postgresql://x/y"}],
+            "sinks": [{"name": "s", "tables": ["t"], "destination": {"type": "sequin_stream"}}] * 2}
+    with pytest.raises(ConfigError, match="sink names must be unique"):
+        parse_config(data)
+
+
+@pytest.mark.parametrize(("value", "seconds"), [(15, 15.0), ("15s", 15.0), ("500ms", 0.5), ("2m", 120.0), ("1h", 3600.0)])
+def test_durations(value: object, seconds: float) -> None:
+    assert parse_duration(value) == seconds
