@@ -86,7 +86,7 @@ class StreamApp:
     def start(self) -> StreamApp:
         venv_bin = str(Path(sys.executable).parent)
         env = dict(os.environ, PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable,
-                   PATH=f"{venv_bin}:{os.environ.get('PATH', '')}", **self.extra_env)
+                   PATH=f"{venv_bin}:{os.environ.get('PATH', '')}", PYTHONPATH=str(ROOT), **self.extra_env)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "spark_apps" / "replication_stream.py"),
                                       "--config", str(self.config)], env=env, stdout=self._log,
@@ -127,6 +127,9 @@ class StreamApp:
         if self.proc is None:
             return None
         proc = self.proc
+        if proc.poll() is not None:
+            self.proc = None
+            return proc.returncode
         os.kill(proc.pid, signal.SIGTERM)
         try:
             code = proc.wait(timeout)

@@ -105,9 +105,17 @@ class ReplicationStreamReader(SimpleDataSourceStreamReader):
         lsn = int(end["lsn"])
         if self._reader is None:
             self._reader = self._new_reader()
-        if not self._reader.is_open:
-            self._reader.open(lsn)
-        self._reader.acknowledge(lsn)
+        if self._reader.is_open:
+            self._reader.acknowledge(lsn)
+            return
+        # After a restart Spark commits the last finished batch before it replays an unfinished
+        # one, whose readBetweenOffsets runs in another process and needs the slot: acknowledge
+        # and let go of it rather than keep streaming from here.
+        self._reader.open(lsn)
+        try:
+            self._reader.acknowledge(lsn)
+        finally:
+            self._reader.close()
 
     def stop(self) -> None:
         if self._reader is not None:

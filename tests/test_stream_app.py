@@ -1,0 +1,418 @@
+"""The replication stream app end to end: real Postgres, real Spark (local mode), the store as sink.
+
+One app serves the workloads of this module's first tests (Spark starts once); the tests that
+kill or starve the app start their own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+import time
+from datetime import datetime, timezone
+from decimal import Decimal
+from pathlib import Path
+from typing import Any, Iterator
+
+import psycopg
+import pytest
+
+from sequin_provider.config import load_config
+from sequin_provider.embedded_postgres import EmbeddedPostgres
+from sequin_provider.pgoutput import lsn_to_int
+from sequin_provider.replication import slot_info
+from tests.conftest import StreamApp, execute, sink_messages, wait_for, write_config
+
+SCHEMA = [
+    "CREATE TABLE accounts (id int PRIMARY KEY, name text NOT NULL, balance numeric(20,2))",
+    "CREATE TABLE orders (id bigint PRIMARY KEY, account_id int NOT NULL, status text, total numeric, tags text[],"
+    " placed_at timestamptz)",
+    "ALTER TABLE orders REPLICA IDENTITY FULL",
+    "CREATE TABLE items (order_id bigint, line int, sku text, qty int, PRIMARY KEY (order_id, line))",
+    "CREATE TABLE evolving (id int PRIMARY KEY)",
+    "CREATE TABLE bulk (id int PRIMARY KEY, payload text)",
+    "CREATE TABLE docs_default (id int PRIMARY KEY, body text, n int)",
+    "CREATE TABLE docs_full (id int PRIMARY KEY, body text, n int)",
+    "ALTER TABLE docs_full REPLICA IDENTITY FULL",
+]
+
+CONFIG = """
+databases:
+  - name: shop
+    dsn: {dsn}
+    slot: {{name: slot_{db}}}
+    publication: {{name: pub_{db}}}
+    heartbeat_interval: 1s
+sinks:
+  - name: everything
+    tables: [accounts, orders, items]
+  - name: paid_orders
+    tables: [{{name: orders, group_column_names: [account_id]}}]
+    actions: [insert, update]
+    filter: "record.status = 'paid' AND cast(record.total AS decimal(10,2)) >= 10"
+  - name: account_rows
+    tables: [accounts]
+    message_kind: record
+  - name: item_records
+    tables: [items]
+    transform: record_only
+  - name: tagged
+    tables: [accounts]
+    transform: "tests.transforms:tag"
+    message_grouping: false
+  - name: evolving
+    tables: [evolving]
+  - name: bulk
+    tables: [bulk]
+  - name: docs
+    tables: [docs_default, docs_full]
+stream:
+  checkpoint_location: {checkpoint}
+"""
+
+
+def with_destinations(text: str) -> str:
+    """Every sink of these tests is a Sequin Stream."""
+    return text.replace("    tables:", "    destination: {type: sequin_stream}\n    tables:")
+
+
+@pytest.fixture(scope="module")
+def shop(pg: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, StreamApp, Path]]:
+    """A database with the shop schema and a running stream app."""
+    db = "shop_stream"
+    dsn = pg.create_database(db)
+    execute(dsn, *SCHEMA)
+    tmp = tmp_path_factory.mktemp("shop")
+    config = write_config(tmp / "sequin.yaml", with_destinations(CONFIG.format(dsn=dsn, db=db, checkpoint=tmp / "ckpt")))
+    app = StreamApp(config, tmp / "app.log").start()
+    try:
+        app.wait_streaming(dsn)
+        yield dsn, app, config
+    finally:
+        app.stop()
+
+
+def messages_when(dsn: str, sink: str, count: int, app: StreamApp, timeout: float = 180.0) -> list[dict[str, Any]]:
+    """Wait until ``sink`` holds at least ``count`` messages, then return them all."""
+    def enough() -> list[dict[str, Any]] | None:
+        app.check_alive()
+        got = sink_messages(dsn, sink)
+        return got if len(got) >= count else None
+    return wait_for(enough, timeout, what=f"{count} messages in sink {sink}")
+
+
+def check_metadata(msg: dict[str, Any], sink: str, consumer_id: str, table: str, started: datetime) -> None:
+    meta = msg["metadata"]
+    assert meta["table_schema"] == "public" and meta["table_name"] == table
+    assert meta["consumer"] == {"id": consumer_id, "name": sink}
+    assert meta["database_name"] == "shop"
+    assert meta["idempotency_key"] == f"{meta['commit_lsn']}:{meta['commit_idx']}"
+    ts = datetime.strptime(meta["commit_timestamp"], "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc)
+    assert started <= ts <= datetime.now(timezone.utc)
+
+
+def test_changes_across_tables_arrive_exactly_and_in_commit_order(shop: tuple[str, StreamApp, Path]) -> None:
+    dsn, app, config_path = shop
+    config = load_config(config_path)
+    consumer = {s.name: s.consumer_id for s in config.sinks}
+    started = datetime.now(timezone.utc).replace(microsecond=0)
+    # T1: several statements, three tables
+    execute(dsn, "BEGIN",
+            "INSERT INTO accounts VALUES (1, 'Ada', 100.50), (2, 'Bob', 0)",
+            "INSERT INTO orders VALUES (10, 1, 'draft', 25.00, '{a,b}', '2024-05-01 10:00:00+00')",
+            "INSERT INTO items VALUES (10, 1, 'sku-1', 2), (10, 2, 'sku-2', 1)",
+            "COMMIT")
+    # T2 and T3 interleave: T3 commits first, so it must come first.
+    t2, t3 = psycopg.connect(dsn), psycopg.connect(dsn)
+    t2.execute("UPDATE orders SET status = 'paid' WHERE id = 10")
+    t3.execute("INSERT INTO orders VALUES (11, 2, 'paid', 5, NULL, NULL)")
+    t2.execute("UPDATE accounts SET balance = 75.50 WHERE id = 1")
+    t3.execute("UPDATE items SET qty = 3 WHERE order_id = 10 AND line = 2")
+    t3.commit()
+    t2.commit()
+    t2.close()
+    t3.close()
+    # T4: deletes and a key change
+    execute(dsn, "BEGIN", "DELETE FROM items WHERE order_id = 10 AND line = 1",
+            "UPDATE accounts SET id = 3 WHERE id = 2", "DELETE FROM orders WHERE id = 11",
+            "UPDATE orders SET total = 30 WHERE id = 10", "COMMIT")
+
+    order10 = {"id": 10, "account_id": 1, "status": "draft", "total": Decimal("25.00"), "tags": ["a", "b"],
+               "placed_at": "2024-05-01T10:00:00Z"}
+    order10_paid = {**order10, "status": "paid"}
+    order11 = {"id": 11, "account_id": 2, "status": "paid", "total": 5, "tags": None, "placed_at": None}
+    expected = [  # (txn, table, action, record, changes, record_pks)
+        (1, "accounts", "insert", {"id": 1, "name": "Ada", "balance": Decimal("100.50")}, None, ["1"]),
+        (1, "accounts", "insert", {"id": 2, "name": "Bob", "balance": Decimal("0.00")}, None, ["2"]),
+        (1, "orders", "insert", order10, None, ["10"]),
+        (1, "items", "insert", {"order_id": 10, "line": 1, "sku": "sku-1", "qty": 2}, None, ["10", "1"]),
+        (1, "items", "insert", {"order_id": 10, "line": 2, "sku": "sku-2", "qty": 1}, None, ["10", "2"]),
+        (3, "orders", "insert", order11, None, ["11"]),
+        (3, "items", "update", {"order_id": 10, "line": 2, "sku": "sku-2", "qty": 3}, {}, ["10", "2"]),
+        (2, "orders", "update", order10_paid, {"status": "draft"}, ["10"]),
+        (2, "accounts", "update", {"id": 1, "name": "Ada", "balance": Decimal("75.50")}, {}, ["1"]),
+        (4, "items", "delete", {"order_id": 10, "line": 1}, None, ["10", "1"]),
+        (4, "accounts", "update", {"id": 3, "name": "Bob", "balance": Decimal("0.00")}, {"id": 2}, ["3"]),
+        (4, "orders", "delete", order11, None, ["11"]),
+        (4, "orders", "update", {**order10_paid, "total": 30}, {"total": Decimal("25.00")}, ["10"]),
+    ]
+    got = messages_when(dsn, "everything", len(expected), app)
+    assert len(got) == len(expected)
+    assert [(m["metadata"]["table_name"], m["action"], m["record"], m["changes"], m["metadata"]["record_pks"])
+            for m in got] == [e[1:] for e in expected]
+    # positions: one commit LSN per transaction, increasing in commit order; idx counts within it
+    by_txn: dict[int, list[dict[str, Any]]] = {}
+    for (txn, *_), m in zip(expected, got):
+        by_txn.setdefault(txn, []).append(m)
+        check_metadata(m, "everything", consumer["everything"], m["metadata"]["table_name"], started)
+    lsn_sets = {txn: {m["metadata"]["commit_lsn"] for m in ms} for txn, ms in by_txn.items()}
+    assert all(len(v) == 1 for v in lsn_sets.values())
+    lsns = {txn: next(iter(v)) for txn, v in lsn_sets.items()}
+    assert lsns[1] < lsns[3] < lsns[2] < lsns[4]
+    assert [m["metadata"]["commit_idx"] for m in by_txn[4]] == [0, 1, 2, 3]
+
+    # filter + actions + custom grouping: paid orders with total >= 10, no deletes
+    paid = messages_when(dsn, "paid_orders", 2, app)
+    assert [(m["action"], m["record"]["id"], m["record"]["total"]) for m in paid] == [
+        ("update", 10, Decimal("25.00")), ("update", 10, 30)]
+    # record sink: latest rows, no deletes, no action/changes keys
+    rows = messages_when(dsn, "account_rows", 4, app)
+    assert [m["record"] for m in rows] == [e[3] for e in expected if e[1] == "accounts"]
+    assert all(set(m) == {"record", "metadata"} for m in rows)
+    # record_only transform: the record itself
+    item_records = messages_when(dsn, "item_records", 4, app)
+    assert item_records == [e[3] for e in expected if e[1] == "items"]
+    # module:function transform
+    tagged = messages_when(dsn, "tagged", 4, app)
+    assert tagged == [{"id": e[3]["id"], "action": e[2], "tag": "custom"} for e in expected if e[1] == "accounts"]
+
+    with psycopg.connect(dsn) as conn:
+        groups = dict(conn.execute(
+            "SELECT sink || '/' || idempotency_key, group_id FROM sequin.stream_messages"
+            " WHERE sink IN ('everything', 'paid_orders', 'tagged')").fetchall())
+    first = got[0]["metadata"]
+    assert groups[f"everything/{first['idempotency_key']}"] == 'public.accounts:["1"]'
+    assert groups[f"everything/{got[3]['metadata']['idempotency_key']}"] == 'public.items:["10","1"]'
+    assert groups[f"paid_orders/{got[7]['metadata']['idempotency_key']}"] == 'public.orders:["1"]'
+    tag_key = got[0]["metadata"]["idempotency_key"]
+    assert groups[f"tagged/{tag_key}"] == tag_key  # grouping off: every message its own group
+
+
+def test_add_column_mid_stream(shop: tuple[str, StreamApp, Path]) -> None:
+    dsn, app, _ = shop
+    execute(dsn, "INSERT INTO evolving VALUES (1)")
+    messages_when(dsn, "evolving", 1, app)
+    execute(dsn, "ALTER TABLE evolving ADD COLUMN label text", "INSERT INTO evolving VALUES (2, 'two')",
+            "UPDATE evolving SET label = 'one' WHERE id = 1")
+    got = messages_when(dsn, "evolving", 3, app)
+    assert [m["record"] for m in got] == [{"id": 1}, {"id": 2, "label": "two"}, {"id": 1, "label": "one"}]
+
+
+def test_one_transaction_of_200k_rows(shop: tuple[str, StreamApp, Path]) -> None:
+    dsn, app, _ = shop
+    execute(dsn, "INSERT INTO bulk SELECT g, md5(g::text) FROM generate_series(1, 200000) g")
+    got = messages_when(dsn, "bulk", 200_000, app, timeout=600)
+    assert len(got) == 200_000
+    assert len({m["metadata"]["commit_lsn"] for m in got}) == 1
+    assert [m["metadata"]["commit_idx"] for m in got] == list(range(200_000))
+    assert [m["record"]["id"] for m in got] == list(range(1, 200_001))
+    assert got[-1]["record"]["payload"] == hashlib.md5(b"200000").hexdigest()
+
+
+def test_5mb_toasted_value_updated_without_touching_it(shop: tuple[str, StreamApp, Path]) -> None:
+    dsn, app, _ = shop
+    big = "(SELECT string_agg(md5(i::text), '') FROM generate_series(1, 160000) i)"  # 5.1 MB, incompressible
+    execute(dsn, f"INSERT INTO docs_default VALUES (1, {big}, 0)", f"INSERT INTO docs_full VALUES (1, {big}, 0)",
+            "UPDATE docs_default SET n = 1", "UPDATE docs_full SET n = 1")
+    with psycopg.connect(dsn) as conn:
+        body = conn.execute(f"SELECT {big}").fetchone()[0]
+    assert len(body) == 5_120_000
+    got = messages_when(dsn, "docs", 4, app)
+    inserts = [m for m in got if m["action"] == "insert"]
+    assert [m["record"]["body"] == body for m in inserts] == [True, True]
+    default_update, full_update = (m for m in got if m["action"] == "update")
+    assert default_update["metadata"]["table_name"] == "docs_default"
+    assert default_update["record"] == {"id": 1, "n": 1}
+    assert default_update["metadata"]["unchanged_toast_columns"] == ["body"]
+    assert full_update["record"] == {"id": 1, "body": body, "n": 1}
+    assert full_update["changes"] == {"n": 0}
+    assert "unchanged_toast_columns" not in full_update["metadata"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults
+
+
+def simple_config(tmp_path: Path, dsn: str, db: str, store_dsn: str | None = None, heartbeat: str = "1s") -> Path:
+    store = f"store: {{dsn: {store_dsn}}}\n        " if store_dsn else ""
+    return write_config(tmp_path / "sequin.yaml", f"""
+        databases:
+          - name: shop
+            dsn: {dsn}
+            slot: {{name: slot_{db}}}
+            publication: {{name: pub_{db}}}
+            heartbeat_interval: {heartbeat}
+        {store}sinks:
+          - name: kv
+            tables: [kv]
+            destination: {{type: sequin_stream}}
+        stream:
+          checkpoint_location: {tmp_path / 'ckpt'}
+          max_batch_wait: 100ms
+        """)
+
+
+class Workload:
+    """Random transactions on ``kv`` from a thread; records what committed, per key, in commit order."""
+
+    def __init__(self, dsn: str, keys: int = 200, seed: int = 7) -> None:
+        self.dsn = dsn
+        self.keys = keys
+        self.rng = random.Random(seed)
+        self.expected: dict[int, list[tuple[str, int | None]]] = {}
+        self.state: dict[int, int] = {}
+        self.committed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.error: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            with psycopg.connect(self.dsn) as conn:
+                while not self._stop.is_set():
+                    ops: list[tuple[int, str, int | None]] = []
+                    state = dict(self.state)
+                    for _ in range(self.rng.randint(1, 20)):
+                        key = self.rng.randrange(self.keys)
+                        if key not in state:
+                            state[key] = 0
+                            conn.execute("INSERT INTO kv VALUES (%s, 0)", (key,))
+                            ops.append((key, "insert", 0))
+                        elif self.rng.random() < 0.15:
+                            del state[key]
+                            conn.execute("DELETE FROM kv WHERE id = %s", (key,))
+                            ops.append((key, "delete", None))
+                        else:
+                            state[key] += 1
+                            conn.execute("UPDATE kv SET v = %s WHERE id = %s", (state[key], key))
+                            ops.append((key, "update", state[key]))
+                    conn.commit()
+                    self.state = state
+                    for key, action, value in ops:
+                        self.expected.setdefault(key, []).append((action, value))
+                        self.committed += 1
+                    time.sleep(0.002)
+        except BaseException as exc:  # noqa: BLE001 - reported by stop()
+            self.error = exc
+
+    def start(self) -> Workload:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        if self.error:
+            raise self.error
+
+
+def check_against_workload(messages: list[dict[str, Any]], workload: Workload) -> None:
+    """Nothing lost, nothing duplicated, per key exactly the committed sequence in order."""
+    keys = [m["metadata"]["idempotency_key"] for m in messages]
+    assert len(keys) == len(set(keys)), "duplicate messages in the sink"
+    got: dict[int, list[tuple[str, int | None]]] = {}
+    for m in messages:  # position order
+        got.setdefault(m["record"]["id"], []).append((m["action"], m["record"].get("v")))
+    assert got == workload.expected
+    assert len(messages) == workload.committed
+
+
+def test_sigkill_mid_workload_loses_and_duplicates_nothing(tmp_path: Path, dsn: str, dbname: str, stream_app: Any) -> None:
+    execute(dsn, "CREATE TABLE kv (id int PRIMARY KEY, v int)")
+    config = simple_config(tmp_path, dsn, dbname)
+    app = stream_app(config)
+    app.wait_streaming(dsn)
+    workload = Workload(dsn).start()
+    rng = random.Random(11)
+    for _ in range(3):
+        wait_for(lambda: len(sink_messages(dsn, "kv")) > workload.committed // 3, 120, what="progress before kill")
+        time.sleep(rng.uniform(0.2, 2.0))
+        app.kill()
+        time.sleep(rng.uniform(0.5, 2.0))
+        app = stream_app(config)
+        app.wait_streaming(dsn)
+    workload.stop()
+    messages = wait_for(lambda: (lambda m: m if len(m) >= workload.committed else None)(sink_messages(dsn, "kv")),
+                        240, what="all committed changes in the sink")
+    time.sleep(2)  # anything extra (a duplicate) would show up now
+    check_against_workload(sink_messages(dsn, "kv"), workload)
+    assert workload.committed > 500
+
+
+def test_slot_does_not_pass_undelivered_changes_while_store_is_down(tmp_path: Path, pg: EmbeddedPostgres, dsn: str,
+                                                                   dbname: str, stream_app: Any) -> None:
+    store_db = f"{dbname}_store"
+    store_dsn = pg.create_database(store_db)
+    execute(dsn, "CREATE TABLE kv (id int PRIMARY KEY, v int)")
+    app = stream_app(simple_config(tmp_path, dsn, dbname, store_dsn=store_dsn))
+    app.wait_streaming(store_dsn)
+    execute(dsn, "INSERT INTO kv VALUES (1, 1)")
+    wait_for(lambda: len(sink_messages(store_dsn, "kv")) == 1, what="first message")
+
+    execute(pg.dsn("postgres"), f"ALTER DATABASE {store_db} WITH ALLOW_CONNECTIONS false",
+            f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{store_db}'")
+    with psycopg.connect(dsn) as conn:
+        before = lsn_to_int(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
+    execute(dsn, "INSERT INTO kv VALUES (2, 2)", "UPDATE kv SET v = 3 WHERE id = 1")
+    time.sleep(8)  # several heartbeats and micro-batch attempts
+    with psycopg.connect(dsn) as conn:
+        during = slot_info(conn, f"slot_{dbname}")
+    assert during is not None and during.confirmed_flush_lsn is not None
+    assert during.confirmed_flush_lsn <= before, "the slot advanced past changes that never reached the store"
+
+    execute(pg.dsn("postgres"), f"ALTER DATABASE {store_db} WITH ALLOW_CONNECTIONS true")
+    got = wait_for(lambda: (lambda m: m if len(m) == 3 else None)(sink_messages(store_dsn, "kv")), 120, what="catch-up")
+    assert [(m["action"], m["record"]) for m in got] == [
+        ("insert", {"id": 1, "v": 1}), ("insert", {"id": 2, "v": 2}), ("update", {"id": 1, "v": 3})]
+
+    def advanced() -> bool:
+        with psycopg.connect(dsn) as conn:
+            info = slot_info(conn, f"slot_{dbname}")
+        return bool(info and info.confirmed_flush_lsn and info.confirmed_flush_lsn > before)
+    wait_for(advanced, 60, what="the slot to advance after delivery")
+
+
+def test_heartbeats_keep_an_idle_slot_from_retaining_wal(tmp_path: Path, pg: EmbeddedPostgres, dsn: str, dbname: str,
+                                                         stream_app: Any) -> None:
+    execute(dsn, "CREATE TABLE kv (id int PRIMARY KEY, v int)")
+    app = stream_app(simple_config(tmp_path, dsn, dbname))
+    app.wait_streaming(dsn)
+    execute(dsn, f"SELECT pg_create_logical_replication_slot('idle_control_{dbname}', 'pgoutput')")
+    busy = pg.create_database(f"{dbname}_busy")
+    execute(busy, "CREATE TABLE filler (id serial PRIMARY KEY, pad text)")
+    for _ in range(8):  # ~100 MB of WAL in another database
+        execute(busy, "INSERT INTO filler (pad) SELECT repeat(md5(g::text), 8) FROM generate_series(1, 30000) g")
+    execute(busy, "CHECKPOINT")
+
+    def retained(slot: str) -> int:
+        with psycopg.connect(dsn) as conn:
+            info = slot_info(conn, slot)
+        assert info is not None and info.retained_bytes is not None
+        return info.retained_bytes
+
+    assert retained(f"idle_control_{dbname}") > 64 * 1024 * 1024  # without a consumer the WAL piles up
+    wait_for(lambda: retained(f"slot_{dbname}") < 16 * 1024 * 1024, 90, interval=1.0,
+             what="the heartbeat to let the idle slot release WAL")
+    assert sink_messages(dsn, "kv") == []  # heartbeats are not messages
+    execute(dsn, f"SELECT pg_drop_replication_slot('idle_control_{dbname}')")
+
+
+def test_invalid_filter_stops_the_app_with_a_clear_error(tmp_path: Path, dsn: str, dbname: str, stream_app: Any) -> None:
+    execute(dsn, "CREATE TABLE kv (id int PRIMARY KEY, v int)")
+    config = simple_config(tmp_path, dsn, dbname)
+    config.write_text(config.read_text().replace("tables: [kv]", "tables: [kv]\n    filter: \"record.v >>> 1\""))
+    app = stream_app(config)
+    assert app.proc is not None
+    assert app.proc.wait(180) == 2
+    assert "sinks[0].filter: invalid SQL" in app.log_tail()
