@@ -326,17 +326,22 @@ class ChangeReader:
 
     # -- reading ----------------------------------------------------------------------------
     def read(self, max_rows: int, max_bytes: int, max_wait: float, stop_at: int | None = None,
-             timeout: float = 600.0) -> ReadResult:
+             timeout: float = 600.0, max_busy: float = 2.0) -> ReadResult:
         """Read complete transactions.
 
-        Without ``stop_at``: return after ``max_wait`` seconds, or at the first transaction
-        boundary after ``max_rows``/``max_bytes``. With ``stop_at`` (recovery): read exactly up
-        to the transaction whose end LSN is ``stop_at``, waiting up to ``timeout`` seconds.
+        Without ``stop_at`` the batch adapts to load: once ``max_wait`` seconds have passed it
+        returns as soon as the stream is caught up (small batches, low latency when idle), but
+        while a backlog keeps data coming it reads on, up to ``max_rows``/``max_bytes`` or
+        ``max_busy`` seconds (large batches under load). It always stops at a transaction
+        boundary. With ``stop_at`` (recovery): read exactly up to the transaction whose end LSN is
+        ``stop_at``, waiting up to ``timeout`` seconds.
         """
         assert self._cur is not None and self._decoder is not None, "open() first"
         result = ReadResult(end_lsn=self.position or 0)
         decoder, cur = self._decoder, self._cur
-        deadline = time.monotonic() + (timeout if stop_at is not None else max_wait)
+        began = time.monotonic()
+        deadline = began + (timeout if stop_at is not None else max_wait)
+        busy_deadline = began + max(max_busy, max_wait)
         if stop_at is not None and stop_at == self.position:
             return result
         while True:
@@ -370,7 +375,7 @@ class ChangeReader:
                 if stop_at is not None:
                     if event.end_lsn == stop_at:
                         return result
-                elif len(result.rows) >= max_rows or result.bytes >= max_bytes or time.monotonic() >= deadline:
+                elif len(result.rows) >= max_rows or result.bytes >= max_bytes or time.monotonic() >= busy_deadline:
                     return result
             elif isinstance(event, LogicalMessage):
                 if event.transactional and event.prefix.startswith(MESSAGE_PREFIX) and event.prefix != HEARTBEAT_PREFIX:

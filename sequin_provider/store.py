@@ -16,22 +16,22 @@ from psycopg import sql
 MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     (1, "stream messages and stream status", """
 CREATE TABLE IF NOT EXISTS {schema}.stream_messages (
-    id                bigserial PRIMARY KEY,
     sink              text        NOT NULL,
     commit_lsn        bigint      NOT NULL,
     commit_idx        integer     NOT NULL,
     group_id          text        NOT NULL,
     idempotency_key   text        NOT NULL,
-    ack_id            uuid        NOT NULL DEFAULT gen_random_uuid(),
+    ack_id            uuid,                    -- assigned when the message is delivered
     state             text        NOT NULL DEFAULT 'available',
     deliver_count     integer     NOT NULL DEFAULT 0,
     not_visible_until timestamptz,
     last_delivered_at timestamptz,
     inserted_at       timestamptz NOT NULL DEFAULT now(),
     data              json        NOT NULL,
-    UNIQUE (sink, idempotency_key)
+    -- A message's position is unique per sink and identical when a batch is replayed, so it is
+    -- the idempotency constraint (for changes the idempotency key is the position itself).
+    PRIMARY KEY (sink, commit_lsn, commit_idx)
 );
-CREATE INDEX IF NOT EXISTS stream_messages_position ON {schema}.stream_messages (sink, commit_lsn, commit_idx);
 CREATE INDEX IF NOT EXISTS stream_messages_group ON {schema}.stream_messages (sink, group_id, commit_lsn, commit_idx);
 CREATE UNIQUE INDEX IF NOT EXISTS stream_messages_ack_id ON {schema}.stream_messages (ack_id);
 CREATE TABLE IF NOT EXISTS {schema}.stream_status (
@@ -91,23 +91,37 @@ StreamRow = tuple[str, int, int, str, str, str]
 """(sink, commit_lsn, commit_idx, group_id, idempotency_key, data JSON)."""
 
 
-def insert_stream_messages(conn: psycopg.Connection[Any], schema: str, rows: Iterable[StreamRow]) -> int:
-    """Durably add messages to the stream in position order; replays add nothing.
+_STREAM_COLUMNS = "sink, commit_lsn, commit_idx, group_id, idempotency_key, data"
 
-    Returns the number of rows that were new. Commits the transaction.
+
+def insert_stream_messages(conn: psycopg.Connection[Any], schema: str, rows: Iterable[StreamRow]) -> int:
+    """Durably add messages to the stream; a replayed batch adds nothing. Returns the new count.
+
+    Fast path: COPY straight into the table. When a row is already there (the batch is a replay
+    after a crash), the COPY fails on the primary key and the batch goes through a temporary
+    table with ``ON CONFLICT DO NOTHING`` instead. Commits the transaction.
     """
-    with conn.transaction():
-        conn.execute("CREATE TEMP TABLE IF NOT EXISTS sequin_incoming (sink text, commit_lsn bigint, commit_idx integer,"
-                     " group_id text, idempotency_key text, data text) ON COMMIT DELETE ROWS")
-        with conn.cursor() as cur:
-            with cur.copy("COPY sequin_incoming FROM STDIN") as copy:
-                for row in rows:
+    batch = rows if isinstance(rows, list) else list(rows)
+    target = sql.SQL("{}.stream_messages").format(_ident(schema))
+    try:
+        with conn.transaction(), conn.cursor() as cur:
+            with cur.copy(sql.SQL("COPY {} ({}) FROM STDIN").format(target, sql.SQL(_STREAM_COLUMNS))) as copy:
+                for row in batch:
                     copy.write_row(row)
-            cur.execute(sql.SQL(
-                "INSERT INTO {}.stream_messages (sink, commit_lsn, commit_idx, group_id, idempotency_key, data)"
-                " SELECT sink, commit_lsn, commit_idx, group_id, idempotency_key, data::json FROM sequin_incoming"
-                " ORDER BY commit_lsn, commit_idx ON CONFLICT (sink, idempotency_key) DO NOTHING").format(_ident(schema)))
-            return cur.rowcount
+            return len(batch)
+    except psycopg.errors.UniqueViolation:
+        pass
+    with conn.transaction(), conn.cursor() as cur:
+        cur.execute("CREATE TEMP TABLE IF NOT EXISTS sequin_incoming (sink text, commit_lsn bigint, commit_idx integer,"
+                    " group_id text, idempotency_key text, data text) ON COMMIT DELETE ROWS")
+        with cur.copy(f"COPY sequin_incoming ({_STREAM_COLUMNS}) FROM STDIN") as copy:
+            for row in batch:
+                copy.write_row(row)
+        cur.execute(sql.SQL(
+            "INSERT INTO {} ({}) SELECT sink, commit_lsn, commit_idx, group_id, idempotency_key, data::json"
+            " FROM sequin_incoming ORDER BY commit_lsn, commit_idx ON CONFLICT DO NOTHING").format(
+            target, sql.SQL(_STREAM_COLUMNS)))
+        return cur.rowcount
 
 
 @dataclass(frozen=True)
@@ -162,13 +176,3 @@ def read_status(conn: psycopg.Connection[Any], schema: str) -> list[dict[str, An
     with conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
         cur.execute(sql.SQL("SELECT * FROM {}.stream_status ORDER BY database").format(_ident(schema)))
         return list(cur.fetchall())
-
-
-def stream_row(sink: str, commit_lsn: int, commit_idx: int, group_id: str, data: str) -> StreamRow:
-    """One row for ``insert_stream_messages``."""
-    return (sink, commit_lsn, commit_idx, group_id, f"{commit_lsn}:{commit_idx}", data)
-
-
-def sinks_with_messages(conn: psycopg.Connection[Any], schema: str) -> Sequence[str]:
-    """Names of sinks that have messages in the stream table."""
-    return list(count_stream_messages(conn, schema))

@@ -39,6 +39,29 @@ def spark_session(app_name: str, master: str | None = None) -> Any:
     return spark
 
 
+def progress_listener() -> Any:
+    """A listener logging Spark's own phase timings per micro-batch (latestOffset = our read)."""
+    from pyspark.sql.streaming import StreamingQueryListener
+
+    class ProgressLogger(StreamingQueryListener):
+        def onQueryStarted(self, event: Any) -> None:
+            pass
+
+        def onQueryProgress(self, event: Any) -> None:
+            progress = event.progress
+            if progress.numInputRows:
+                durations = " ".join(f"{k}={v}" for k, v in sorted(progress.durationMs.items()))
+                log.info("progress batch %d: %d rows, %s", progress.batchId, progress.numInputRows, durations)
+
+        def onQueryIdle(self, event: Any) -> None:
+            pass
+
+        def onQueryTerminated(self, event: Any) -> None:
+            pass
+
+    return ProgressLogger()
+
+
 def run_stream_app(config_path: str | None, database: str | None, checkpoint: str | None,
                    master: str | None = None) -> int:
     """Run the stream app for one database; returns the process exit code."""
@@ -62,6 +85,7 @@ def run_stream_app(config_path: str | None, database: str | None, checkpoint: st
 
     spark = spark_session(f"sequin-replication-{db.name}", master)
     spark.dataSource.register(SequinReplicationDataSource)
+    spark.streams.addListener(progress_listener())
     pipeline = Pipeline(config, db.name)
     try:
         pipeline.validate(spark)

@@ -41,6 +41,9 @@ class BatchStats:
     messages_written: int
     seconds: float
     end_lsn: int | None
+    spark_seconds: float = 0.0
+    render_seconds: float = 0.0
+    write_seconds: float = 0.0
 
 
 def project_batch(df: DataFrame, sinks: tuple[SinkConfig, ...]) -> DataFrame:
@@ -94,6 +97,7 @@ class Pipeline:
         """``foreachBatch`` entry point."""
         started = time.monotonic()
         table = project_batch(df, self.sinks).toArrow()
+        collected = rendered = time.monotonic()
         rows_in = table.num_rows
         written = 0
         end_lsn = None
@@ -109,13 +113,19 @@ class Pipeline:
                 lsn, idx = columns["commit_lsn"], columns["commit_idx"]
                 for j, data in zip(indices, renderer.render(columns, indices)):
                     out.append((sink.name, lsn[j], idx[j], groups[j], f"{lsn[j]}:{idx[j]}", data))
+            rendered = time.monotonic()
             written = self.stream_sink.write(out)
             end_lsn = max(columns["commit_lsn"])
-        elapsed = time.monotonic() - started
-        self.last_stats = BatchStats(batch_id, rows_in, written, elapsed, end_lsn)
+        finished = time.monotonic()
+        elapsed = finished - started
+        stats = BatchStats(batch_id, rows_in, written, elapsed, end_lsn, collected - started, rendered - collected,
+                           finished - rendered if rows_in else 0.0)
+        self.last_stats = stats
         self._record_status(batch_id, rows_in, elapsed, end_lsn)
         if rows_in:
-            log.info("batch %d: %d changes -> %d new messages in %.3fs", batch_id, rows_in, written, elapsed)
+            log.info("batch %d: %d changes -> %d new messages in %.3fs (spark %.3fs, render %.3fs, store %.3fs)",
+                     batch_id, rows_in, written, elapsed, stats.spark_seconds, stats.render_seconds,
+                     stats.write_seconds)
 
     def _record_status(self, batch_id: int, rows: int, elapsed: float, end_lsn: int | None) -> None:
         """Best effort: the status row is for operators; the data path does not depend on it."""

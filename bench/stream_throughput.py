@@ -1,0 +1,212 @@
+"""Replication stream benchmark: decode limit vs. our end-to-end throughput, and latency at 5k/s.
+
+    .venv/bin/python bench/stream_throughput.py [--changes 300000] [--rate 5000] [--seconds 20]
+
+One run on a fresh embedded cluster (source and store in separate databases):
+  (a) pg_recvlogical draining the workload from its own pgoutput slot: the decode limit;
+  (a') our pgoutput decoder (ChangeReader) alone draining a third slot: Python decode cost;
+  (b) the stream app end to end: changes/s from the first commit to the last durable sink row;
+  (c) commit -> sink latency p50/p99 at a steady rate (commit_timestamp vs. the sink row's insert time).
+Prints a Markdown table and writes bench/results/stream_throughput.json. Not a test: no thresholds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sequin_provider.config import load_config  # noqa: E402
+from sequin_provider.embedded_postgres import EmbeddedPostgres, find_server_bindir  # noqa: E402
+from sequin_provider.pgoutput import int_to_lsn, lsn_to_int  # noqa: E402
+from sequin_provider.provisioning import initialize  # noqa: E402
+from sequin_provider.replication import ChangeReader, create_slot  # noqa: E402
+from sequin_provider.stream_process import StreamAppProcess, wait_for  # noqa: E402
+
+TABLE = ("CREATE TABLE events (id bigint PRIMARY KEY, account int NOT NULL, amount numeric(12,2), kind text,"
+         " payload jsonb, updated_at timestamptz NOT NULL DEFAULT now())")
+ROW = "g, g % 1000, (g % 10000) / 100.0, 'kind-' || (g % 7), jsonb_build_object('n', g, 'tag', md5(g::text))"
+
+
+def sink_count(store_dsn: str) -> int:
+    with psycopg.connect(store_dsn) as conn:
+        return int(conn.execute("SELECT count(*) FROM sequin.stream_messages").fetchone()[0])  # type: ignore[index]
+
+
+def current_lsn(dsn: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        return lsn_to_int(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
+
+
+def write_workload(dsn: str, changes: int, txn_rows: int = 500) -> tuple[float, float]:
+    """Inserts then updates (half each) in transactions of ``txn_rows``; returns (start, end) wall times."""
+    inserts = changes // 2
+    started = time.time()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for lo in range(1, inserts + 1, txn_rows):
+            hi = min(lo + txn_rows - 1, inserts)
+            conn.execute(f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW} FROM generate_series({lo}, {hi}) g")
+        for lo in range(1, changes - inserts + 1, txn_rows):
+            hi = min(lo + txn_rows - 1, changes - inserts)
+            conn.execute(f"UPDATE events SET amount = amount + 1, updated_at = now() WHERE id BETWEEN {lo} AND {hi}")
+    return started, time.time()
+
+
+def run_pg_recvlogical(dsn: str, slot: str, end_lsn: int) -> float:
+    """Seconds pg_recvlogical needs to stream the slot up to ``end_lsn`` (pgoutput, binary)."""
+    binary = shutil.which("pg_recvlogical") or str(find_server_bindir() / "pg_recvlogical")
+    out = Path(tempfile.mkdtemp()) / "recv.out"
+    started = time.monotonic()
+    subprocess.run([binary, "-d", dsn, "--slot", slot, "--start", "-o", "proto_version=1", "-o",
+                    "publication_names=bench_pub", "--endpos", int_to_lsn(end_lsn), "-f", str(out), "--no-loop"],
+                   check=True, capture_output=True)
+    elapsed = time.monotonic() - started
+    shutil.rmtree(out.parent, ignore_errors=True)
+    return elapsed
+
+
+def run_decoder_only(dsn: str, slot: str, start_lsn: int, end_lsn: int, expected: int) -> float:
+    """Seconds our ChangeReader needs to decode the same workload (no Spark, no sink)."""
+    reader = ChangeReader(dsn, slot, "bench_pub")
+    reader.open(start_lsn)
+    started = time.monotonic()
+    seen = 0
+    try:
+        while seen < expected:
+            result = reader.read(200_000, 1 << 30, 0.5)
+            seen += len(result.rows)
+            if result.transactions == 0 and reader.position and reader.position >= end_lsn:
+                break
+    finally:
+        reader.close()
+    return time.monotonic() - started
+
+
+def latency_run(dsn: str, store_dsn: str, rate: int, seconds: int, first_id: int) -> dict[str, float]:
+    """Steady ``rate`` changes/s for ``seconds``; commit -> durable sink row percentiles (ms)."""
+    txn_rows = max(1, rate // 100)  # 100 transactions per second
+    before = sink_count(store_dsn)
+    total = 0
+    started = time.monotonic()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        tick = 0
+        while time.monotonic() - started < seconds:
+            lo = first_id + tick * txn_rows
+            conn.execute(f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW} FROM generate_series({lo}, {lo + txn_rows - 1}) g")
+            total += txn_rows
+            tick += 1
+            pause = started + tick / 100.0 - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+    achieved = total / (time.monotonic() - started)
+    wait_for(lambda: sink_count(store_dsn) >= before + total, 120, what="latency run to drain")
+    with psycopg.connect(store_dsn) as conn:
+        row = conn.execute(
+            "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), percentile_cont(0.99) WITHIN GROUP (ORDER BY ms),"
+            " max(ms) FROM (SELECT extract(epoch FROM inserted_at - (data->'metadata'->>'commit_timestamp')::timestamptz)"
+            " * 1000 AS ms FROM sequin.stream_messages WHERE (data->'record'->>'id')::bigint >= %s) t",
+            (first_id,)).fetchone()
+    return {"rate": achieved, "p50_ms": float(row[0]), "p99_ms": float(row[1]), "max_ms": float(row[2])}  # type: ignore[index]
+
+
+def batch_breakdown(log_text: str) -> dict[str, float]:
+    """Sum of the pipeline's per-batch phases from the app log."""
+    pattern = re.compile(r"batch \d+: (\d+) changes -> \d+ new messages in ([\d.]+)s \(spark ([\d.]+)s, render ([\d.]+)s, store ([\d.]+)s\)")
+    totals = {"batches": 0.0, "rows": 0.0, "total": 0.0, "spark": 0.0, "render": 0.0, "store": 0.0}
+    for m in pattern.finditer(log_text):
+        totals["batches"] += 1
+        totals["rows"] += int(m.group(1))
+        for key, group in (("total", 2), ("spark", 3), ("render", 4), ("store", 5)):
+            totals[key] += float(m.group(group))
+    return totals
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--changes", type=int, default=300_000)
+    parser.add_argument("--rate", type=int, default=5_000)
+    parser.add_argument("--seconds", type=int, default=20)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="sequin-bench-"))
+    results: dict[str, object] = {"changes": args.changes}
+    with EmbeddedPostgres(use_env_dsn=False) as pg:
+        dsn, store_dsn = pg.create_database("bench"), pg.create_database("bench_store")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(TABLE)
+        config_path = work / "sequin.yaml"
+        config_path.write_text(f"""
+databases:
+  - name: bench
+    dsn: {dsn}
+    slot: {{name: bench_slot}}
+    publication: {{name: bench_pub}}
+store: {{dsn: {store_dsn}}}
+sinks:
+  - name: events
+    tables: [events]
+    destination: {{type: sequin_stream}}
+stream: {{checkpoint_location: {work / 'ckpt'}}}
+""")
+        initialize(load_config(config_path))
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            start_lsn = create_slot(conn, "recv_slot")
+            create_slot(conn, "decoder_slot")
+        app = StreamAppProcess(config_path, work / "app.log").start()
+        try:
+            app.wait_streaming(store_dsn)
+            base = sink_count(store_dsn)
+            print(f"bench: writing {args.changes} changes (inserts then updates, 500-row transactions) ...", flush=True)
+            t0, t_written = write_workload(dsn, args.changes)
+            end_lsn = current_lsn(dsn)
+            wait_for(lambda: sink_count(store_dsn) >= base + args.changes, 900, interval=0.05, what="the sink to catch up")
+            t_done = time.time()
+            e2e = args.changes / (t_done - t0)
+            results.update(write_seconds=t_written - t0, e2e_seconds=t_done - t0, e2e_rate=e2e)
+            print(f"bench: end to end {e2e:,.0f} changes/s ({t_done - t0:.1f}s; the writer alone took {t_written - t0:.1f}s)", flush=True)
+            latency = latency_run(dsn, store_dsn, args.rate, args.seconds, args.changes + 1)
+            results["latency"] = latency
+            print(f"bench: latency at {latency['rate']:,.0f}/s: p50 {latency['p50_ms']:.0f} ms, p99 {latency['p99_ms']:.0f} ms", flush=True)
+        finally:
+            app.stop()
+        breakdown = batch_breakdown(app.log_tail(50_000_000))
+        recv_seconds = run_pg_recvlogical(dsn, "recv_slot", end_lsn)
+        decoder_seconds = run_decoder_only(dsn, "decoder_slot", start_lsn, end_lsn, args.changes)
+    shutil.rmtree(work, ignore_errors=True)
+    recv_rate = args.changes / recv_seconds
+    decoder_rate = args.changes / decoder_seconds
+    results.update(recv_seconds=recv_seconds, recv_rate=recv_rate, decoder_seconds=decoder_seconds,
+                   decoder_rate=decoder_rate, breakdown=breakdown)
+    lat = results["latency"]  # type: ignore[assignment]
+    print()
+    print("| measure | changes/s | seconds | vs pg_recvlogical |")
+    print("|---|---:|---:|---:|")
+    print(f"| (a) pg_recvlogical, pgoutput decode limit | {recv_rate:,.0f} | {recv_seconds:.1f} | 1.00 |")
+    print(f"| (a') our pgoutput decoder alone (Python) | {decoder_rate:,.0f} | {decoder_seconds:.1f} | {decoder_rate / recv_rate:.2f} |")
+    print(f"| (b) end to end: commit -> durable Sequin Stream row | {e2e:,.0f} | {results['e2e_seconds']:.1f} | {e2e / recv_rate:.2f} |")
+    print(f"| (c) latency at {lat['rate']:,.0f} changes/s | p50 {lat['p50_ms']:.0f} ms, p99 {lat['p99_ms']:.0f} ms, max {lat['max_ms']:.0f} ms | | |")
+    if breakdown["batches"]:
+        total = breakdown["total"] or 1.0
+        print(f"\nwhere the foreachBatch time goes ({breakdown['batches']:.0f} batches, {breakdown['rows']:,.0f} rows): "
+              f"spark select+toArrow {100 * breakdown['spark'] / total:.0f}%, render {100 * breakdown['render'] / total:.0f}%, "
+              f"store COPY+insert {100 * breakdown['store'] / total:.0f}%; foreachBatch total {breakdown['total']:.1f}s of "
+              f"{results['e2e_seconds']:.1f}s end to end (the rest: reading+decoding in the source, Spark planning)")
+    out = ROOT / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "stream_throughput.json").write_text(json.dumps(results, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Run the replication stream app as a child process (demo, benchmarks, tests, supervisors).
+
+The app runs as ``python spark_apps/replication_stream.py`` in its own process group: Python
+owns the Spark JVM, so SIGTERM stops the query cleanly, and SIGKILL of the group takes the JVM
+and its Python workers down with it (a real crash).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import psycopg
+
+from sequin_provider import store
+
+ROOT = Path(__file__).resolve().parent.parent
+APP = ROOT / "spark_apps" / "replication_stream.py"
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 120.0, interval: float = 0.25, what: str = "condition") -> Any:
+    """Poll ``predicate`` until it returns something truthy; ``TimeoutError`` naming ``what`` otherwise."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+class StreamAppProcess:
+    """The stream app for one config, started, watched and stopped from the outside."""
+
+    def __init__(self, config: Path, log_path: Path, extra_env: dict[str, str] | None = None,
+                 schema: str = "sequin") -> None:
+        self.config = config
+        self.log_path = log_path
+        self.extra_env = extra_env or {}
+        self.schema = schema
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> StreamAppProcess:
+        """Start the app (its output goes to ``log_path``)."""
+        venv_bin = str(Path(sys.executable).parent)
+        env = dict(os.environ, PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable,
+                   PATH=f"{venv_bin}:{os.environ.get('PATH', '')}",
+                   PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+                   **self.extra_env)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, str(APP), "--config", str(self.config)], env=env, stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=True, cwd=str(ROOT))
+        log.close()
+        return self
+
+    def wait_streaming(self, store_dsn: str, timeout: float = 180.0) -> None:
+        """Wait until the app has completed a micro-batch since it started."""
+        def ready() -> bool:
+            self.check_alive()
+            try:
+                with psycopg.connect(store_dsn, connect_timeout=5) as conn:
+                    rows = store.read_status(conn, self.schema) if store.schema_version(conn, self.schema) else []
+            except psycopg.Error:
+                return False
+            return any(r["last_batch_at"] and r["app_started_at"] and r["last_batch_at"] > r["app_started_at"]
+                       for r in rows)
+        wait_for(ready, timeout, what="the stream app to run its first micro-batch")
+
+    def check_alive(self) -> None:
+        """Raise with the log tail when the app has exited."""
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"stream app exited with {self.proc.returncode}:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        """The end of the app's log."""
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+    def kill(self) -> None:
+        """SIGKILL the app and everything it started (JVM, Python workers)."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(30)
+            self.proc = None
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        """Graceful stop (SIGTERM), then SIGKILL of the group; returns the exit code."""
+        if self.proc is None:
+            return None
+        proc = self.proc
+        if proc.poll() is not None:
+            self.kill()
+            return proc.returncode
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            code: int | None = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        self.kill()
+        return code
