@@ -49,6 +49,7 @@ class ReplicationStreamReader(SimpleDataSourceStreamReader):
         self._db: DatabaseConfig | None = None
         self._stream: StreamConfig | None = None
         self._last_heartbeat = 0.0
+        self._initial_lsn: int | None = None
 
     def _settings(self) -> tuple[DatabaseConfig, StreamConfig]:
         if self._db is None or self._stream is None:
@@ -62,8 +63,14 @@ class ReplicationStreamReader(SimpleDataSourceStreamReader):
         return ChangeReader(db.dsn, db.slot.name, db.publication.name)
 
     def initialOffset(self) -> dict:
-        db, _ = self._settings()
-        return {"lsn": confirmed_flush_lsn(db.dsn, db.slot.name)}
+        # Spark asks twice for a new query (to plan the read, then as batch 0's start) and the slot
+        # may move in between (psycopg2 confirms a keepalive's wal_end when nothing unacknowledged
+        # was received). A different start would miss the prefetched batch and force a re-read in
+        # another process, which cannot get the slot while we stream: answer once, consistently.
+        if self._initial_lsn is None:
+            db, _ = self._settings()
+            self._initial_lsn = confirmed_flush_lsn(db.dsn, db.slot.name)
+        return {"lsn": self._initial_lsn}
 
     def read(self, start: dict) -> tuple[Iterator[Any], dict]:
         db, stream = self._settings()
@@ -76,8 +83,9 @@ class ReplicationStreamReader(SimpleDataSourceStreamReader):
         result = self._reader.read(stream.max_batch_rows, stream.max_batch_bytes, stream.max_batch_wait)
         if result.end_lsn == lsn:
             return iter([]), start
-        if not result.rows:
-            return iter([]), {"lsn": result.end_lsn}
+        # Always hand Spark a batch, even a 0-row one (a heartbeat-only transaction): with no
+        # prefetched batch Spark would re-read the range through readBetweenOffsets in another
+        # process, which cannot get the slot while this reader streams from it.
         return iter([rows_to_arrow(result.rows)]), {"lsn": result.end_lsn}
 
     def _maybe_heartbeat(self, db: DatabaseConfig) -> None:
@@ -99,7 +107,7 @@ class ReplicationStreamReader(SimpleDataSourceStreamReader):
             result = reader.read(0, 0, 0, stop_at=int(end["lsn"]))
         finally:
             reader.close()
-        return iter([rows_to_arrow(result.rows)] if result.rows else [])
+        return iter([rows_to_arrow(result.rows)])
 
     def commit(self, end: dict) -> None:
         lsn = int(end["lsn"])
