@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import select
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -20,7 +22,6 @@ from psycopg import sql
 
 from sequin_provider.config import TableConfig
 from sequin_provider.pgoutput import (
-    Begin,
     Commit,
     LogicalMessage,
     PgOutputDecoder,
@@ -237,7 +238,7 @@ class _Catalog:
 
 @dataclass
 class ReadResult:
-    """Complete transactions read: their change rows, logical messages and the new offset."""
+    """Complete transactions read: their change rows and the new offset."""
 
     rows: list[tuple] = field(default_factory=list)
     end_lsn: int = 0
@@ -246,26 +247,46 @@ class ReadResult:
     truncates: list[Truncate] = field(default_factory=list)
 
 
+@dataclass
+class _Transaction:
+    rows: list[tuple]
+    end_lsn: int
+    bytes: int
+    truncates: list[Truncate]
+
+
 class ChangeReader:
     """Reads whole transactions from a logical slot (pgoutput) and acknowledges on demand.
 
-    Offsets are the end LSN of the last complete transaction returned: starting replication there
-    skips exactly the transactions already taken. The slot moves only in ``acknowledge``.
+    A background thread owns the replication connection: it decodes complete transactions into
+    a bounded buffer while the caller processes the previous batch (decode overlaps delivery),
+    and sends the acknowledgements it is asked for. Offsets are the end LSN of the last complete
+    transaction handed out: starting replication there skips exactly the transactions already
+    taken. The slot moves only through ``acknowledge``.
     """
 
-    def __init__(self, dsn: str, slot: str, publication: str) -> None:
+    def __init__(self, dsn: str, slot: str, publication: str, buffer_rows: int = 400_000,
+                 buffer_bytes: int = 512 * 1024 * 1024) -> None:
         self.dsn = dsn
         self.slot = slot
         self.publication = publication
+        self.buffer_rows = buffer_rows
+        self.buffer_bytes = buffer_bytes
+        self.position: int | None = None  # end LSN of the last complete transaction handed out
         self._conn: Any = None
         self._cur: Any = None
         self._catalog: _Catalog | None = None
-        self._decoder: PgOutputDecoder | None = None
-        self.position: int | None = None  # end LSN of the last complete transaction handed out
-        self._pending: list[tuple] = []
-        self._pending_bytes = 0
-        self._in_txn = False
+        self._heartbeat_conn: psycopg.Connection[Any] | None = None
         self._version = 0
+        self._thread: threading.Thread | None = None
+        self._cond = threading.Condition()
+        self._ready: deque[_Transaction] = deque()
+        self._ready_rows = 0
+        self._ready_bytes = 0
+        self._error: BaseException | None = None
+        self._stop = False
+        self._ack_wanted = 0
+        self._ack_sent = 0
 
     # -- connection -------------------------------------------------------------------------
     def open(self, start_lsn: int, attempts: int = 30) -> None:
@@ -273,7 +294,7 @@ class ChangeReader:
         self.close()
         self._catalog = _Catalog(self.dsn)
         self._version = server_version(self._catalog.conn)
-        self._decoder = PgOutputDecoder(TypeRegistry(self._catalog.type_info), self._catalog.primary_key)
+        decoder = PgOutputDecoder(TypeRegistry(self._catalog.type_info), self._catalog.primary_key)
         options = {"proto_version": "1", "publication_names": self.publication}
         if self._version >= 140000:
             options["messages"] = "true"
@@ -298,7 +319,13 @@ class ChangeReader:
         else:
             raise ReplicationError(f"slot {self.slot!r} stays in use by another consumer: {last}")
         self.position = start_lsn
-        self._pending, self._pending_bytes, self._in_txn = [], 0, False
+        self._ready.clear()
+        self._ready_rows = self._ready_bytes = 0
+        self._error, self._stop = None, False
+        self._ack_wanted = self._ack_sent = 0
+        self._thread = threading.Thread(target=self._stream, args=(decoder,), name=f"sequin-reader-{self.slot}",
+                                        daemon=True)
+        self._thread.start()
 
     def _close_replication(self) -> None:
         for obj in (self._cur, self._conn):
@@ -310,90 +337,156 @@ class ChangeReader:
         self._cur = self._conn = None
 
     def close(self) -> None:
-        """Close the replication and catalog connections (safe to call twice)."""
+        """Stop the reading thread and close every connection (safe to call twice)."""
+        thread = self._thread
+        if thread is not None:
+            with self._cond:
+                self._stop = True
+                self._cond.notify_all()
+            thread.join(30)
+            self._thread = None
         self._close_replication()
-        if self._catalog is not None:
-            try:
-                self._catalog.close()
-            except Exception:  # noqa: BLE001
-                pass
-            self._catalog = None
+        for attr in ("_catalog", "_heartbeat_conn"):
+            obj = getattr(self, attr)
+            if obj is not None:
+                try:
+                    obj.close()
+                except Exception:  # noqa: BLE001
+                    pass
+                setattr(self, attr, None)
 
     @property
     def is_open(self) -> bool:
-        """True while a replication connection is streaming."""
-        return self._conn is not None and not self._conn.closed
+        """True while the reading thread streams from the slot."""
+        return self._thread is not None and self._thread.is_alive() and self._error is None
 
-    # -- reading ----------------------------------------------------------------------------
+    # -- the reading thread -----------------------------------------------------------------
+    def _stream(self, decoder: PgOutputDecoder) -> None:
+        cur, conn, cond = self._cur, self._conn, self._cond
+        pending: list[tuple] = []
+        pending_bytes = 0
+        truncates: list[Truncate] = []
+        try:
+            while True:
+                with cond:
+                    if self._stop:
+                        return
+                    wanted = self._ack_wanted
+                    full = self._ready_rows >= self.buffer_rows or self._ready_bytes >= self.buffer_bytes
+                if wanted > self._ack_sent:
+                    cur.send_feedback(write_lsn=wanted, flush_lsn=wanted, apply_lsn=wanted, force=True)
+                    with cond:
+                        self._ack_sent = wanted
+                        cond.notify_all()
+                if full:
+                    with cond:
+                        cond.wait(0.05)
+                    cur.send_feedback()  # keep the connection alive while the consumer catches up
+                    continue
+                msg = cur.read_message()
+                if msg is None:
+                    select.select([conn], [], [], 0.05)
+                    continue
+                payload = msg.payload
+                event = decoder.decode(payload)
+                if type(event) is tuple:
+                    pending.append(event)
+                    pending_bytes += len(payload)
+                elif isinstance(event, Commit):
+                    txn = _Transaction(pending, event.end_lsn, pending_bytes, truncates)
+                    pending, pending_bytes, truncates = [], 0, []
+                    with cond:
+                        self._ready.append(txn)
+                        self._ready_rows += len(txn.rows)
+                        self._ready_bytes += txn.bytes
+                        cond.notify_all()
+                elif isinstance(event, LogicalMessage):
+                    if event.transactional and event.prefix.startswith(MESSAGE_PREFIX) and event.prefix != HEARTBEAT_PREFIX:
+                        pending.append(decoder.message_row(event))
+                elif isinstance(event, Truncate):
+                    log.warning("TRUNCATE of %s is not delivered as messages (see README: Truncate)",
+                                ", ".join(event.relations))
+                    truncates.append(event)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer by read()/acknowledge()
+            with cond:
+                self._error = exc
+                cond.notify_all()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            error = self._error
+            if isinstance(error, ReplicationError):
+                raise error
+            raise ReplicationError(f"replication stream of slot {self.slot!r} failed: {error}") from error
+
+    # -- consuming --------------------------------------------------------------------------
     def read(self, max_rows: int, max_bytes: int, max_wait: float, stop_at: int | None = None,
-             timeout: float = 600.0, max_busy: float = 2.0) -> ReadResult:
-        """Read complete transactions.
+             timeout: float = 600.0) -> ReadResult:
+        """Take complete transactions from the buffer.
 
-        Without ``stop_at`` the batch adapts to load: once ``max_wait`` seconds have passed it
-        returns as soon as the stream is caught up (small batches, low latency when idle), but
-        while a backlog keeps data coming it reads on, up to ``max_rows``/``max_bytes`` or
-        ``max_busy`` seconds (large batches under load). It always stops at a transaction
-        boundary. With ``stop_at`` (recovery): read exactly up to the transaction whose end LSN is
-        ``stop_at``, waiting up to ``timeout`` seconds.
+        Without ``stop_at``: return as soon as at least one transaction is ready, taking every
+        ready one up to ``max_rows``/``max_bytes`` (whole transactions), or after ``max_wait``
+        seconds with nothing. Batches thus grow with load (what accumulated while the caller was
+        busy) and stay small when the stream is quiet. With ``stop_at`` (recovery): read exactly
+        up to the transaction whose end LSN is ``stop_at``, waiting up to ``timeout`` seconds.
         """
-        assert self._cur is not None and self._decoder is not None, "open() first"
+        if self._thread is None:
+            raise ReplicationError("read() before open()")
         result = ReadResult(end_lsn=self.position or 0)
-        decoder, cur = self._decoder, self._cur
-        began = time.monotonic()
-        deadline = began + (timeout if stop_at is not None else max_wait)
-        busy_deadline = began + max(max_busy, max_wait)
         if stop_at is not None and stop_at == self.position:
             return result
-        while True:
-            msg = cur.read_message()
-            if msg is None:
-                now = time.monotonic()
-                if now >= deadline:
+        deadline = time.monotonic() + (timeout if stop_at is not None else max_wait)
+        with self._cond:
+            while True:
+                self._raise_if_failed()
+                while self._ready:
+                    txn = self._ready[0]
+                    if stop_at is None and result.transactions and (
+                            len(result.rows) + len(txn.rows) > max_rows or result.bytes + txn.bytes > max_bytes):
+                        return result
+                    if stop_at is not None and txn.end_lsn > stop_at:
+                        raise ReplicationError(f"re-read passed the recorded offset {int_to_lsn(stop_at)} "
+                                               f"(transaction ending at {int_to_lsn(txn.end_lsn)})")
+                    self._ready.popleft()
+                    self._ready_rows -= len(txn.rows)
+                    self._ready_bytes -= txn.bytes
+                    result.rows.extend(txn.rows)
+                    result.bytes += txn.bytes
+                    result.transactions += 1
+                    result.truncates.extend(txn.truncates)
+                    result.end_lsn = self.position = txn.end_lsn
+                    self._cond.notify_all()  # room in the buffer
+                    if stop_at is not None and txn.end_lsn == stop_at:
+                        return result
+                if stop_at is None and result.transactions:
+                    return result
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
                     if stop_at is not None:
                         raise ReplicationError(f"timed out re-reading up to {int_to_lsn(stop_at)}")
                     return result
-                select.select([self._conn], [], [], min(deadline - now, 1.0))
-                continue
-            payload = msg.payload
-            event = decoder.decode(payload)
-            if type(event) is tuple:
-                self._pending.append(event)
-                self._pending_bytes += len(payload)
-                continue
-            if isinstance(event, Begin):
-                self._in_txn = True
-            elif isinstance(event, Commit):
-                self._in_txn = False
-                if stop_at is not None and event.end_lsn > stop_at:
-                    raise ReplicationError(f"re-read passed the recorded offset {int_to_lsn(stop_at)} "
-                                           f"(transaction ending at {int_to_lsn(event.end_lsn)})")
-                result.rows.extend(self._pending)
-                result.bytes += self._pending_bytes
-                result.transactions += 1
-                self._pending, self._pending_bytes = [], 0
-                result.end_lsn = self.position = event.end_lsn
-                if stop_at is not None:
-                    if event.end_lsn == stop_at:
-                        return result
-                elif len(result.rows) >= max_rows or result.bytes >= max_bytes or time.monotonic() >= busy_deadline:
-                    return result
-            elif isinstance(event, LogicalMessage):
-                if event.transactional and event.prefix.startswith(MESSAGE_PREFIX) and event.prefix != HEARTBEAT_PREFIX:
-                    self._pending.append(decoder.message_row(event))
-            elif isinstance(event, Truncate):
-                log.warning("TRUNCATE of %s is not delivered as messages (see README: Truncate)", ", ".join(event.relations))
-                result.truncates.append(event)
+                self._cond.wait(remaining)
 
     def heartbeat(self) -> None:
-        """Emit a heartbeat through the reader's normal connection to the source."""
-        if self._catalog is not None:
-            emit_heartbeat(self._catalog.conn, self._version)
+        """Emit a heartbeat through a normal connection to the source."""
+        if self._heartbeat_conn is None or self._heartbeat_conn.closed:
+            self._heartbeat_conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=10)
+        emit_heartbeat(self._heartbeat_conn, self._version)
 
-    def acknowledge(self, lsn: int) -> None:
-        """Tell the server everything up to ``lsn`` is durable; the slot may release it."""
-        if self._cur is None:
+    def acknowledge(self, lsn: int, timeout: float = 30.0) -> None:
+        """Tell the server everything up to ``lsn`` is durable; returns once the feedback is sent."""
+        if self._thread is None:
             raise ReplicationError("acknowledge() without an open replication connection")
-        self._cur.send_feedback(write_lsn=lsn, flush_lsn=lsn, apply_lsn=lsn, force=True)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._ack_wanted = max(self._ack_wanted, lsn)
+            self._cond.notify_all()
+            while self._ack_sent < lsn:
+                self._raise_if_failed()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ReplicationError(f"acknowledging {int_to_lsn(lsn)} timed out")
+                self._cond.wait(remaining)
 
     @property
     def server_version(self) -> int:

@@ -77,5 +77,17 @@ def test_heartbeat_only_transactions_advance_the_offset_with_a_batch(tmp_path: P
     execute(dsn, "SELECT pg_logical_emit_message(true, 'sequin:heartbeat', '{}')")
     it, end = reader.read(start)
     assert end["lsn"] > start["lsn"]
-    assert [b.num_rows for b in batches(it)] == [0]  # a batch Spark can cache, not "no data"
+    assert [b.num_rows for b in batches(it)] == [0]
+    reader.stop()
+
+
+def test_empty_range_is_read_without_the_slot(tmp_path: Path, dsn: str, dbname: str) -> None:
+    """Spark replays batch 0 as (initial, initial) when the first read found nothing, while the
+    streaming reader holds the slot: that must not need the slot."""
+    reader, _ = reader_for(tmp_path, dsn, dbname)
+    start = reader.initialOffset()
+    it, end = reader.read(start)  # nothing committed: the reader now streams and holds the slot
+    assert end == start and batches(it) == []
+    other = ReplicationStreamReader({"config": reader.config_path, "database": "app"})
+    assert batches(other.readBetweenOffsets(start, start)) == []
     reader.stop()

@@ -83,9 +83,8 @@ class ReplicationStreamReader(SimpleDataSourceStreamReader):
         result = self._reader.read(stream.max_batch_rows, stream.max_batch_bytes, stream.max_batch_wait)
         if result.end_lsn == lsn:
             return iter([]), start
-        # Always hand Spark a batch, even a 0-row one (a heartbeat-only transaction): with no
-        # prefetched batch Spark would re-read the range through readBetweenOffsets in another
-        # process, which cannot get the slot while this reader streams from it.
+        # A heartbeat-only transaction gives a 0-row batch: the offset still advances, so the
+        # slot is acknowledged past it and an idle database does not retain WAL.
         return iter([rows_to_arrow(result.rows)]), {"lsn": result.end_lsn}
 
     def _maybe_heartbeat(self, db: DatabaseConfig) -> None:
@@ -101,6 +100,10 @@ class ReplicationStreamReader(SimpleDataSourceStreamReader):
             log.warning("heartbeat failed: %s", exc)
 
     def readBetweenOffsets(self, start: dict, end: dict) -> Iterator[Any]:
+        if int(start["lsn"]) == int(end["lsn"]):
+            # Spark runs batch 0 over (initial, initial) when the first read found nothing; an
+            # empty range needs no slot (which the streaming reader holds at that moment).
+            return iter([])
         reader = self._new_reader()
         try:
             reader.open(int(start["lsn"]))
