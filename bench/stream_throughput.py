@@ -116,8 +116,8 @@ def latency_run(dsn: str, store_dsn: str, rate: int, seconds: int, first_id: int
         row = conn.execute(
             "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), percentile_cont(0.99) WITHIN GROUP (ORDER BY ms),"
             " max(ms) FROM (SELECT extract(epoch FROM inserted_at - (data->'metadata'->>'commit_timestamp')::timestamptz)"
-            " * 1000 AS ms FROM sequin.stream_messages WHERE (data->'record'->>'id')::bigint >= %s) t",
-            (first_id,)).fetchone()
+            " * 1000 AS ms FROM sequin.stream_messages WHERE (data->'record'->>'id')::bigint BETWEEN %s AND %s) t",
+            (first_id, first_id + total - 1)).fetchone()
     return {"rate": achieved, "p50_ms": float(row[0]), "p99_ms": float(row[1]), "max_ms": float(row[2])}  # type: ignore[index]
 
 
@@ -138,6 +138,7 @@ def main() -> int:
     parser.add_argument("--changes", type=int, default=300_000)
     parser.add_argument("--rate", type=int, default=5_000)
     parser.add_argument("--seconds", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=100_000, help="changes streamed before measuring (JIT warm-up)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="sequin-bench-"))
     results: dict[str, object] = {"changes": args.changes}
@@ -160,27 +161,41 @@ sinks:
 stream: {{checkpoint_location: {work / 'ckpt'}}}
 """)
         initialize(load_config(config_path))
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            start_lsn = create_slot(conn, "recv_slot")
-            create_slot(conn, "decoder_slot")
         app = StreamAppProcess(config_path, work / "app.log").start()
         try:
             app.wait_streaming(store_dsn)
+            if args.warmup:
+                print(f"bench: warm-up with {args.warmup} changes ...", flush=True)
+                warm = sink_count(store_dsn)
+                with psycopg.connect(dsn, autocommit=True) as conn:
+                    for lo in range(10_000_001, 10_000_001 + args.warmup, 500):
+                        conn.execute(f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW} FROM generate_series({lo}, {min(lo + 499, 10_000_000 + args.warmup)}) g")
+                wait_for(lambda: sink_count(store_dsn) >= warm + args.warmup, 600, what="the warm-up")
+            with psycopg.connect(dsn, autocommit=True) as conn:  # the reference slots see only the workload
+                start_lsn = create_slot(conn, "recv_slot")
+                create_slot(conn, "decoder_slot")
             base = sink_count(store_dsn)
             print(f"bench: writing {args.changes} changes (inserts then updates, 500-row transactions) ...", flush=True)
+            log_mark = app.log_path.stat().st_size
             t0, t_written = write_workload(dsn, args.changes)
             end_lsn = current_lsn(dsn)
             wait_for(lambda: sink_count(store_dsn) >= base + args.changes, 900, interval=0.05, what="the sink to catch up")
             t_done = time.time()
             e2e = args.changes / (t_done - t0)
             results.update(write_seconds=t_written - t0, e2e_seconds=t_done - t0, e2e_rate=e2e)
+            throughput_log = app.log_path.read_bytes()[log_mark:].decode(errors="replace")
             print(f"bench: end to end {e2e:,.0f} changes/s ({t_done - t0:.1f}s; the writer alone took {t_written - t0:.1f}s)", flush=True)
+            log_mark = app.log_path.stat().st_size
             latency = latency_run(dsn, store_dsn, args.rate, args.seconds, args.changes + 1)
+            latency_log = app.log_path.read_bytes()[log_mark:].decode(errors="replace")
+            (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
+            (ROOT / "bench" / "results" / "latency_batches.log").write_text(
+                "\n".join(line for line in latency_log.splitlines() if "batch" in line))
             results["latency"] = latency
             print(f"bench: latency at {latency['rate']:,.0f}/s: p50 {latency['p50_ms']:.0f} ms, p99 {latency['p99_ms']:.0f} ms", flush=True)
         finally:
             app.stop()
-        breakdown = batch_breakdown(app.log_tail(50_000_000))
+        breakdown = batch_breakdown(throughput_log)
         recv_seconds = run_pg_recvlogical(dsn, "recv_slot", end_lsn)
         decoder_seconds = run_decoder_only(dsn, "decoder_slot", start_lsn, end_lsn, args.changes)
     shutil.rmtree(work, ignore_errors=True)
@@ -198,7 +213,7 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
     print(f"| (c) latency at {lat['rate']:,.0f} changes/s | p50 {lat['p50_ms']:.0f} ms, p99 {lat['p99_ms']:.0f} ms, max {lat['max_ms']:.0f} ms | | |")
     if breakdown["batches"]:
         total = breakdown["total"] or 1.0
-        print(f"\nwhere the foreachBatch time goes ({breakdown['batches']:.0f} batches, {breakdown['rows']:,.0f} rows): "
+        print(f"\nwhere the foreachBatch time goes in (b) ({breakdown['batches']:.0f} batches, {breakdown['rows']:,.0f} rows): "
               f"spark select+toArrow {100 * breakdown['spark'] / total:.0f}%, render {100 * breakdown['render'] / total:.0f}%, "
               f"store COPY+insert {100 * breakdown['store'] / total:.0f}%; foreachBatch total {breakdown['total']:.1f}s of "
               f"{results['e2e_seconds']:.1f}s end to end (the rest: reading+decoding in the source, Spark planning)")

@@ -121,6 +121,7 @@ class StreamConfig:
     """Settings of the stream app: checkpoint folder and micro-batch sizing."""
 
     checkpoint_location: str = "var/checkpoints"
+    spool_location: str | None = None  # default: <checkpoint>/sequin-spool (must be local or shared)
     max_batch_rows: int = 200_000
     max_batch_bytes: int = 256 * 1024 * 1024
     max_batch_wait: float = 0.25
@@ -416,12 +417,14 @@ def parse_config(data: Any, source: str = DEFAULT_CONFIG_PATH, environ: dict[str
     if len(set(sink_names)) != len(sink_names):
         raise r.fail("sinks", "sink names must be unique")
     stream_raw = r.mapping(top.get("stream") or {}, "stream",
-                           {"checkpoint_location", "max_batch_rows", "max_batch_bytes", "max_batch_wait",
-                            "store_retry_timeout"})
+                           {"checkpoint_location", "spool_location", "max_batch_rows", "max_batch_bytes",
+                            "max_batch_wait", "store_retry_timeout"})
     defaults = StreamConfig()
     stream = StreamConfig(
         checkpoint_location=r.string(stream_raw.get("checkpoint_location", defaults.checkpoint_location),
                                      "stream.checkpoint_location"),
+        spool_location=(r.string(stream_raw["spool_location"], "stream.spool_location")
+                        if stream_raw.get("spool_location") is not None else None),
         max_batch_rows=r.integer(stream_raw.get("max_batch_rows", defaults.max_batch_rows), "stream.max_batch_rows", 1),
         max_batch_bytes=r.integer(stream_raw.get("max_batch_bytes", defaults.max_batch_bytes), "stream.max_batch_bytes", 1024),
         max_batch_wait=r.duration(stream_raw.get("max_batch_wait", defaults.max_batch_wait), "stream.max_batch_wait"),

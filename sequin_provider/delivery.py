@@ -1,45 +1,36 @@
 """Per-sink selection, filter, grouping and transform (DESIGN §6 pipeline, §9).
 
-Selection, filter and grouping are expressed as SQL over the change row so the Spark glue can
-evaluate them in the JVM for a whole micro-batch; in that SQL ``record`` and ``changes`` are
-``map<string,string>`` (values as text), ``action``, ``table_schema`` and ``table_name`` are
-strings. Rendering and transforms are plain Python over the collected rows. This module imports
-neither Spark nor Airflow.
+Selection, filter, grouping and the message rendering are Spark SQL over the change row, so the
+Spark glue evaluates them in the JVM for a whole micro-batch. In that SQL ``record`` and
+``changes`` are ``map<string,string>`` (values as text) when a sink needs them (filters, group
+columns), ``record_json``/``changes_json`` are the JSON texts, and ``action``, ``table_schema``,
+``table_name`` are strings. User transforms (``module:function``) are plain Python applied to each
+rendered message. This module imports neither Spark nor Airflow.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable
 
 from sequin_provider.config import SinkConfig
-from sequin_provider.messages import (
-    Consumer,
-    render_change_message,
-    render_metadata,
-    render_record_message,
-)
+from sequin_provider.messages import message_sql, metadata_sql, sql_string
 
 
 class TransformError(RuntimeError):
     """A sink's transform raised or returned something that is not JSON."""
 
 
-def _sql_string(value: str) -> str:
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
 def _table_match(schema: str, name: str) -> str:
-    return f"(table_schema = {_sql_string(schema)} AND table_name = {_sql_string(name)})"
+    return f"(table_schema = {sql_string(schema)} AND table_name = {sql_string(name)})"
 
 
 def selection_predicate(sink: SinkConfig) -> str:
     """SQL predicate: this sink's tables and actions (record sinks never get deletes), and its filter."""
     actions = [a for a in sink.actions if not (sink.message_kind == "record" and a == "delete")]
     tables = " OR ".join(_table_match(t.schema, t.name) for t in sink.tables)
-    predicate = f"({tables}) AND action IN ({', '.join(_sql_string(a) for a in actions) or 'NULL'})"
+    predicate = f"({tables}) AND action IN ({', '.join(sql_string(a) for a in actions) or 'NULL'})"
     if sink.filter:
         predicate += f" AND coalesce(({sink.filter}), false)"
     return predicate
@@ -58,10 +49,16 @@ def group_expression(sink: SinkConfig) -> str:
     if not custom:
         return default_group_sql()
     cases = " ".join(
-        f"WHEN {_table_match(t.schema, t.name)} THEN concat({_sql_string(t.qualified + ':')}, to_json(array("
-        + ", ".join(f"record[{_sql_string(c)}]" for c in t.group_column_names) + ")))"
+        f"WHEN {_table_match(t.schema, t.name)} THEN concat({sql_string(t.qualified + ':')}, to_json(array("
+        + ", ".join(f"record[{sql_string(c)}]" for c in t.group_column_names) + ")))"
         for t in custom)
     return f"CASE {cases} ELSE {default_group_sql()} END"
+
+
+def message_expression(sink: SinkConfig, database_name: str) -> str:
+    """SQL rendering this sink's message JSON (before any Python transform)."""
+    kind = "record_only" if sink.transform == "record_only" else sink.message_kind
+    return message_sql(kind, metadata_sql(sink.consumer_id, sink.name, database_name))
 
 
 def needs_parsed_record(sink: SinkConfig) -> bool:
@@ -86,43 +83,14 @@ def load_transform(spec: str | None) -> Transform | None:
     return func  # type: ignore[no-any-return]
 
 
-@dataclass
-class MessageRenderer:
-    """Turns the collected change rows of one sink into message JSON (after its transform)."""
+def apply_transform(sink: SinkConfig, transform: Transform, message: str) -> str:
+    """Run a user's transform on one rendered message; its result must be JSON-serialisable.
 
-    sink: SinkConfig
-    database_name: str
-
-    def __post_init__(self) -> None:
-        self.consumer = Consumer(self.sink.consumer_id, self.sink.name, self.database_name)
-        self.consumer_json = self.consumer.json_fragment()
-        self.transform = load_transform(self.sink.transform)
-
-    def render(self, columns: Mapping[str, Sequence[Any]], indices: Sequence[int]) -> Iterator[str]:
-        """Message JSON for the rows at ``indices`` of the column-wise batch."""
-        lsn, idx, ts = columns["commit_lsn"], columns["commit_idx"], columns["commit_timestamp"]
-        schema, table, action = columns["table_schema"], columns["table_name"], columns["action"]
-        record, changes, pks, toast = columns["record"], columns["changes"], columns["record_pks"], columns["unchanged_toast"]
-        record_only = self.sink.transform == "record_only"
-        record_kind = self.sink.message_kind == "record"
-        for i in indices:
-            if record_only:
-                text = record[i]
-            else:
-                meta = render_metadata(self.consumer, self.consumer_json, lsn[i], idx[i], ts[i], schema[i], table[i],
-                                       pks[i], toast[i])
-                text = (render_record_message(meta, record[i]) if record_kind
-                        else render_change_message(meta, action[i], record[i], changes[i]))
-            if self.transform is not None:
-                text = self.apply_transform(text)
-            yield text
-
-    def apply_transform(self, text: str) -> str:
-        """Run the user's transform on one message; its result must be JSON-serialisable."""
-        assert self.transform is not None
-        try:
-            result = self.transform(json.loads(text))
-            return json.dumps(result, separators=(",", ":"), ensure_ascii=False)
-        except Exception as exc:  # noqa: BLE001 - user code
-            raise TransformError(f"transform {self.sink.transform!r} of sink {self.sink.name!r} failed: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+    The transform sees numerics as Python floats (json.loads), so keep exact decimals out of
+    transforms or return them as strings.
+    """
+    try:
+        return json.dumps(transform(json.loads(message)), separators=(",", ":"), ensure_ascii=False)
+    except Exception as exc:  # noqa: BLE001 - user code
+        raise TransformError(f"transform {sink.transform!r} of sink {sink.name!r} failed: "
+                             f"{type(exc).__name__}: {exc}") from exc

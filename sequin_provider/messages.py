@@ -3,14 +3,14 @@
 A *change row* is what the replication source emits, sink-independent, with ``record`` and
 ``changes`` already rendered as JSON text by ``pgoutput``. A *message* is what a sink receives:
 ``{"record", "changes", "action", "metadata"}`` for change sinks, ``{"record", "metadata"}``
-for record sinks (reference/001). Messages are rendered by string assembly so the JSON values
-of the record pass through byte for byte (every digit of a numeric survives).
+for record sinks (reference/001). Messages are rendered by string concatenation so the JSON values
+of the record pass through byte for byte (every digit of a numeric survives); the rendering is
+Spark SQL, evaluated in the JVM for whole micro-batches.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import pyarrow as pa
@@ -48,47 +48,41 @@ def idempotency_key(commit_lsn: int, commit_idx: int) -> str:
     return f"{commit_lsn}:{commit_idx}"
 
 
-@dataclass(frozen=True)
-class Consumer:
-    """The sink as it appears in ``metadata.consumer``, plus the source database's name."""
-
-    id: str
-    name: str
-    database_name: str
-
-    def json_fragment(self) -> str:
-        """``{"id":…,"name":…}`` rendered once per sink."""
-        return json.dumps({"id": self.id, "name": self.name}, separators=(",", ":"))
+def sql_string(value: str) -> str:
+    """A Spark SQL string literal."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-_dump = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+def metadata_sql(consumer_id: str, consumer_name: str, database_name: str) -> str:
+    """Spark SQL rendering ``metadata`` of a change row as JSON text.
 
-
-def render_metadata(consumer: Consumer, consumer_json: str, commit_lsn: int, commit_idx: int,
-                    commit_timestamp: str, table_schema: str, table_name: str, record_pks: Sequence[str],
-                    unchanged_toast: Sequence[str] | None = None) -> str:
-    """The ``metadata`` object. ``unchanged_toast_columns`` lists record columns left out because
-    the WAL did not carry their (unchanged, TOASTed) value and no old tuple had it."""
-    meta = (
-        f'{{"table_schema":{_dump(table_schema)},"table_name":{_dump(table_name)},'
-        f'"commit_timestamp":"{commit_timestamp}","commit_lsn":{commit_lsn},"commit_idx":{commit_idx},'
-        f'"idempotency_key":"{commit_lsn}:{commit_idx}","record_pks":{_dump(list(record_pks))},'
-        f'"database_name":{_dump(consumer.database_name)},"consumer":{consumer_json}'
+    ``unchanged_toast_columns`` is present only when the record leaves out columns whose
+    (unchanged, TOASTed) value the WAL did not carry and no old tuple had.
+    """
+    return (
+        "to_json(named_struct("
+        "'table_schema', table_schema, 'table_name', table_name, 'commit_timestamp', commit_timestamp, "
+        "'commit_lsn', commit_lsn, 'commit_idx', commit_idx, "
+        "'idempotency_key', concat(CAST(commit_lsn AS STRING), ':', CAST(commit_idx AS STRING)), "
+        f"'record_pks', record_pks, 'database_name', {sql_string(database_name)}, "
+        f"'consumer', named_struct('id', {sql_string(consumer_id)}, 'name', {sql_string(consumer_name)}), "
+        "'unchanged_toast_columns', CASE WHEN size(unchanged_toast) > 0 THEN unchanged_toast END))"
     )
-    if unchanged_toast:
-        meta += f',"unchanged_toast_columns":{_dump(list(unchanged_toast))}'
-    return meta + "}"
 
 
-def render_change_message(metadata: str, action: str, record: str, changes: str | None) -> str:
-    """The change message JSON (reference/001 plus Sequin's extra metadata)."""
-    return (f'{{"record":{record},"changes":{"null" if changes is None else changes},'
-            f'"action":"{action}","metadata":{metadata}}}')
+def message_sql(kind: str, metadata: str) -> str:
+    """Spark SQL rendering the message JSON (reference/001 shapes) from a change row.
 
-
-def render_record_message(metadata: str, record: str) -> str:
-    """The row message JSON of a ``message_kind: record`` sink (latest row, no action)."""
-    return f'{{"record":{record},"metadata":{metadata}}}'
+    ``record_json``/``changes_json`` are the JSON texts from the decoder, concatenated verbatim so
+    every value passes byte for byte. ``kind``: ``change``, ``record`` (row message) or
+    ``record_only`` (the record itself).
+    """
+    if kind == "record_only":
+        return "record_json"
+    if kind == "record":
+        return f"""concat('{{"record":', record_json, ',"metadata":', {metadata}, '}}')"""
+    return (f"""concat('{{"record":', record_json, ',"changes":', coalesce(changes_json, 'null'), """
+            f"""',"action":"', action, '","metadata":', {metadata}, '}}')""")
 
 
 def parse_message(text: str) -> dict[str, Any]:

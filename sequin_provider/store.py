@@ -90,37 +90,55 @@ def schema_version(conn: psycopg.Connection[Any], schema: str = "sequin") -> int
 StreamRow = tuple[str, int, int, str, str, str]
 """(sink, commit_lsn, commit_idx, group_id, idempotency_key, data JSON)."""
 
+STREAM_COLUMNS = ("sink", "commit_lsn", "commit_idx", "group_id", "idempotency_key", "data")
+COPY_TEXT_ESCAPES: tuple[tuple[str, str], ...] = (("\\", "\\\\"), ("\n", "\\n"), ("\r", "\\r"), ("\t", "\\t"))
+"""Replacements that make a value safe as a field of COPY's text format (backslash first)."""
 
-_STREAM_COLUMNS = "sink, commit_lsn, commit_idx, group_id, idempotency_key, data"
+
+def copy_text(value: object) -> str:
+    """One field in COPY text format."""
+    text = str(value)
+    for raw, escaped in COPY_TEXT_ESCAPES:
+        text = text.replace(raw, escaped)
+    return text
 
 
-def insert_stream_messages(conn: psycopg.Connection[Any], schema: str, rows: Iterable[StreamRow]) -> int:
-    """Durably add messages to the stream; a replayed batch adds nothing. Returns the new count.
+def copy_line(row: StreamRow) -> str:
+    """A stream row as one line of COPY text (``STREAM_COLUMNS`` order, no trailing newline)."""
+    return "\t".join(copy_text(v) for v in row)
+
+
+def insert_stream_messages(conn: psycopg.Connection[Any], schema: str, rows: Sequence[StreamRow]) -> int:
+    """Durably add messages to the stream; a replayed batch adds nothing. Returns the new count."""
+    return insert_stream_copy(conn, schema, "".join(copy_line(r) + "\n" for r in rows), len(rows))
+
+
+def insert_stream_copy(conn: psycopg.Connection[Any], schema: str, payload: str | bytes | memoryview, count: int) -> int:
+    """Like ``insert_stream_messages`` for ``count`` rows already in COPY text (lines ending in newline).
 
     Fast path: COPY straight into the table. When a row is already there (the batch is a replay
-    after a crash), the COPY fails on the primary key and the batch goes through a temporary
-    table with ``ON CONFLICT DO NOTHING`` instead. Commits the transaction.
+    after a crash), the COPY fails on the primary key (the position) and the batch goes through
+    a temporary table with ``ON CONFLICT DO NOTHING`` instead. Commits the transaction.
     """
-    batch = rows if isinstance(rows, list) else list(rows)
+    if not count:
+        return 0
+    columns = sql.SQL(", ").join(sql.Identifier(c) for c in STREAM_COLUMNS)
     target = sql.SQL("{}.stream_messages").format(_ident(schema))
     try:
         with conn.transaction(), conn.cursor() as cur:
-            with cur.copy(sql.SQL("COPY {} ({}) FROM STDIN").format(target, sql.SQL(_STREAM_COLUMNS))) as copy:
-                for row in batch:
-                    copy.write_row(row)
-            return len(batch)
+            with cur.copy(sql.SQL("COPY {} ({}) FROM STDIN").format(target, columns)) as copy:
+                copy.write(payload)
+            return count
     except psycopg.errors.UniqueViolation:
         pass
     with conn.transaction(), conn.cursor() as cur:
         cur.execute("CREATE TEMP TABLE IF NOT EXISTS sequin_incoming (sink text, commit_lsn bigint, commit_idx integer,"
                     " group_id text, idempotency_key text, data text) ON COMMIT DELETE ROWS")
-        with cur.copy(f"COPY sequin_incoming ({_STREAM_COLUMNS}) FROM STDIN") as copy:
-            for row in batch:
-                copy.write_row(row)
+        with cur.copy(sql.SQL("COPY sequin_incoming ({}) FROM STDIN").format(columns)) as copy:
+            copy.write(payload)
         cur.execute(sql.SQL(
             "INSERT INTO {} ({}) SELECT sink, commit_lsn, commit_idx, group_id, idempotency_key, data::json"
-            " FROM sequin_incoming ORDER BY commit_lsn, commit_idx ON CONFLICT DO NOTHING").format(
-            target, sql.SQL(_STREAM_COLUMNS)))
+            " FROM sequin_incoming ORDER BY commit_lsn, commit_idx ON CONFLICT DO NOTHING").format(target, columns))
         return cur.rowcount
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import psycopg
@@ -11,8 +12,8 @@ from sequin_provider.config import load_config
 from sequin_provider.messages import CHANGE_ARROW_SCHEMA
 from sequin_provider.provisioning import initialize
 from sequin_provider.replication import slot_info
-from sequin_provider.spark.source import ReplicationStreamReader
-from tests.conftest import execute, write_config
+from sequin_provider.spark.source import ReplicationStreamReader, SpoolPartition
+from tests.conftest import execute, wait_for, write_config
 
 
 def reader_for(tmp_path: Path, dsn: str, db: str) -> tuple[ReplicationStreamReader, str]:
@@ -31,29 +32,40 @@ def reader_for(tmp_path: Path, dsn: str, db: str) -> tuple[ReplicationStreamRead
         """)
     execute(dsn, "CREATE TABLE kv (id int PRIMARY KEY, v int)")
     initialize(load_config(config))
-    return ReplicationStreamReader({"config": str(config), "database": "app"}), f"slot_{db}"
+    options = {"config": str(config), "database": "app", "spool": str(tmp_path / "spool")}
+    return ReplicationStreamReader(options), f"slot_{db}"
 
 
-def batches(it: object) -> list[pa.RecordBatch]:
-    return list(it)  # type: ignore[call-overload]
+def next_offset(reader: ReplicationStreamReader, start: dict) -> dict:
+    """latestOffset until the just-committed transactions arrive (the walsender may take a moment)."""
+    return wait_for(lambda: (lambda end: end if end != start else None)(reader.latestOffset(start, None)), 30,
+                    what="the committed transactions to reach the reader")
 
 
-def test_offsets_reads_replays_and_acknowledgement(tmp_path: Path, dsn: str, dbname: str) -> None:
+def rows_of(reader: ReplicationStreamReader, start: dict, end: dict) -> list[dict]:
+    (partition,) = reader.partitions(start, end)
+    batches = list(reader.read(partition))
+    assert all(b.schema == CHANGE_ARROW_SCHEMA for b in batches)
+    return pa.Table.from_batches(batches, CHANGE_ARROW_SCHEMA).to_pylist()
+
+
+def test_offsets_spool_replays_and_acknowledgement(tmp_path: Path, dsn: str, dbname: str) -> None:
     reader, slot = reader_for(tmp_path, dsn, dbname)
     start = reader.initialOffset()
     execute(dsn, "INSERT INTO kv VALUES (1, 1)", "INSERT INTO kv VALUES (2, 2)")
-    it, end = reader.read(start)
-    (batch,) = batches(it)
-    assert batch.schema == CHANGE_ARROW_SCHEMA and batch.num_rows == 2
+    end = next_offset(reader, start)
     assert end["lsn"] > start["lsn"]
-    it, again = reader.read(end)  # nothing new: same offset, no rows
-    assert again == end and batches(it) == []
-    # a deterministic re-read of the same range, from another reader (another process in Spark)
-    other = ReplicationStreamReader({"config": reader.config_path, "database": "app"})
+    assert reader.latestOffset(end, None) == end  # nothing new
+    spooled = rows_of(reader, start, end)
+    assert [(r["action"], r["record"]) for r in spooled] == [("insert", '{"id":1,"v":1}'), ("insert", '{"id":2,"v":2}')]
+    # the same range re-read from the slot by another reader (the spool lost), while nobody streams
     reader.stop()
-    (replayed,) = batches(other.readBetweenOffsets(start, end))
-    assert replayed.to_pylist() == batch.to_pylist()
-    # the slot moves only on commit, and a commit from a non-streaming reader lets go of the slot
+    (partition,) = reader.partitions(start, end)
+    assert isinstance(partition, SpoolPartition)
+    os.unlink(partition.path)
+    other = ReplicationStreamReader(reader.options)
+    assert rows_of(other, start, end) == spooled
+    # the slot moves only on commit; a commit from a non-streaming reader lets go of the slot
     with psycopg.connect(dsn) as conn:
         assert slot_info(conn, slot).confirmed_flush_lsn == start["lsn"]  # type: ignore[union-attr]
     other.commit(end)
@@ -62,32 +74,45 @@ def test_offsets_reads_replays_and_acknowledgement(tmp_path: Path, dsn: str, dbn
     assert info is not None and info.confirmed_flush_lsn == end["lsn"] and not info.active
 
 
+def test_commit_removes_spooled_batches_up_to_the_offset(tmp_path: Path, dsn: str, dbname: str) -> None:
+    reader, _ = reader_for(tmp_path, dsn, dbname)
+    start = reader.initialOffset()
+    execute(dsn, "INSERT INTO kv VALUES (1, 1)")
+    middle = next_offset(reader, start)
+    execute(dsn, "INSERT INTO kv VALUES (2, 2)")
+    end = next_offset(reader, middle)
+    assert len(list((tmp_path / "spool").glob("*.arrow"))) == 2
+    reader.commit(middle)
+    assert [p.name for p in (tmp_path / "spool").glob("*.arrow")] == [Path(reader.partitions(middle, end)[0].path).name]  # type: ignore[attr-defined]
+    reader.stop()
+
+
 def test_initial_offset_is_stable_when_the_slot_moves(tmp_path: Path, dsn: str, dbname: str) -> None:
     reader, slot = reader_for(tmp_path, dsn, dbname)
     first = reader.initialOffset()
-    execute(dsn, "SET synchronous_commit = on", "INSERT INTO kv VALUES (1, 1)", f"SELECT pg_replication_slot_advance('{slot}', pg_current_wal_lsn())")
+    execute(dsn, "SET synchronous_commit = on", "INSERT INTO kv VALUES (1, 1)",
+            f"SELECT pg_replication_slot_advance('{slot}', pg_current_wal_lsn())")
     with psycopg.connect(dsn) as conn:
         assert slot_info(conn, slot).confirmed_flush_lsn > first["lsn"]  # type: ignore[union-attr,operator]
     assert reader.initialOffset() == first
 
 
-def test_heartbeat_only_transactions_advance_the_offset_with_a_batch(tmp_path: Path, dsn: str, dbname: str) -> None:
+def test_heartbeat_only_transactions_advance_the_offset(tmp_path: Path, dsn: str, dbname: str) -> None:
     reader, _ = reader_for(tmp_path, dsn, dbname)
     start = reader.initialOffset()
     execute(dsn, "SELECT pg_logical_emit_message(true, 'sequin:heartbeat', '{}')")
-    it, end = reader.read(start)
+    end = next_offset(reader, start)
     assert end["lsn"] > start["lsn"]
-    assert [b.num_rows for b in batches(it)] == [0]
+    assert rows_of(reader, start, end) == []
     reader.stop()
 
 
 def test_empty_range_is_read_without_the_slot(tmp_path: Path, dsn: str, dbname: str) -> None:
-    """Spark replays batch 0 as (initial, initial) when the first read found nothing, while the
+    """Spark runs batch 0 as (initial, initial) when the first read found nothing, while the
     streaming reader holds the slot: that must not need the slot."""
     reader, _ = reader_for(tmp_path, dsn, dbname)
     start = reader.initialOffset()
-    it, end = reader.read(start)  # nothing committed: the reader now streams and holds the slot
-    assert end == start and batches(it) == []
-    other = ReplicationStreamReader({"config": reader.config_path, "database": "app"})
-    assert batches(other.readBetweenOffsets(start, start)) == []
+    assert reader.latestOffset(start, None) == start  # nothing committed; the reader holds the slot
+    other = ReplicationStreamReader(reader.options)
+    assert rows_of(other, start, start) == []
     reader.stop()

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterable
+from typing import Any
 
 import psycopg
 
 from sequin_provider import store
-from sequin_provider.store import StreamRow
 
 log = logging.getLogger(__name__)
 
@@ -37,16 +36,16 @@ class SequinStreamSink:
             self._conn = psycopg.connect(self.dsn, connect_timeout=5)
         return self._conn
 
-    def write(self, rows: Iterable[StreamRow]) -> int:
-        """Durably write ``rows``; return how many were new. Retries while the store is down."""
-        batch = list(rows)
-        if not batch:
+    def write(self, payload: str | bytes | memoryview, count: int) -> int:
+        """Durably write ``count`` rows given as COPY text (``store.copy_line`` format, one per
+        line); return how many were new. Retries while the store is down."""
+        if not count:
             return 0
         deadline = time.monotonic() + self.retry_timeout
         delay = 0.2
         while True:
             try:
-                return store.insert_stream_messages(self._connection(), self.schema, batch)
+                return store.insert_stream_copy(self._connection(), self.schema, payload, count)
             except psycopg.OperationalError as exc:
                 self.close()
                 if time.monotonic() + delay > deadline:

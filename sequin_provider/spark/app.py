@@ -30,7 +30,11 @@ def spark_session(app_name: str, master: str | None = None) -> Any:
         builder = builder.master(master)
     elif "spark.master" not in os.environ.get("SPARK_SUBMIT_OPTS", "") and not os.environ.get("SPARK_MASTER"):
         builder = builder.config("spark.master", os.environ.get("SEQUIN_SPARK_MASTER", "local[2]"))
-    builder = (builder.config("spark.sql.shuffle.partitions", "2")
+    # The driver collects whole micro-batches (up to stream.max_batch_rows rendered messages).
+    memory = os.environ.get("SEQUIN_SPARK_DRIVER_MEMORY", "4g")
+    builder = (builder.config("spark.driver.memory", memory)
+               .config("spark.driver.maxResultSize", memory)
+               .config("spark.sql.shuffle.partitions", "2")
                .config("spark.ui.enabled", os.environ.get("SEQUIN_SPARK_UI", "false"))
                .config("spark.sql.execution.arrow.pyspark.enabled", "true")
                .config("spark.sql.streaming.noDataMicroBatches.enabled", "false"))
@@ -97,8 +101,10 @@ def run_stream_app(config_path: str | None, database: str | None, checkpoint: st
         store.update_status(conn, config.store.schema, db.name, slot=db.slot.name,
                             app_started_at=datetime.now(timezone.utc), last_error=None)
 
+    spool = config.stream.spool_location or str(Path(checkpoint_dir) / "sequin-spool")
     changes = (spark.readStream.format("sequin_replication")
-               .option("config", path).option("database", db.name).load())
+               .option("config", path).option("database", db.name).option("spool", spool)
+               .option("partitions", str(spark.sparkContext.defaultParallelism)).load())
     query = (changes.writeStream.foreachBatch(pipeline)
              .option("checkpointLocation", checkpoint_dir)
              .queryName(f"sequin_{db.name}")

@@ -1,8 +1,10 @@
-"""The micro-batch pipeline (``foreachBatch``): select, filter, group and hand to the sinks.
+"""The micro-batch pipeline (``foreachBatch``): select, filter, group, render and write to the sinks.
 
-One Spark action per micro-batch: the JVM evaluates every sink's selection and group SQL over
-the batch, the result comes back as one Arrow table, and each sink's messages are rendered and
-written. The batch completes (and the slot may advance) only after every sink has written.
+One Spark action per micro-batch: the JVM evaluates every sink's selection, group id and message
+rendering, down to the finished COPY text line of each stream row, and the result comes back as
+one Arrow table. The lines of a sink are joined in Arrow and streamed to the store in one COPY,
+so no Python runs per message (except a sink's own ``module:function`` transform). The batch
+completes, and the slot may advance, only after every sink has written.
 """
 
 from __future__ import annotations
@@ -10,31 +12,37 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
-from pyspark.sql import DataFrame
+import pyarrow as pa
+import pyarrow.compute as pc
+import psycopg
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from sequin_provider import store
 from sequin_provider.config import ConfigError, SequinConfig, SinkConfig
 from sequin_provider.delivery import (
-    MessageRenderer,
+    apply_transform,
     group_expression,
+    load_transform,
+    message_expression,
     needs_parsed_record,
     selection_predicate,
 )
-from sequin_provider.messages import CHANGE_FIELD_NAMES
+from sequin_provider.messages import CHANGE_FIELD_NAMES, CHANGE_SCHEMA_DDL
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
-from sequin_provider.store import StreamRow
 
 log = logging.getLogger(__name__)
 
 RECORD_MAP = "map<string,string>"
+JSON_COLUMNS = ("record", "changes")
 
 
 @dataclass
 class BatchStats:
-    """What one micro-batch did."""
+    """What one micro-batch did, and where its time went."""
 
     batch_id: int
     rows_in: int
@@ -46,22 +54,35 @@ class BatchStats:
     write_seconds: float = 0.0
 
 
-def project_batch(df: DataFrame, sinks: tuple[SinkConfig, ...]) -> DataFrame:
-    """The batch with every sink's selection flag (``_select_i``) and group id (``_group_i``)."""
-    base = [F.col(c) for c in CHANGE_FIELD_NAMES]
+def _copy_text(column: Column) -> Column:
+    """``store.copy_text`` as a Spark expression."""
+    for raw, escaped in store.COPY_TEXT_ESCAPES:
+        column = F.replace(column, F.lit(raw), F.lit(escaped))
+    return column
+
+
+def project_batch(df: DataFrame, sinks: tuple[SinkConfig, ...], database_name: str) -> DataFrame:
+    """Per sink ``i``: ``_line_i``, the finished COPY line of its stream row (null when the sink
+    does not take the change); for sinks with a Python transform ``_group_i``/``_data_i`` instead."""
+    others = [c for c in CHANGE_FIELD_NAMES if c not in JSON_COLUMNS]
+    columns: list[Column] = [F.col(c) for c in others]
+    columns += [F.col(c).alias(f"{c}_json") for c in JSON_COLUMNS]
     if any(needs_parsed_record(s) for s in sinks):
-        # Sink SQL sees record/changes as maps; the JSON text travels on as _record/_changes.
-        df = df.select(*[c for c in CHANGE_FIELD_NAMES if c not in ("record", "changes")],
-                       F.col("record").alias("_record"), F.col("changes").alias("_changes"),
-                       F.from_json("record", RECORD_MAP).alias("record"),
-                       F.from_json("changes", RECORD_MAP).alias("changes"))
-        base = [F.col(c) for c in CHANGE_FIELD_NAMES if c not in ("record", "changes")]
-        base += [F.col("_record").alias("record"), F.col("_changes").alias("changes")]
-    extra = []
+        columns += [F.from_json(c, RECORD_MAP).alias(c) for c in JSON_COLUMNS]
+    df = df.select(*columns)
+    position = F.concat(F.col("commit_lsn").cast("string"), F.lit(":"), F.col("commit_idx").cast("string"))
+    out: list[Column] = [F.col("commit_lsn"), F.col("commit_idx")]
     for i, sink in enumerate(sinks):
-        extra.append(F.expr(selection_predicate(sink)).alias(f"_select_{i}"))
-        extra.append(F.expr(group_expression(sink)).alias(f"_group_{i}"))
-    return df.select(*base, *extra)
+        selected = F.expr(selection_predicate(sink))
+        group = F.expr(group_expression(sink))
+        data = F.expr(message_expression(sink, database_name))
+        if load_transform(sink.transform) is not None:
+            out += [selected.alias(f"_select_{i}"), group.alias(f"_group_{i}"), data.alias(f"_data_{i}")]
+        else:
+            line = F.concat_ws("\t", F.lit(sink.name), F.col("commit_lsn"), F.col("commit_idx"), _copy_text(group),
+                               position, _copy_text(data))
+            out.append(F.when(selected, F.concat(line, F.lit("\n"))).alias(f"_line_{i}"))
+    return df.select(*out)
 
 
 class Pipeline:
@@ -71,7 +92,7 @@ class Pipeline:
         self.config = config
         self.database = config.database(database)
         self.sinks: tuple[SinkConfig, ...] = config.sinks_of(self.database.name)
-        self.renderers = [MessageRenderer(s, self.database.name) for s in self.sinks]
+        self.transforms = [load_transform(s.transform) for s in self.sinks]
         self.stream_sink = SequinStreamSink(config.store_dsn(self.database.name), config.store.schema,
                                             config.stream.store_retry_timeout)
         self._status_conn: Any = None
@@ -83,39 +104,50 @@ class Pipeline:
 
     def validate(self, spark: Any) -> None:
         """Analyse every sink's SQL on an empty batch, so a bad filter fails at start with its sink named."""
-        from sequin_provider.messages import CHANGE_SCHEMA_DDL
-
         empty = spark.createDataFrame([], CHANGE_SCHEMA_DDL)
         for i, sink in enumerate(self.sinks):
             try:
-                project_batch(empty, (sink,)).schema  # noqa: B018 - forces analysis
+                project_batch(empty, (sink,), self.database.name).schema  # noqa: B018 - forces analysis
             except Exception as exc:  # noqa: BLE001 - AnalysisException / ParseException
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 raise ConfigError(self.config.source, f"sinks[{i}].filter", f"invalid SQL: {first}") from None
 
+    def _stream_payload(self, table: pa.Table) -> tuple[bytes | memoryview, int]:
+        """All sinks' COPY lines of the batch, as one buffer."""
+        chunks: list[bytes | memoryview] = []
+        count = 0
+        for i, (sink, transform) in enumerate(zip(self.sinks, self.transforms)):
+            if transform is None:
+                lines = pc.drop_null(table.column(f"_line_{i}").combine_chunks())
+                if len(lines):
+                    joined = pc.binary_join(pa.ListArray.from_arrays(pa.array([0, len(lines)], pa.int32()), lines), "")
+                    chunks.append(memoryview(joined[0].as_buffer()))
+                    count += len(lines)
+                continue
+            selected = table.column(f"_select_{i}").to_pylist()
+            lsn, idx = table.column("commit_lsn").to_pylist(), table.column("commit_idx").to_pylist()
+            groups, data = table.column(f"_group_{i}").to_pylist(), table.column(f"_data_{i}").to_pylist()
+            rows = [(sink.name, lsn[j], idx[j], groups[j], f"{lsn[j]}:{idx[j]}", apply_transform(sink, transform, data[j]))
+                    for j, keep in enumerate(selected) if keep]
+            chunks.append("".join(store.copy_line(r) + "\n" for r in rows).encode())
+            count += len(rows)
+        if len(chunks) == 1:
+            return chunks[0], count
+        return b"".join(bytes(c) for c in chunks), count
+
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         """``foreachBatch`` entry point."""
         started = time.monotonic()
-        table = project_batch(df, self.sinks).toArrow()
+        table = project_batch(df, self.sinks, self.database.name).toArrow()
         collected = rendered = time.monotonic()
         rows_in = table.num_rows
         written = 0
         end_lsn = None
         if rows_in:
-            columns = {name: table.column(name).to_pylist() for name in CHANGE_FIELD_NAMES}
-            out: list[StreamRow] = []
-            for i, (sink, renderer) in enumerate(zip(self.sinks, self.renderers)):
-                selected = table.column(f"_select_{i}").to_pylist()
-                indices = [j for j, keep in enumerate(selected) if keep]
-                if not indices:
-                    continue
-                groups = table.column(f"_group_{i}").to_pylist()
-                lsn, idx = columns["commit_lsn"], columns["commit_idx"]
-                for j, data in zip(indices, renderer.render(columns, indices)):
-                    out.append((sink.name, lsn[j], idx[j], groups[j], f"{lsn[j]}:{idx[j]}", data))
+            payload, count = self._stream_payload(table)
             rendered = time.monotonic()
-            written = self.stream_sink.write(out)
-            end_lsn = max(columns["commit_lsn"])
+            written = self.stream_sink.write(payload, count)
+            end_lsn = pc.max(table.column("commit_lsn")).as_py()
         finished = time.monotonic()
         elapsed = finished - started
         stats = BatchStats(batch_id, rows_in, written, elapsed, end_lsn, collected - started, rendered - collected,
@@ -129,10 +161,9 @@ class Pipeline:
 
     def _record_status(self, batch_id: int, rows: int, elapsed: float, end_lsn: int | None) -> None:
         """Best effort: the status row is for operators; the data path does not depend on it."""
-        import psycopg
-
-        fields: dict[str, Any] = {"slot": self.database.slot.name, "heartbeat_at": _now(),
-                                  "last_batch_id": batch_id, "last_batch_at": _now()}
+        now = datetime.now(timezone.utc)
+        fields: dict[str, Any] = {"slot": self.database.slot.name, "heartbeat_at": now, "last_batch_id": batch_id,
+                                  "last_batch_at": now}
         if rows:
             fields.update(batch_rows=rows, batch_latency_ms=elapsed * 1000.0,
                           rows_per_sec=rows / elapsed if elapsed > 0 else None, last_commit_lsn=end_lsn)
@@ -150,9 +181,3 @@ class Pipeline:
         self.stream_sink.close()
         if self._status_conn is not None:
             self._status_conn.close()
-
-
-def _now() -> Any:
-    from datetime import datetime, timezone
-
-    return datetime.now(timezone.utc)

@@ -1,28 +1,38 @@
 """The replication stream as a Spark Python data source (``format("sequin_replication")``).
 
-A ``SimpleDataSourceStreamReader`` lives in one long-lived driver-side Python process, so it holds
-the replication connection across micro-batches. Offsets are ``{"lsn": <end LSN of the last
-complete transaction>}``; ``commit(end)`` is the only place the slot is acknowledged.
-``readBetweenOffsets`` may run in another process (recovery after a restart): it opens its own
-replication connection, re-reads exactly the recorded range and closes it.
+The stream reader lives in one long-lived driver-side Python process and holds the replication
+connection (``replication.ChangeReader``) across micro-batches. ``latestOffset`` takes the complete
+transactions decoded so far and spools them as an Arrow IPC file; the batch's partition names
+that file and the executor maps it (``read``), which is much cheaper than handing the rows to the
+JVM through the driver. After a crash the files are still there, so Spark's replay of an
+unfinished batch needs no slot; only when a file is missing is the range re-read from the slot.
+``commit(end)`` is the only place the slot is acknowledged, and it removes the batch's files.
 
-Options: ``config`` (path of sequin.yaml, readable where the reader runs) and ``database``.
-The DSN is resolved from the config in the reader's process, so it never appears in Spark plans.
+Offsets are ``{"lsn": <end LSN of the last complete transaction>}``.
+
+Options: ``config`` (path of sequin.yaml), ``database``, ``spool`` (a folder the executors can
+read: next to the checkpoint by default). The DSN is resolved from the config in the reader's
+process, so it never appears in Spark plans.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
-from pyspark.sql.datasource import DataSource, SimpleDataSourceStreamReader
+import pyarrow as pa
+from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 
 from sequin_provider.config import DatabaseConfig, StreamConfig, load_config
-from sequin_provider.messages import CHANGE_SCHEMA_DDL, rows_to_arrow
+from sequin_provider.messages import CHANGE_ARROW_SCHEMA, CHANGE_SCHEMA_DDL, rows_to_arrow
 from sequin_provider.replication import ChangeReader, confirmed_flush_lsn
 
 log = logging.getLogger(__name__)
+
+MIN_ROWS_PER_SLICE = 10_000
 
 
 class SequinReplicationDataSource(DataSource):
@@ -35,21 +45,59 @@ class SequinReplicationDataSource(DataSource):
     def schema(self) -> str:
         return CHANGE_SCHEMA_DDL
 
-    def simpleStreamReader(self, schema: Any) -> SimpleDataSourceStreamReader:
+    def streamReader(self, schema: Any) -> DataSourceStreamReader:
         return ReplicationStreamReader(dict(self.options))
 
 
-class ReplicationStreamReader(SimpleDataSourceStreamReader):
-    """Reads whole transactions per micro-batch and acknowledges the slot on commit."""
+class SpoolPartition(InputPartition):
+    """A slice of one micro-batch: the offset range, its spool file, and which rows of it."""
+
+    def __init__(self, start: int, end: int, path: str, options: dict[str, str], offset: int = 0,
+                 length: int | None = None) -> None:
+        super().__init__(None)
+        self.start = start
+        self.end = end
+        self.path = path
+        self.options = options
+        self.offset = offset
+        self.length = length  # None: every row (and the only partition of the batch)
+
+
+def spool_path(folder: str, start: int, end: int) -> str:
+    """The spool file of the batch ``(start, end]``."""
+    return os.path.join(folder, f"{start:020d}-{end:020d}.arrow")
+
+
+def write_spool(path: str, batch: pa.RecordBatch) -> None:
+    """Write ``batch`` as an Arrow IPC file, atomically (a reader never sees half a file)."""
+    tmp = f"{path}.tmp"
+    with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, CHANGE_ARROW_SCHEMA) as writer:
+        writer.write_batch(batch)
+    os.replace(tmp, path)
+
+
+def read_spool(path: str, offset: int = 0, length: int | None = None) -> Iterator[pa.RecordBatch]:
+    """Rows ``offset`` to ``offset + length`` (all by default) of a spool file, memory-mapped."""
+    with pa.memory_map(path) as source:
+        table = pa.ipc.open_file(source).read_all()
+        yield from table.slice(offset, length).to_batches()
+
+
+class ReplicationStreamReader(DataSourceStreamReader):
+    """Reads whole transactions per micro-batch, spools them, and acknowledges the slot on commit."""
 
     def __init__(self, options: dict[str, str]) -> None:
+        self.options = options
         self.config_path = options["config"]
         self.database_name = options.get("database") or None
+        self.spool = options.get("spool") or os.path.join(os.path.dirname(os.path.abspath(self.config_path)), "spool")
         self._reader: ChangeReader | None = None
         self._db: DatabaseConfig | None = None
         self._stream: StreamConfig | None = None
         self._last_heartbeat = 0.0
         self._initial_lsn: int | None = None
+        self.slices = max(1, int(options.get("partitions") or 1))
+        self._spooled_rows: dict[str, int] = {}
 
     def _settings(self) -> tuple[DatabaseConfig, StreamConfig]:
         if self._db is None or self._stream is None:
@@ -63,16 +111,15 @@ class ReplicationStreamReader(SimpleDataSourceStreamReader):
         return ChangeReader(db.dsn, db.slot.name, db.publication.name)
 
     def initialOffset(self) -> dict:
-        # Spark asks twice for a new query (to plan the read, then as batch 0's start) and the slot
-        # may move in between (psycopg2 confirms a keepalive's wal_end when nothing unacknowledged
-        # was received). A different start would miss the prefetched batch and force a re-read in
-        # another process, which cannot get the slot while we stream: answer once, consistently.
+        # Spark may ask more than once for a new query, and the slot may move in between
+        # (psycopg2 confirms a keepalive's wal_end when nothing unacknowledged was received): one
+        # answer per reader keeps batch 0's start consistent.
         if self._initial_lsn is None:
             db, _ = self._settings()
             self._initial_lsn = confirmed_flush_lsn(db.dsn, db.slot.name)
         return {"lsn": self._initial_lsn}
 
-    def read(self, start: dict) -> tuple[Iterator[Any], dict]:
+    def latestOffset(self, start: dict, limit: Any) -> dict:
         db, stream = self._settings()
         lsn = int(start["lsn"])
         if self._reader is None:
@@ -82,10 +129,14 @@ class ReplicationStreamReader(SimpleDataSourceStreamReader):
         self._maybe_heartbeat(db)
         result = self._reader.read(stream.max_batch_rows, stream.max_batch_bytes, stream.max_batch_wait)
         if result.end_lsn == lsn:
-            return iter([]), start
+            return start
         # A heartbeat-only transaction gives a 0-row batch: the offset still advances, so the
         # slot is acknowledged past it and an idle database does not retain WAL.
-        return iter([rows_to_arrow(result.rows)]), {"lsn": result.end_lsn}
+        os.makedirs(self.spool, exist_ok=True)
+        path = spool_path(self.spool, lsn, result.end_lsn)
+        write_spool(path, rows_to_arrow(result.rows))
+        self._spooled_rows[path] = len(result.rows)
+        return {"lsn": result.end_lsn}
 
     def _maybe_heartbeat(self, db: DatabaseConfig) -> None:
         if db.heartbeat_interval <= 0 or self._reader is None:
@@ -99,10 +150,34 @@ class ReplicationStreamReader(SimpleDataSourceStreamReader):
         except Exception as exc:  # noqa: BLE001 - a missed heartbeat must not stop the stream
             log.warning("heartbeat failed: %s", exc)
 
-    def readBetweenOffsets(self, start: dict, end: dict) -> Iterator[Any]:
+    def partitions(self, start: dict, end: dict) -> list[InputPartition]:
+        """One partition per core for large batches (collected in order, so row order holds)."""
+        lo, hi = int(start["lsn"]), int(end["lsn"])
+        path = spool_path(self.spool, lo, hi)
+        rows = self._spooled_rows.get(path, 0)
+        if self.slices == 1 or rows < MIN_ROWS_PER_SLICE * 2:
+            return [SpoolPartition(lo, hi, path, self.options)]
+        size = -(-rows // self.slices)
+        return [SpoolPartition(lo, hi, path, self.options, offset, size) for offset in range(0, rows, size)]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, SpoolPartition)
+        if partition.start == partition.end:
+            # Spark runs batch 0 over (initial, initial) when the first read found nothing.
+            return
+        if os.path.exists(partition.path):
+            yield from read_spool(partition.path, partition.offset, partition.length)
+            return
+        # The spool is gone (another machine, a wiped folder): re-read the range from the slot.
+        log.warning("spool file %s missing: re-reading the range from the slot", partition.path)
+        replay = ReplicationStreamReader(partition.options)
+        batches = list(replay.readBetweenOffsets({"lsn": partition.start}, {"lsn": partition.end}))
+        if batches:  # the re-read is deterministic, so each slice takes its own rows of it
+            yield from pa.Table.from_batches(batches).slice(partition.offset, partition.length).to_batches()
+
+    def readBetweenOffsets(self, start: dict, end: dict) -> Iterator[pa.RecordBatch]:
+        """Re-read exactly ``(start, end]`` from the slot with a reader of its own."""
         if int(start["lsn"]) == int(end["lsn"]):
-            # Spark runs batch 0 over (initial, initial) when the first read found nothing; an
-            # empty range needs no slot (which the streaming reader holds at that moment).
             return iter([])
         reader = self._new_reader()
         try:
@@ -116,17 +191,30 @@ class ReplicationStreamReader(SimpleDataSourceStreamReader):
         lsn = int(end["lsn"])
         if self._reader is None:
             self._reader = self._new_reader()
+        self._spooled_rows = {p: n for p, n in self._spooled_rows.items()
+                              if int(Path(p).stem.split("-")[1]) > lsn}
         if self._reader.is_open:
             self._reader.acknowledge(lsn)
+        else:
+            # After a restart Spark commits the last finished batch before it replays an
+            # unfinished one, which may need the slot: acknowledge and let go of it.
+            self._reader.open(lsn)
+            try:
+                self._reader.acknowledge(lsn)
+            finally:
+                self._reader.close()
+        self._remove_spooled(lsn)
+
+    def _remove_spooled(self, committed: int) -> None:
+        folder = Path(self.spool)
+        if not folder.is_dir():
             return
-        # After a restart Spark commits the last finished batch before it replays an unfinished
-        # one, whose readBetweenOffsets runs in another process and needs the slot: acknowledge
-        # and let go of it rather than keep streaming from here.
-        self._reader.open(lsn)
-        try:
-            self._reader.acknowledge(lsn)
-        finally:
-            self._reader.close()
+        for path in folder.glob("*.arrow"):
+            try:
+                if int(path.stem.split("-")[1]) <= committed:
+                    path.unlink()
+            except (ValueError, IndexError, FileNotFoundError):
+                continue
 
     def stop(self) -> None:
         if self._reader is not None:
