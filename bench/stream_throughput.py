@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,9 +41,16 @@ TABLE = ("CREATE TABLE events (id bigint PRIMARY KEY, account int NOT NULL, amou
 ROW = "g, g % 1000, (g % 10000) / 100.0, 'kind-' || (g % 7), jsonb_build_object('n', g, 'tag', md5(g::text))"
 
 
+_COUNTERS: dict[str, psycopg.Connection] = {}
+
+
 def sink_count(store_dsn: str) -> int:
-    with psycopg.connect(store_dsn) as conn:
-        return int(conn.execute("SELECT count(*) FROM sequin.stream_messages").fetchone()[0])  # type: ignore[index]
+    """Messages in the sink, over one kept connection (a new connection per poll would cost the
+    machine a backend fork each time and skew the figures)."""
+    conn = _COUNTERS.get(store_dsn)
+    if conn is None or conn.closed:
+        conn = _COUNTERS[store_dsn] = psycopg.connect(store_dsn, autocommit=True)
+    return int(conn.execute("SELECT count(*) FROM sequin.stream_messages").fetchone()[0])  # type: ignore[index]
 
 
 def current_lsn(dsn: str) -> int:
@@ -121,15 +129,62 @@ def latency_run(dsn: str, store_dsn: str, rate: int, seconds: int, first_id: int
     return {"rate": achieved, "p50_ms": float(row[0]), "p99_ms": float(row[1]), "max_ms": float(row[2])}  # type: ignore[index]
 
 
+def process_class(proc: psutil.Process) -> str | None:
+    """Which part of the system a process is, by its command line."""
+    try:
+        cmd = " ".join(proc.cmdline())
+        name = proc.name()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    if name == "postgres" or cmd.startswith("postgres"):
+        return "postgres: walsender (logical decoding)" if "walsender" in cmd or "START_REPLICATION" in cmd else "postgres: other backends (COPY, writes)"
+    if "java" in name:
+        return "Spark JVM"
+    if "python_streaming_source_runner" in cmd:
+        return "reader process (pgoutput decode, spool)"
+    if "pyspark.daemon" in cmd or "pyspark/daemon" in cmd or "pyspark.worker" in cmd:
+        return "Python workers (spool read, COPY)"
+    if "replication_stream.py" in cmd:
+        return "driver (foreachBatch)"
+    return None
+
+
+def cpu_by_class() -> dict[int, tuple[str, float]]:
+    """CPU seconds so far of every process that belongs to the pipeline."""
+    out: dict[int, tuple[str, float]] = {}
+    for proc in psutil.process_iter():
+        klass = process_class(proc)
+        if klass is None:
+            continue
+        try:
+            times = proc.cpu_times()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        out[proc.pid] = (klass, times.user + times.system)
+    return out
+
+
+def cpu_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds per class between two samples (processes born in between count from zero)."""
+    totals: dict[str, float] = {}
+    for pid, (klass, seconds) in after.items():
+        totals[klass] = totals.get(klass, 0.0) + seconds - (before.get(pid, (klass, 0.0))[1])
+    return totals
+
+
 def batch_breakdown(log_text: str) -> dict[str, float]:
-    """Sum of the pipeline's per-batch phases from the app log."""
-    pattern = re.compile(r"batch \d+: (\d+) changes -> \d+ new messages in ([\d.]+)s \(spark ([\d.]+)s, render ([\d.]+)s, store ([\d.]+)s\)")
-    totals = {"batches": 0.0, "rows": 0.0, "total": 0.0, "spark": 0.0, "render": 0.0, "store": 0.0}
-    for m in pattern.finditer(log_text):
+    """Sums of the pipeline's per-batch figures and Spark's phase timings from the app log."""
+    batch = re.compile(r"batch \d+: (\d+) changes -> \d+ new messages in ([\d.]+)s \(store COPY ([\d.]+)s")
+    progress = re.compile(r"progress batch \d+: (\d+) rows, (.*)")
+    totals: dict[str, float] = {"batches": 0.0, "rows": 0.0, "foreach_batch": 0.0, "store_copy": 0.0}
+    for m in batch.finditer(log_text):
         totals["batches"] += 1
         totals["rows"] += int(m.group(1))
-        for key, group in (("total", 2), ("spark", 3), ("render", 4), ("store", 5)):
-            totals[key] += float(m.group(group))
+        totals["foreach_batch"] += float(m.group(2))
+        totals["store_copy"] += float(m.group(3))
+    for m in progress.finditer(log_text):
+        for key, value in re.findall(r"(\w+)=(\d+)", m.group(2)):
+            totals[f"spark_{key}_s"] = totals.get(f"spark_{key}_s", 0.0) + int(value) / 1000.0
     return totals
 
 
@@ -177,10 +232,17 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
             base = sink_count(store_dsn)
             print(f"bench: writing {args.changes} changes (inserts then updates, 500-row transactions) ...", flush=True)
             log_mark = app.log_path.stat().st_size
+            cpu_before = cpu_by_class()
+            machine_before = psutil.cpu_times()
             t0, t_written = write_workload(dsn, args.changes)
             end_lsn = current_lsn(dsn)
-            wait_for(lambda: sink_count(store_dsn) >= base + args.changes, 900, interval=0.05, what="the sink to catch up")
+            wait_for(lambda: sink_count(store_dsn) >= base + args.changes, 900, interval=0.1, what="the sink to catch up")
             t_done = time.time()
+            cpu = cpu_delta(cpu_before, cpu_by_class())
+            machine_after = psutil.cpu_times()
+            results["cpu_seconds"] = cpu
+            results["machine_busy_seconds"] = sum(machine_after) - sum(machine_before) - (
+                machine_after.idle - machine_before.idle) - (machine_after.iowait - machine_before.iowait)
             e2e = args.changes / (t_done - t0)
             results.update(write_seconds=t_written - t0, e2e_seconds=t_done - t0, e2e_rate=e2e)
             throughput_log = app.log_path.read_bytes()[log_mark:].decode(errors="replace")
@@ -212,11 +274,20 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
     print(f"| (b) end to end: commit -> durable Sequin Stream row | {e2e:,.0f} | {results['e2e_seconds']:.1f} | {e2e / recv_rate:.2f} |")
     print(f"| (c) latency at {lat['rate']:,.0f} changes/s | p50 {lat['p50_ms']:.0f} ms, p99 {lat['p99_ms']:.0f} ms, max {lat['max_ms']:.0f} ms | | |")
     if breakdown["batches"]:
-        total = breakdown["total"] or 1.0
-        print(f"\nwhere the foreachBatch time goes in (b) ({breakdown['batches']:.0f} batches, {breakdown['rows']:,.0f} rows): "
-              f"spark select+toArrow {100 * breakdown['spark'] / total:.0f}%, render {100 * breakdown['render'] / total:.0f}%, "
-              f"store COPY+insert {100 * breakdown['store'] / total:.0f}%; foreachBatch total {breakdown['total']:.1f}s of "
-              f"{results['e2e_seconds']:.1f}s end to end (the rest: reading+decoding in the source, Spark planning)")
+        phases = ", ".join(f"{k[6:-2]} {v:.1f}s" for k, v in sorted(breakdown.items()) if k.startswith("spark_"))
+        print(f"\nwhere the time goes in (b): {breakdown['batches']:.0f} micro-batches, {breakdown['rows']:,.0f} rows; "
+              f"Spark phases (summed): {phases}; inside addBatch, the store COPYs took {breakdown['store_copy']:.1f}s "
+              f"(summed over partitions, which run in parallel)")
+    cpu = results.get("cpu_seconds") or {}
+    if cpu:
+        total_cpu = sum(cpu.values())
+        busy = results["machine_busy_seconds"]
+        print(f"\nCPU during (b): the machine was busy {busy:.1f} of {psutil.cpu_count() * results['e2e_seconds']:.1f} "
+              f"core-seconds ({100 * busy / (psutil.cpu_count() * results['e2e_seconds']):.0f}%, "
+              f"{1e6 * busy / args.changes:.0f} us of CPU per change); by process (long-lived ones, "
+              f"{total_cpu:.1f}s of it):")
+        for klass, seconds in sorted(cpu.items(), key=lambda kv: -kv[1]):
+            print(f"  {klass:<42} {seconds:6.1f}s  {1e6 * seconds / args.changes:5.1f} us/change")
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "stream_throughput.json").write_text(json.dumps(results, indent=2, default=str))

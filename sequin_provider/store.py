@@ -8,7 +8,7 @@ store lives here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, Union
 
 import psycopg
 from psycopg import sql
@@ -110,32 +110,42 @@ def copy_line(row: StreamRow) -> str:
 
 def insert_stream_messages(conn: psycopg.Connection[Any], schema: str, rows: Sequence[StreamRow]) -> int:
     """Durably add messages to the stream; a replayed batch adds nothing. Returns the new count."""
-    return insert_stream_copy(conn, schema, "".join(copy_line(r) + "\n" for r in rows), len(rows))
+    return insert_stream_copy(conn, schema, ["".join(copy_line(r) + "\n" for r in rows)])
 
 
-def insert_stream_copy(conn: psycopg.Connection[Any], schema: str, payload: str | bytes | memoryview, count: int) -> int:
-    """Like ``insert_stream_messages`` for ``count`` rows already in COPY text (lines ending in newline).
+CopyChunk = Union[str, bytes, memoryview]
 
-    Fast path: COPY straight into the table. When a row is already there (the batch is a replay
-    after a crash), the COPY fails on the primary key (the position) and the batch goes through
-    a temporary table with ``ON CONFLICT DO NOTHING`` instead. Commits the transaction.
+
+def insert_stream_copy(conn: psycopg.Connection[Any], schema: str, chunks: Iterable[CopyChunk],
+                       consumed: list[CopyChunk] | None = None) -> int:
+    """Like ``insert_stream_messages`` for rows already in COPY text, streamed chunk by chunk.
+
+    Chunks are whole lines (``copy_line`` + newline) and are sent as they come, so the server
+    works while the producer renders the next chunk. Fast path: COPY straight into the table.
+    When a row is already there (the batch is a replay after a crash), the COPY fails on the
+    primary key (the position) and the rows go through a temporary table with
+    ``ON CONFLICT DO NOTHING`` instead. Every chunk taken is appended to ``consumed`` (so a
+    caller can retry after a connection failure). Returns the number of new rows; commits.
     """
-    if not count:
-        return 0
+    seen: list[CopyChunk] = consumed if consumed is not None else []
+    pending = iter(chunks)  # one pass: after a failure, only what was not taken remains
     columns = sql.SQL(", ").join(sql.Identifier(c) for c in STREAM_COLUMNS)
     target = sql.SQL("{}.stream_messages").format(_ident(schema))
     try:
         with conn.transaction(), conn.cursor() as cur:
             with cur.copy(sql.SQL("COPY {} ({}) FROM STDIN").format(target, columns)) as copy:
-                copy.write(payload)
-            return count
+                for chunk in pending:
+                    seen.append(chunk)
+                    copy.write(chunk)
+            return max(cur.rowcount, 0)
     except psycopg.errors.UniqueViolation:
-        pass
+        seen.extend(pending)  # whatever the failed COPY did not take yet
     with conn.transaction(), conn.cursor() as cur:
         cur.execute("CREATE TEMP TABLE IF NOT EXISTS sequin_incoming (sink text, commit_lsn bigint, commit_idx integer,"
                     " group_id text, idempotency_key text, data text) ON COMMIT DELETE ROWS")
         with cur.copy(sql.SQL("COPY sequin_incoming ({}) FROM STDIN").format(columns)) as copy:
-            copy.write(payload)
+            for chunk in seen:
+                copy.write(chunk)
         cur.execute(sql.SQL(
             "INSERT INTO {} ({}) SELECT sink, commit_lsn, commit_idx, group_id, idempotency_key, data::json"
             " FROM sequin_incoming ORDER BY commit_lsn, commit_idx ON CONFLICT DO NOTHING").format(target, columns))

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import psycopg
 
 from sequin_provider import store
+from sequin_provider.store import CopyChunk
 
 log = logging.getLogger(__name__)
 
@@ -36,18 +37,20 @@ class SequinStreamSink:
             self._conn = psycopg.connect(self.dsn, connect_timeout=5)
         return self._conn
 
-    def write(self, payload: str | bytes | memoryview, count: int) -> int:
-        """Durably write ``count`` rows given as COPY text (``store.copy_line`` format, one per
-        line); return how many were new. Retries while the store is down."""
-        if not count:
-            return 0
+    def write(self, chunks: Iterable[CopyChunk]) -> int:
+        """Durably write stream rows given as COPY text chunks (``store.copy_line`` lines), streamed
+        as they come; return how many were new. Retries while the store is down."""
         deadline = time.monotonic() + self.retry_timeout
         delay = 0.2
+        consumed: list[CopyChunk] = []
+        source: Iterator[CopyChunk] = iter(chunks)
         while True:
             try:
-                return store.insert_stream_copy(self._connection(), self.schema, payload, count)
+                return store.insert_stream_copy(self._connection(), self.schema, source, consumed)
             except psycopg.OperationalError as exc:
                 self.close()
+                consumed.extend(source)  # take the rest, then retry the whole batch
+                source, consumed = iter(list(consumed)), []
                 if time.monotonic() + delay > deadline:
                     raise StoreUnavailableError(f"store unreachable for {self.retry_timeout:.0f}s: {exc}") from exc
                 log.warning("store unreachable (%s); retrying in %.1fs", str(exc).strip(), delay)

@@ -33,6 +33,8 @@ def spark_session(app_name: str, master: str | None = None) -> Any:
     # The driver collects whole micro-batches (up to stream.max_batch_rows rendered messages).
     memory = os.environ.get("SEQUIN_SPARK_DRIVER_MEMORY", "4g")
     builder = (builder.config("spark.driver.memory", memory)
+               .config("spark.driver.extraJavaOptions", os.environ.get("SEQUIN_SPARK_JAVA_OPTIONS", "-XX:+UseParallelGC"))
+               .config("spark.sql.execution.arrow.maxRecordsPerBatch", "20000")
                .config("spark.driver.maxResultSize", memory)
                .config("spark.sql.shuffle.partitions", "2")
                .config("spark.ui.enabled", os.environ.get("SEQUIN_SPARK_UI", "false"))

@@ -1,10 +1,11 @@
 """The micro-batch pipeline (``foreachBatch``): select, filter, group, render and write to the sinks.
 
-One Spark action per micro-batch: the JVM evaluates every sink's selection, group id and message
-rendering, down to the finished COPY text line of each stream row, and the result comes back as
-one Arrow table. The lines of a sink are joined in Arrow and streamed to the store in one COPY,
-so no Python runs per message (except a sink's own ``module:function`` transform). The batch
-completes, and the slot may advance, only after every sink has written.
+One Spark job per micro-batch: the JVM evaluates every sink's selection, group id and message
+rendering, down to the finished COPY text line of each stream row, and each partition's task
+writes its rows to the store in one COPY from the executor (``mapInArrow``), so partitions
+render and write in parallel and nothing is collected on the driver. No Python runs per message
+except a sink's own ``module:function`` transform. The batch completes, and the slot may
+advance, only after every partition has written.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -22,7 +23,7 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from sequin_provider import store
-from sequin_provider.config import ConfigError, SequinConfig, SinkConfig
+from sequin_provider.config import ConfigError, SequinConfig, SinkConfig, load_config
 from sequin_provider.delivery import (
     apply_transform,
     group_expression,
@@ -49,8 +50,6 @@ class BatchStats:
     messages_written: int
     seconds: float
     end_lsn: int | None
-    spark_seconds: float = 0.0
-    render_seconds: float = 0.0
     write_seconds: float = 0.0
 
 
@@ -85,6 +84,72 @@ def project_batch(df: DataFrame, sinks: tuple[SinkConfig, ...], database_name: s
     return df.select(*out)
 
 
+class StreamWriter:
+    """Executor side: one COPY of a partition's stream rows, for every sink of a database."""
+
+    def __init__(self, config_path: str, database: str) -> None:
+        config = load_config(config_path)
+        db = config.database(database)
+        self.sinks = config.sinks_of(db.name)
+        self.transforms = [load_transform(s.transform) for s in self.sinks]
+        self.sink = SequinStreamSink(config.store_dsn(db.name), config.store.schema, config.stream.store_retry_timeout)
+
+    def payload(self, batch: pa.RecordBatch) -> Iterator[bytes | memoryview]:
+        """Every sink's COPY lines of the rows in ``batch``."""
+        for i, (sink, transform) in enumerate(zip(self.sinks, self.transforms)):
+            if transform is None:
+                lines = pc.drop_null(batch.column(f"_line_{i}"))
+                if len(lines):
+                    joined = pc.binary_join(pa.ListArray.from_arrays(pa.array([0, len(lines)], pa.int32()), lines), "")
+                    yield memoryview(joined[0].as_buffer())
+                continue
+            selected = batch.column(f"_select_{i}").to_pylist()
+            lsn, idx = batch.column("commit_lsn").to_pylist(), batch.column("commit_idx").to_pylist()
+            groups, data = batch.column(f"_group_{i}").to_pylist(), batch.column(f"_data_{i}").to_pylist()
+            rows = [(sink.name, lsn[j], idx[j], groups[j], f"{lsn[j]}:{idx[j]}", apply_transform(sink, transform, data[j]))
+                    for j, keep in enumerate(selected) if keep]
+            if rows:
+                yield "".join(store.copy_line(r) + "\n" for r in rows).encode()
+
+    def write(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        """``mapInArrow`` body: stream the partition into one COPY as its batches arrive, then
+        report (rows, written, max_lsn, store seconds)."""
+        stats = {"rows": 0, "max_lsn": None}
+
+        def chunks() -> Iterator[bytes | memoryview]:
+            for batch in batches:
+                if not batch.num_rows:
+                    continue
+                stats["rows"] += batch.num_rows
+                top = pc.max(batch.column("commit_lsn")).as_py()
+                stats["max_lsn"] = top if stats["max_lsn"] is None else max(stats["max_lsn"], top)
+                yield from self.payload(batch)
+
+        started = time.monotonic()
+        written = self.sink.write(chunks())
+        seconds = time.monotonic() - started
+        yield pa.RecordBatch.from_pydict({"rows": [stats["rows"]], "written": [written], "max_lsn": [stats["max_lsn"]],
+                                          "store_seconds": [seconds]}, schema=WRITE_RESULT_SCHEMA)
+
+
+WRITE_RESULT_SCHEMA = pa.schema([("rows", pa.int64()), ("written", pa.int64()), ("max_lsn", pa.int64()),
+                                 ("store_seconds", pa.float64())])
+WRITE_RESULT_DDL = "rows bigint, written bigint, max_lsn bigint, store_seconds double"
+_WRITERS: dict[tuple[str, str], StreamWriter] = {}
+
+
+def write_partitions(config_path: str, database: str) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """The ``mapInArrow`` function: a writer per Python worker process, kept across micro-batches."""
+
+    def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        key = (config_path, database)
+        if key not in _WRITERS:
+            _WRITERS[key] = StreamWriter(config_path, database)
+        return _WRITERS[key].write(batches)
+
+    return write
+
+
 class Pipeline:
     """Per-database delivery: every sink of ``database`` is served from one change stream."""
 
@@ -92,9 +157,7 @@ class Pipeline:
         self.config = config
         self.database = config.database(database)
         self.sinks: tuple[SinkConfig, ...] = config.sinks_of(self.database.name)
-        self.transforms = [load_transform(s.transform) for s in self.sinks]
-        self.stream_sink = SequinStreamSink(config.store_dsn(self.database.name), config.store.schema,
-                                            config.stream.store_retry_timeout)
+        self._write = write_partitions(config.source, self.database.name)
         self._status_conn: Any = None
         self.last_stats: BatchStats | None = None
         for sink in self.sinks:
@@ -112,52 +175,23 @@ class Pipeline:
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 raise ConfigError(self.config.source, f"sinks[{i}].filter", f"invalid SQL: {first}") from None
 
-    def _stream_payload(self, table: pa.Table) -> tuple[bytes | memoryview, int]:
-        """All sinks' COPY lines of the batch, as one buffer."""
-        chunks: list[bytes | memoryview] = []
-        count = 0
-        for i, (sink, transform) in enumerate(zip(self.sinks, self.transforms)):
-            if transform is None:
-                lines = pc.drop_null(table.column(f"_line_{i}").combine_chunks())
-                if len(lines):
-                    joined = pc.binary_join(pa.ListArray.from_arrays(pa.array([0, len(lines)], pa.int32()), lines), "")
-                    chunks.append(memoryview(joined[0].as_buffer()))
-                    count += len(lines)
-                continue
-            selected = table.column(f"_select_{i}").to_pylist()
-            lsn, idx = table.column("commit_lsn").to_pylist(), table.column("commit_idx").to_pylist()
-            groups, data = table.column(f"_group_{i}").to_pylist(), table.column(f"_data_{i}").to_pylist()
-            rows = [(sink.name, lsn[j], idx[j], groups[j], f"{lsn[j]}:{idx[j]}", apply_transform(sink, transform, data[j]))
-                    for j, keep in enumerate(selected) if keep]
-            chunks.append("".join(store.copy_line(r) + "\n" for r in rows).encode())
-            count += len(rows)
-        if len(chunks) == 1:
-            return chunks[0], count
-        return b"".join(bytes(c) for c in chunks), count
-
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         """``foreachBatch`` entry point."""
         started = time.monotonic()
-        table = project_batch(df, self.sinks, self.database.name).toArrow()
-        collected = rendered = time.monotonic()
-        rows_in = table.num_rows
-        written = 0
-        end_lsn = None
-        if rows_in:
-            payload, count = self._stream_payload(table)
-            rendered = time.monotonic()
-            written = self.stream_sink.write(payload, count)
-            end_lsn = pc.max(table.column("commit_lsn")).as_py()
-        finished = time.monotonic()
-        elapsed = finished - started
-        stats = BatchStats(batch_id, rows_in, written, elapsed, end_lsn, collected - started, rendered - collected,
-                           finished - rendered if rows_in else 0.0)
+        results = (project_batch(df, self.sinks, self.database.name)
+                   .mapInArrow(self._write, WRITE_RESULT_DDL).toArrow())
+        rows_in = pc.sum(results.column("rows")).as_py() or 0
+        written = pc.sum(results.column("written")).as_py() or 0
+        end_lsn = pc.max(results.column("max_lsn")).as_py()
+        store_seconds = pc.sum(results.column("store_seconds")).as_py() or 0.0
+        elapsed = time.monotonic() - started
+        stats = BatchStats(batch_id, rows_in, written, elapsed, end_lsn, write_seconds=store_seconds)
         self.last_stats = stats
         self._record_status(batch_id, rows_in, elapsed, end_lsn)
         if rows_in:
-            log.info("batch %d: %d changes -> %d new messages in %.3fs (spark %.3fs, render %.3fs, store %.3fs)",
-                     batch_id, rows_in, written, elapsed, stats.spark_seconds, stats.render_seconds,
-                     stats.write_seconds)
+            log.info("batch %d: %d changes -> %d new messages in %.3fs (store COPY %.3fs summed over %d partitions,"
+                     " streamed while rendering)",
+                     batch_id, rows_in, written, elapsed, store_seconds, results.num_rows)
 
     def _record_status(self, batch_id: int, rows: int, elapsed: float, end_lsn: int | None) -> None:
         """Best effort: the status row is for operators; the data path does not depend on it."""
@@ -177,7 +211,6 @@ class Pipeline:
             self._status_conn = None
 
     def close(self) -> None:
-        """Release store connections."""
-        self.stream_sink.close()
+        """Release the status connection (executors' writers go with their processes)."""
         if self._status_conn is not None:
             self._status_conn.close()
