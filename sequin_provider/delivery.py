@@ -58,7 +58,8 @@ def group_expression(sink: SinkConfig) -> str:
 def message_expression(sink: SinkConfig, database_name: str) -> str:
     """SQL rendering this sink's message JSON (before any Python transform)."""
     kind = "record_only" if sink.transform == "record_only" else sink.message_kind
-    return message_sql(kind, metadata_sql(sink.consumer_id, sink.name, database_name))
+    tables = [(t.schema, t.name) for t in sink.tables]
+    return message_sql(kind, metadata_sql(sink.consumer_id, sink.name, database_name, tables))
 
 
 def needs_parsed_record(sink: SinkConfig) -> bool:

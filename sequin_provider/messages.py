@@ -53,21 +53,32 @@ def sql_string(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def metadata_sql(consumer_id: str, consumer_name: str, database_name: str) -> str:
-    """Spark SQL rendering ``metadata`` of a change row as JSON text.
+def metadata_sql(consumer_id: str, consumer_name: str, database_name: str,
+                 tables: Sequence[tuple[str, str]]) -> str:
+    """Spark SQL rendering ``metadata`` of a change row of one of ``tables`` as JSON text.
 
-    ``unchanged_toast_columns`` is present only when the record leaves out columns whose
-    (unchanged, TOASTed) value the WAL did not carry and no old tuple had.
+    The parts that are constant per table or per sink are JSON-escaped here, once, and spliced in
+    as literals; only the per-row values are formatted by Spark. ``unchanged_toast_columns`` is
+    present only when the record leaves out columns whose (unchanged, TOASTed) value the WAL did
+    not carry and no old tuple had.
     """
+    per_table = " ".join(
+        f"WHEN table_schema = {sql_string(schema)} AND table_name = {sql_string(name)} THEN "
+        + sql_string('{"table_schema":' + _json(schema) + ',"table_name":' + _json(name))
+        for schema, name in tables)
+    suffix = (',"database_name":' + _json(database_name) + ',"consumer":'
+              + _json({"id": consumer_id, "name": consumer_name}))
     return (
-        "to_json(named_struct("
-        "'table_schema', table_schema, 'table_name', table_name, 'commit_timestamp', commit_timestamp, "
-        "'commit_lsn', commit_lsn, 'commit_idx', commit_idx, "
-        "'idempotency_key', concat(CAST(commit_lsn AS STRING), ':', CAST(commit_idx AS STRING)), "
-        f"'record_pks', record_pks, 'database_name', {sql_string(database_name)}, "
-        f"'consumer', named_struct('id', {sql_string(consumer_id)}, 'name', {sql_string(consumer_name)}), "
-        "'unchanged_toast_columns', CASE WHEN size(unchanged_toast) > 0 THEN unchanged_toast END))"
+        f"concat(CASE {per_table} END, "
+        """',"commit_timestamp":"', commit_timestamp, '","commit_lsn":', commit_lsn, ',"commit_idx":', commit_idx, """
+        """',"idempotency_key":"', commit_lsn, ':', commit_idx, '","record_pks":', to_json(record_pks), """
+        f"{sql_string(suffix)}, "
+        """CASE WHEN size(unchanged_toast) > 0 THEN concat(',"unchanged_toast_columns":', to_json(unchanged_toast))"""
+        """ ELSE '' END, '}')"""
     )
+
+
+_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 def message_sql(kind: str, metadata: str) -> str:
