@@ -12,7 +12,6 @@ import shutil
 import sys
 import time
 from decimal import Decimal
-from pathlib import Path
 
 import psycopg
 

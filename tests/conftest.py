@@ -13,7 +13,7 @@ import pytest
 from sequin_provider import store
 from sequin_provider.embedded_postgres import EmbeddedPostgres
 from sequin_provider.messages import parse_message
-from sequin_provider.stream_process import StreamAppProcess, wait_for
+from sequin_provider.stream_process import StreamAppProcess, wait_for  # noqa: F401 - wait_for is shared with the tests
 
 _counter = itertools.count()
 

@@ -343,7 +343,7 @@ def test_sigkill_mid_workload_loses_and_duplicates_nothing(tmp_path: Path, dsn: 
         app = stream_app(config)
         app.wait_streaming(dsn)
     workload.stop()
-    messages = wait_for(lambda: (lambda m: m if len(m) >= workload.committed else None)(sink_messages(dsn, "kv")),
+    wait_for(lambda: (lambda m: m if len(m) >= workload.committed else None)(sink_messages(dsn, "kv")),
                         240, what="all committed changes in the sink")
     time.sleep(2)  # anything extra (a duplicate) would show up now
     check_against_workload(sink_messages(dsn, "kv"), workload)
