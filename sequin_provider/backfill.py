@@ -1,13 +1,25 @@
 """Backfills: keyset pages sized to a query-time budget (DESIGN §7, reference/000 and 004).
 
 This module holds the parts of a backfill that need neither Spark nor Airflow. So far:
-``PageSizeOptimizer``, which picks the next keyset page size from how long recent pages took.
+``PageSizeOptimizer``, which picks the next keyset page size from how long recent pages took, and
+``plan_backfill``/``create_backfill``, which validate a request and record it.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from sequin_provider import store
+from sequin_provider.config import SequinConfig, TableConfig
+from sequin_provider.replication import table_info
+from sequin_provider.store import BackfillError
+
+DEFAULT_MAX_QUERY_MS = 5000
 
 
 @dataclass(frozen=True)
@@ -82,3 +94,91 @@ class PageSizeOptimizer:
                 ceiling = (max(successes) + smallest_timeout) // 2  # bisect between success and timeout
             proposed = min(proposed, max(ceiling, 1))
         return min(max(proposed, self.min_size), self.max_size)
+
+
+@dataclass(frozen=True)
+class BackfillPlan:
+    """A validated backfill request: the sink's table, its keys, and the typed start position."""
+
+    sink: str
+    table: TableConfig
+    primary_key: tuple[str, ...]
+    kind: str
+    sort_column: str | None
+    sort_type: str | None
+    start_position: str | None
+    max_query_ms: int
+    estimated_rows: int | None
+
+
+def plan_backfill(source: psycopg.Connection[Any], config: SequinConfig, sink_name: str, table_name: str,
+                  sort_column: str | None = None, start_position: str | None = None,
+                  max_query_ms: int = DEFAULT_MAX_QUERY_MS) -> BackfillPlan:
+    """Check a backfill request against the config and the source catalog (DESIGN §2.6).
+
+    A request with ``sort_column`` is partial: rows with ``sort_column >= start_position`` in
+    ``(sort_column, primary key)`` order. Raises ``BackfillError`` naming what is wrong.
+    """
+    sink = next((s for s in config.sinks if s.name == sink_name), None)
+    if sink is None:
+        known = ", ".join(s.name for s in config.sinks) or "none"
+        raise BackfillError(f"unknown sink {sink_name!r} (configured sinks: {known})")
+    qualified = table_name if "." in table_name else f"public.{table_name}"
+    table = next((t for t in sink.tables if t.qualified == qualified), None)
+    if table is None:
+        raise BackfillError(f"sink {sink_name!r} does not capture {qualified} "
+                            f"(its tables: {', '.join(t.qualified for t in sink.tables)})")
+    store.check_max_query_ms(max_query_ms)
+    info = table_info(source, table)
+    if info is None:
+        raise BackfillError(f"table {qualified} does not exist in database {sink.database!r}")
+    if not info.primary_key:
+        raise BackfillError(f"table {qualified} has no primary key: keyset pages need one")
+    sort_type = None
+    if sort_column is None:
+        if start_position is not None:
+            raise BackfillError("a start position needs a sort column (a partial backfill)")
+    else:
+        row = source.execute(
+            "SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = %s AND attname = %s"
+            " AND attnum > 0 AND NOT attisdropped", (info.oid, sort_column)).fetchone()
+        if row is None:
+            raise BackfillError(f"sort column {sort_column!r} is not a column of {qualified} "
+                                f"(columns: {', '.join(info.columns)})")
+        sort_type = str(row[0])
+        if start_position is None:
+            raise BackfillError(f"a partial backfill needs a start position for {sort_column!r} ({sort_type})")
+        try:
+            with source.transaction():
+                source.execute(sql.SQL("SELECT CAST(%s AS {})").format(sql.SQL(sort_type)), (start_position,))
+        except psycopg.Error as exc:
+            raise BackfillError(f"start position {start_position!r} is not a valid {sort_type} for {sort_column!r}: "
+                                f"{str(exc).strip().splitlines()[0]}") from None
+    return BackfillPlan(sink.name, table, info.primary_key, "partial" if sort_column else "full", sort_column,
+                        sort_type, start_position, max_query_ms, _estimate_rows(source, table, sort_column, sort_type,
+                                                                               start_position))
+
+
+def _estimate_rows(source: psycopg.Connection[Any], table: TableConfig, sort_column: str | None,
+                   sort_type: str | None, start_position: str | None) -> int | None:
+    """The planner's row estimate (cheap on any table size), for progress and ETA."""
+    query = sql.SQL("EXPLAIN (FORMAT JSON) SELECT 1 FROM {}").format(sql.Identifier(table.schema, table.name))
+    params: tuple[Any, ...] = ()
+    if sort_column is not None and sort_type is not None:
+        query = sql.SQL("{} WHERE {} >= CAST(%s AS {})").format(query, sql.Identifier(sort_column), sql.SQL(sort_type))
+        params = (start_position,)
+    try:
+        plan = source.execute(query, params).fetchone()[0]  # type: ignore[index]
+        return int(plan[0]["Plan"]["Plan Rows"])
+    except (psycopg.Error, KeyError, IndexError, TypeError):
+        return None
+
+
+def create_backfill(source: psycopg.Connection[Any], store_conn: psycopg.Connection[Any], config: SequinConfig,
+                    sink_name: str, table_name: str, sort_column: str | None = None,
+                    start_position: str | None = None, max_query_ms: int = DEFAULT_MAX_QUERY_MS) -> store.Backfill:
+    """Validate a backfill request and record it as pending (nothing is recorded when it is invalid)."""
+    plan = plan_backfill(source, config, sink_name, table_name, sort_column, start_position, max_query_ms)
+    return store.create_backfill(store_conn, config.store.schema, plan.sink, plan.table.schema, plan.table.name,
+                                 plan.kind, plan.sort_column, plan.start_position, plan.max_query_ms,
+                                 plan.estimated_rows)

@@ -12,6 +12,7 @@ from typing import Any, Iterable, Sequence, Union
 
 import psycopg
 from psycopg import sql
+from psycopg.types.json import Jsonb
 
 MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     (1, "stream messages and stream status", """
@@ -49,9 +50,165 @@ CREATE TABLE IF NOT EXISTS {schema}.stream_status (
     last_error        text
 );
 """),
+    (2, "backfills", """
+CREATE TABLE IF NOT EXISTS {schema}.backfills (
+    id              bigserial PRIMARY KEY,
+    sink            text        NOT NULL,
+    table_schema    text        NOT NULL,
+    table_name      text        NOT NULL,
+    kind            text        NOT NULL CHECK (kind IN ('full', 'partial')),
+    sort_column     text,
+    start_position  text,
+    max_query_ms    integer     NOT NULL DEFAULT 5000 CHECK (max_query_ms BETWEEN 1 AND 600000),
+    state           text        NOT NULL DEFAULT 'pending'
+                                CHECK (state IN ('pending', 'running', 'completed', 'failed', 'cancelled')),
+    cursor          jsonb,
+    rows_initial    bigint,
+    rows_processed  bigint      NOT NULL DEFAULT 0,
+    rows_emitted    bigint      NOT NULL DEFAULT 0,
+    error           text,
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    started_at      timestamptz,
+    finished_at     timestamptz,
+    updated_at      timestamptz NOT NULL DEFAULT now(),
+    CHECK ((kind = 'partial') = (sort_column IS NOT NULL))
+);
+CREATE UNIQUE INDEX IF NOT EXISTS backfills_one_active ON {schema}.backfills (sink, table_schema, table_name)
+    WHERE state IN ('pending', 'running');
+"""),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
+
+BACKFILL_TRANSITIONS: dict[str, tuple[str, ...]] = {
+    "running": ("pending",),
+    "completed": ("running",),
+    "failed": ("pending", "running"),
+    "cancelled": ("pending", "running"),
+}
+"""Target state -> the states it may be reached from; completed, failed and cancelled are final."""
+ACTIVE_BACKFILL_STATES = ("pending", "running")
+
+
+class BackfillError(ValueError):
+    """A backfill request or state change that is not allowed, with the reason.
+
+    The backfill functions commit what they change, so they compose with a caller's connection
+    whatever its transaction state."""
+
+
+@dataclass(frozen=True)
+class Backfill:
+    """A row of the backfills table."""
+
+    id: int
+    sink: str
+    table_schema: str
+    table_name: str
+    kind: str
+    sort_column: str | None
+    start_position: str | None
+    max_query_ms: int
+    state: str
+    cursor: Any
+    rows_initial: int | None
+    rows_processed: int
+    rows_emitted: int
+    error: str | None
+    created_at: Any
+    started_at: Any
+    finished_at: Any
+    updated_at: Any
+
+
+MAX_QUERY_MS_LIMIT = 600_000
+
+
+def check_max_query_ms(value: object) -> int:
+    """A backfill's per-page query budget: an integer from 1 to 600000 ms."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_QUERY_MS_LIMIT:
+        raise BackfillError(f"max_query_ms must be an integer between 1 and {MAX_QUERY_MS_LIMIT}, got {value!r}")
+    return value
+
+
+def _backfill_query(schema: str, where: str) -> sql.Composed:
+    return sql.SQL("SELECT id, sink, table_schema, table_name, kind, sort_column, start_position, max_query_ms, state,"
+                   " cursor, rows_initial, rows_processed, rows_emitted, error, created_at, started_at, finished_at,"
+                   " updated_at FROM {}.backfills " + where).format(_ident(schema))
+
+
+def create_backfill(conn: psycopg.Connection[Any], schema: str, sink: str, table_schema: str, table_name: str,
+                    kind: str = "full", sort_column: str | None = None, start_position: str | None = None,
+                    max_query_ms: int = 5000, rows_initial: int | None = None) -> Backfill:
+    """Record a pending backfill; at most one is active per (sink, table)."""
+    if kind not in ("full", "partial"):
+        raise BackfillError(f"kind must be 'full' or 'partial', got {kind!r}")
+    if (kind == "partial") != (sort_column is not None):
+        raise BackfillError("a partial backfill needs a sort column; a full one takes none")
+    check_max_query_ms(max_query_ms)
+    try:
+        with conn.transaction():
+            row = conn.execute(sql.SQL(
+                "INSERT INTO {}.backfills (sink, table_schema, table_name, kind, sort_column, start_position,"
+                " max_query_ms, rows_initial) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) RETURNING id").format(_ident(schema)),
+                (sink, table_schema, table_name, kind, sort_column, start_position, max_query_ms, rows_initial)).fetchone()
+        conn.commit()  # a caller's open transaction made the block above a savepoint
+    except psycopg.errors.UniqueViolation:
+        active = conn.execute(_backfill_query(schema, "WHERE sink = %s AND table_schema = %s AND table_name = %s"
+                                              " AND state IN ('pending', 'running')"),
+                              (sink, table_schema, table_name)).fetchone()
+        conn.commit()
+        which = f"backfill {active[0]} ({active[8]})" if active else "another backfill"
+        raise BackfillError(f"sink {sink!r} already has an active backfill of {table_schema}.{table_name}: {which};"
+                            " cancel it or wait for it to finish") from None
+    return get_backfill(conn, schema, int(row[0]))  # type: ignore[index]
+
+
+def get_backfill(conn: psycopg.Connection[Any], schema: str, backfill_id: int) -> Backfill:
+    """One backfill by id."""
+    row = conn.execute(_backfill_query(schema, "WHERE id = %s"), (backfill_id,)).fetchone()
+    if row is None:
+        raise BackfillError(f"no backfill with id {backfill_id}")
+    return Backfill(*row)
+
+
+def list_backfills(conn: psycopg.Connection[Any], schema: str, sink: str | None = None) -> list[Backfill]:
+    """Backfills, newest first (optionally of one sink)."""
+    where = "WHERE sink = %s ORDER BY id DESC" if sink else "ORDER BY id DESC"
+    return [Backfill(*r) for r in conn.execute(_backfill_query(schema, where), (sink,) if sink else ()).fetchall()]
+
+
+def transition_backfill(conn: psycopg.Connection[Any], schema: str, backfill_id: int, state: str,
+                        error: str | None = None) -> Backfill:
+    """Move a backfill to ``state`` if its current state allows it (``BACKFILL_TRANSITIONS``)."""
+    allowed = BACKFILL_TRANSITIONS.get(state)
+    if allowed is None:
+        raise BackfillError(f"unknown target state {state!r} (running | completed | failed | cancelled)")
+    stamps = {"running": "started_at = now(), ", "completed": "finished_at = now(), ", "failed": "finished_at = now(), ",
+              "cancelled": "finished_at = now(), "}[state]
+    with conn.transaction():
+        row = conn.execute(sql.SQL(
+            "UPDATE {}.backfills SET state = %s, " + stamps + "error = coalesce(%s, error), updated_at = now()"
+            " WHERE id = %s AND state = ANY(%s) RETURNING id").format(_ident(schema)),
+            (state, error, backfill_id, list(allowed))).fetchone()
+    conn.commit()
+    if row is None:
+        current = get_backfill(conn, schema, backfill_id)
+        raise BackfillError(f"backfill {backfill_id} is {current.state}: it cannot become {state}")
+    return get_backfill(conn, schema, backfill_id)
+
+
+def record_backfill_progress(conn: psycopg.Connection[Any], schema: str, backfill_id: int, cursor: Any,
+                             processed: int, emitted: int) -> None:
+    """Advance a running backfill's cursor and add to its row counts."""
+    with conn.transaction():
+        done = conn.execute(sql.SQL(
+            "UPDATE {}.backfills SET cursor = %s, rows_processed = rows_processed + %s, rows_emitted = rows_emitted + %s,"
+            " updated_at = now() WHERE id = %s AND state = 'running' RETURNING id").format(_ident(schema)),
+            (Jsonb(cursor), processed, emitted, backfill_id)).fetchone()
+    conn.commit()
+    if done is None:
+        raise BackfillError(f"backfill {backfill_id} is not running: progress not recorded")
 
 
 def _ident(schema: str) -> sql.Identifier:
