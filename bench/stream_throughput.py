@@ -240,7 +240,7 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
             for run in range(args.runs):
                 before = sink_count(store_dsn)
                 t0, t_written = write_workload(dsn, args.changes, 1 + run * args.changes)
-                wait_for(lambda: sink_count(store_dsn) >= before + args.changes, 900, interval=0.1,
+                wait_for(lambda before=before: sink_count(store_dsn) >= before + args.changes, 900, interval=0.1,
                          what="the sink to catch up")
                 t_done = time.time()
                 rates.append(args.changes / (t_done - t0))
