@@ -91,7 +91,7 @@ def apply_transform(sink: SinkConfig, transform: Transform, message: str) -> str
     transforms or return them as strings.
     """
     try:
-        return json.dumps(transform(json.loads(message)), separators=(",", ":"), ensure_ascii=False)
+        return json.dumps(transform(json.loads(message)), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except Exception as exc:  # noqa: BLE001 - user code
         raise TransformError(f"transform {sink.transform!r} of sink {sink.name!r} failed: "
                              f"{type(exc).__name__}: {exc}") from exc

@@ -32,9 +32,6 @@ CHANGE_SCHEMA_DDL = ", ".join(f"{name} {ddl}" for name, ddl, _ in CHANGE_COLUMNS
 CHANGE_ARROW_SCHEMA = pa.schema([pa.field(name, typ) for name, _, typ in CHANGE_COLUMNS])
 CHANGE_FIELD_NAMES = tuple(name for name, _, _ in CHANGE_COLUMNS)
 
-ACTION_MESSAGE = "message"
-"""``action`` of a row that carries a logical message (watermarks), never delivered to sinks."""
-
 
 def rows_to_arrow(rows: Sequence[tuple]) -> pa.RecordBatch:
     """Build one Arrow batch of change rows (tuples in ``CHANGE_COLUMNS`` order)."""

@@ -146,9 +146,13 @@ def parse_array_literal(text: str, delimiter: str = ",") -> list[object]:
     pos = 0
     length = len(text)
 
+    if not text.startswith("{"):
+        raise ValueError(f"not an array literal: {text[:80]!r}")
+
     def parse_level() -> list[object]:
         nonlocal pos
-        assert text[pos] == "{", f"malformed array literal at {pos}: {text!r}"
+        if text[pos] != "{":
+            raise ValueError(f"malformed array literal at {pos}: {text[:80]!r}")
         pos += 1
         items: list[object] = []
         if text[pos] == "}":
@@ -196,7 +200,10 @@ def array_converter(element: Converter, delimiter: str = ",") -> Converter:
         return element(value)  # type: ignore[arg-type]
 
     def convert(text: str) -> str:
-        return render(parse_array_literal(text, delimiter))
+        try:
+            return render(parse_array_literal(text, delimiter))
+        except (ValueError, IndexError):
+            return as_string(text)  # array-like types with another text form (int2vector, oidvector)
 
     return convert
 
@@ -459,7 +466,12 @@ class PgOutputDecoder:
         if old_kind in (75, 79):  # 'K' key / 'O' old
             old, pos = self._tuple(buf, pos + 1)
         new, _ = self._tuple(buf, pos + 1)  # 'N'
-        record, missing = self._render(rel, new, fill=old)
+        fill = old
+        if old is not None and old_kind == 75:
+            # a key tuple carries only the replica identity columns; its other entries are null
+            # placeholders, not values, so they must not fill unchanged TOAST columns
+            fill = [o if key else UNCHANGED_TOAST for o, key in zip(old, rel.key_flags)]
+        record, missing = self._render(rel, new, fill=fill)
         if old is None:
             changes = "{}"
         else:

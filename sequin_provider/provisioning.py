@@ -7,6 +7,7 @@ creation then fails is dropped again, so a failed init leaves nothing half-made.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -38,7 +39,7 @@ def initialize(config: SequinConfig, database: str | None = None) -> InitReport:
     tables = config.tables_of(db.name)
     report = InitReport(db.name)
     with psycopg.connect(db.dsn, autocommit=True, connect_timeout=10) as conn:
-        errors, warnings, _ = check_prerequisites(conn, tables)
+        errors, warnings, infos = check_prerequisites(conn, tables)
         report.warnings += warnings
         try:
             slot = check_slot_usable(conn, db.slot.name)
@@ -49,6 +50,7 @@ def initialize(config: SequinConfig, database: str | None = None) -> InitReport:
             errors.append(f"slot {db.slot.name!r} does not exist and create_if_not_exists is false")
         if errors:
             raise ReplicationError(f"database {db.name!r} is not ready for capture:\n  - " + "\n  - ".join(errors))
+        report.warnings += _delete_warnings(config, db.name, infos)
         version = server_version(conn)
         with psycopg.connect(config.store_dsn(db.name), connect_timeout=10) as store_conn:
             applied = store.migrate(store_conn, config.store.schema)
@@ -73,3 +75,23 @@ def initialize(config: SequinConfig, database: str | None = None) -> InitReport:
                 raise ReplicationError(f"cannot create slot {db.slot.name!r}: {str(exc).strip()}") from exc
             report.created.append(f"replication slot {db.slot.name!r} (pgoutput)")
     return report
+
+
+def _delete_warnings(config: SequinConfig, database: str, infos: dict[str, Any]) -> list[str]:
+    """Deletes under REPLICA IDENTITY DEFAULT carry only the key: filters on other columns see NULL
+    (the delete is not delivered) and group columns other than the key are NULL (the delete lands
+    in another group than the row's earlier changes). Say so before it surprises anyone."""
+    out = []
+    for sink in config.sinks_of(database):
+        for table in sink.tables:
+            info = infos.get(table.qualified)
+            if info is None or info.replica_identity == "f" or "delete" not in sink.actions:
+                continue
+            if sink.filter:
+                out.append(f"sink {sink.name!r}: deletes of {table.qualified} carry only its key, so the filter sees "
+                           f"NULL for other columns and may drop them; use REPLICA IDENTITY FULL")
+            if sink.message_grouping and set(table.group_column_names) - set(info.primary_key):
+                out.append(f"sink {sink.name!r}: deletes of {table.qualified} carry only its key, so group columns "
+                           f"{list(table.group_column_names)} are NULL and deletes are not ordered with the row's "
+                           f"earlier changes; use REPLICA IDENTITY FULL")
+    return out

@@ -40,6 +40,17 @@ MESSAGE_PREFIX = "sequin:"
 REPLICATION_SESSION_OPTIONS = "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=iso_8601 -c extra_float_digits=1 -c bytea_output=hex"
 
 
+PAUSED_STATUS_INTERVAL = 2.0
+"""Seconds between status messages while the reader is paused by a full buffer.
+
+psycopg2 (2.8.5+) confirms a keepalive's ``wal_end`` by itself when our last explicit flush is at
+or past the start of the last data message it received. In the middle of a transaction that began
+before our last acknowledgement, that could confirm past transactions we hold but have not
+delivered. The walsender sends keepalives within a transaction only when it has not heard from us
+for half of ``wal_sender_timeout``; regular status messages (psycopg2 sends one every 10 s while
+reading, and this while paused) keep it from asking."""
+
+
 class ReplicationError(RuntimeError):
     """A prerequisite or slot problem, with an actionable message."""
 
@@ -366,6 +377,7 @@ class ChangeReader:
         pending: list[tuple] = []
         pending_bytes = 0
         truncates: list[Truncate] = []
+        last_status = time.monotonic()
         try:
             while True:
                 with cond:
@@ -381,7 +393,14 @@ class ChangeReader:
                 if full:
                     with cond:
                         cond.wait(0.05)
-                    cur.send_feedback()  # keep the connection alive while the consumer catches up
+                    now = time.monotonic()
+                    if now - last_status >= PAUSED_STATUS_INTERVAL:
+                        # While paused we do not read, so psycopg2 sends no status; the walsender must
+                        # keep hearing from us, or it asks for a reply with a keepalive that may land in
+                        # the middle of a transaction, where psycopg2 would confirm the keepalive's
+                        # wal_end on its own (see the note at PAUSED_STATUS_INTERVAL).
+                        cur.send_feedback(force=True)
+                        last_status = now
                     continue
                 msg = cur.read_message()
                 if msg is None:

@@ -76,6 +76,13 @@ CREATE TABLE IF NOT EXISTS {schema}.backfills (
 CREATE UNIQUE INDEX IF NOT EXISTS backfills_one_active ON {schema}.backfills (sink, table_schema, table_name)
     WHERE state IN ('pending', 'running');
 """),
+    (3, "stream visibility", """
+CREATE TABLE IF NOT EXISTS {schema}.stream_visibility (
+    sink        text PRIMARY KEY,
+    visible_lsn bigint      NOT NULL,
+    updated_at  timestamptz NOT NULL DEFAULT now()
+);
+"""),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
@@ -307,6 +314,29 @@ def insert_stream_copy(conn: psycopg.Connection[Any], schema: str, chunks: Itera
             "INSERT INTO {} ({}) SELECT sink, commit_lsn, commit_idx, group_id, idempotency_key, data::json"
             " FROM sequin_incoming ORDER BY commit_lsn, commit_idx ON CONFLICT DO NOTHING").format(target, columns))
         return cur.rowcount
+
+
+def advance_visible_lsn(conn: psycopg.Connection[Any], schema: str, sinks: Sequence[str], lsn: int) -> None:
+    """Make the sinks' messages up to commit LSN ``lsn`` visible to readers (never moves back).
+
+    Called once every partition of a micro-batch has committed: a batch written in several
+    transactions, or interrupted by a crash, stays invisible until it is whole, so a reader never
+    sees a later message of a group without the earlier ones. Readers serve only messages with
+    ``commit_lsn <= visible_lsn``.
+    """
+    with conn.transaction():
+        conn.execute(sql.SQL(
+            "INSERT INTO {0}.stream_visibility (sink, visible_lsn) SELECT unnest(%s::text[]), %s"
+            " ON CONFLICT (sink) DO UPDATE SET visible_lsn = greatest({0}.stream_visibility.visible_lsn,"
+            " EXCLUDED.visible_lsn), updated_at = now()").format(_ident(schema)), (list(sinks), lsn))
+    conn.commit()
+
+
+def visible_lsn(conn: psycopg.Connection[Any], schema: str, sink: str) -> int | None:
+    """Up to which commit LSN a sink's messages are complete and may be served."""
+    row = conn.execute(sql.SQL("SELECT visible_lsn FROM {}.stream_visibility WHERE sink = %s").format(_ident(schema)),
+                       (sink,)).fetchone()
+    return None if row is None else int(row[0])
 
 
 @dataclass(frozen=True)

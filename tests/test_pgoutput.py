@@ -169,3 +169,17 @@ def test_array_literal_parser() -> None:
     assert parse_array_literal('{{"a b",NULL},{"\\\\x",c}}') == [["a b", None], ["\\x", "c"]]
     assert parse_array_literal("[2:3]={7,8}") == ["7", "8"]
     assert parse_array_literal("{(1,2);(3,4)}", ";") == ["(1,2)", "(3,4)"]
+
+
+def test_key_change_without_old_values_flags_untouched_toast_instead_of_null(dsn: str) -> None:
+    big = "(SELECT string_agg(md5(i::text), '') FROM generate_series(1, 40000) i)"
+    execute(dsn, "CREATE TABLE d (id int PRIMARY KEY, big text, n int)", f"INSERT INTO d VALUES (1, {big}, 0)")
+    (row,) = capture(dsn, ["d"], "UPDATE d SET id = 2")
+    assert record(row) == {"id": 2, "n": 0} and row[10] == ["big"]  # not "big": null
+    assert json.loads(row[8]) == {"id": 1}
+
+
+def test_vector_types_fall_back_to_text(dsn: str) -> None:
+    execute(dsn, "CREATE TABLE v (id int PRIMARY KEY, iv int2vector, ov oidvector)")
+    (row,) = capture(dsn, ["v"], "INSERT INTO v VALUES (1, '1 2 3', '4 5')")
+    assert record(row) == {"id": 1, "iv": "1 2 3", "ov": "4 5"}

@@ -53,3 +53,13 @@ def test_streamed_chunks_and_replays_of_them(dsn: str) -> None:
         assert store.insert_stream_copy(conn, "sequin", (c for c in chunks), taken) == 1
         assert taken == chunks
         assert [(m.commit_lsn, m.commit_idx) for m in store.stream_messages(conn, "sequin", "s")] == [(1, 0), (1, 1), (2, 0)]
+
+
+def test_visibility_watermark_is_per_sink_and_never_moves_back(dsn: str) -> None:
+    with psycopg.connect(dsn) as conn:
+        store.migrate(conn)
+        assert store.visible_lsn(conn, "sequin", "a") is None
+        store.advance_visible_lsn(conn, "sequin", ["a", "b"], 200)
+        store.advance_visible_lsn(conn, "sequin", ["a"], 100)  # an older batch finishing late changes nothing
+        store.advance_visible_lsn(conn, "sequin", ["b"], 300)
+        assert (store.visible_lsn(conn, "sequin", "a"), store.visible_lsn(conn, "sequin", "b")) == (200, 300)

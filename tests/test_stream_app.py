@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import psycopg
 import pytest
 
+from sequin_provider import store
 from sequin_provider.config import load_config
 from sequin_provider.embedded_postgres import EmbeddedPostgres
 from sequin_provider.pgoutput import lsn_to_int
@@ -197,6 +198,11 @@ def test_changes_across_tables_arrive_exactly_and_in_commit_order(shop: tuple[st
     assert groups[f"paid_orders/{got[7]['metadata']['idempotency_key']}"] == 'public.orders:["1"]'
     tag_key = got[0]["metadata"]["idempotency_key"]
     assert groups[f"tagged/{tag_key}"] == tag_key  # grouping off: every message its own group
+    # every stored message is below its sink's visibility watermark once its batch is whole
+    with psycopg.connect(dsn) as conn:
+        for sink in ("everything", "paid_orders", "account_rows", "item_records", "tagged"):
+            top = conn.execute("SELECT max(commit_lsn) FROM sequin.stream_messages WHERE sink = %s", (sink,)).fetchone()[0]
+            assert store.visible_lsn(conn, "sequin", sink) >= top
 
 
 def test_add_column_mid_stream(shop: tuple[str, StreamApp, Path]) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import psycopg
 
@@ -17,6 +17,7 @@ from sequin_provider import store
 from sequin_provider.store import CopyChunk
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class StoreUnavailableError(RuntimeError):
@@ -40,17 +41,32 @@ class SequinStreamSink:
     def write(self, chunks: Iterable[CopyChunk]) -> int:
         """Durably write stream rows given as COPY text chunks (``store.copy_line`` lines), streamed
         as they come; return how many were new. Retries while the store is down."""
-        deadline = time.monotonic() + self.retry_timeout
-        delay = 0.2
         consumed: list[CopyChunk] = []
         source: Iterator[CopyChunk] = iter(chunks)
+
+        def attempt(conn: psycopg.Connection[Any]) -> int:
+            nonlocal source, consumed
+            try:
+                return store.insert_stream_copy(conn, self.schema, source, consumed)
+            except psycopg.OperationalError:
+                consumed.extend(source)  # take the rest: the retry sends the whole batch again
+                source, consumed = iter(list(consumed)), []
+                raise
+
+        return self._retrying(attempt)
+
+    def make_visible(self, sinks: Sequence[str], lsn: int) -> None:
+        """Mark the sinks' messages up to ``lsn`` complete (``store.advance_visible_lsn``), with retries."""
+        self._retrying(lambda conn: store.advance_visible_lsn(conn, self.schema, sinks, lsn))
+
+    def _retrying(self, operation: Callable[[psycopg.Connection[Any]], T]) -> T:
+        deadline = time.monotonic() + self.retry_timeout
+        delay = 0.2
         while True:
             try:
-                return store.insert_stream_copy(self._connection(), self.schema, source, consumed)
+                return operation(self._connection())
             except psycopg.OperationalError as exc:
                 self.close()
-                consumed.extend(source)  # take the rest, then retry the whole batch
-                source, consumed = iter(list(consumed)), []
                 if time.monotonic() + delay > deadline:
                     raise StoreUnavailableError(f"store unreachable for {self.retry_timeout:.0f}s: {exc}") from exc
                 log.warning("store unreachable (%s); retrying in %.1fs", str(exc).strip(), delay)

@@ -30,12 +30,11 @@ def spark_session(app_name: str, master: str | None = None) -> Any:
         builder = builder.master(master)
     elif "spark.master" not in os.environ.get("SPARK_SUBMIT_OPTS", "") and not os.environ.get("SPARK_MASTER"):
         builder = builder.config("spark.master", os.environ.get("SEQUIN_SPARK_MASTER", "local[2]"))
-    # The driver collects whole micro-batches (up to stream.max_batch_rows rendered messages).
+    # In local mode the driver JVM also runs the executors, which hold whole micro-batches.
     memory = os.environ.get("SEQUIN_SPARK_DRIVER_MEMORY", "4g")
     builder = (builder.config("spark.driver.memory", memory)
                .config("spark.driver.extraJavaOptions", os.environ.get("SEQUIN_SPARK_JAVA_OPTIONS", "-XX:+UseParallelGC"))
                .config("spark.sql.execution.arrow.maxRecordsPerBatch", "20000")
-               .config("spark.driver.maxResultSize", memory)
                .config("spark.sql.shuffle.partitions", "2")
                .config("spark.ui.enabled", os.environ.get("SEQUIN_SPARK_UI", "false"))
                .config("spark.sql.execution.arrow.pyspark.enabled", "true")
@@ -97,13 +96,20 @@ def run_stream_app(config_path: str | None, database: str | None, checkpoint: st
         pipeline.validate(spark)
     except ConfigError as exc:
         log.error("%s", exc)
+        spark.stop()
         return 2
     checkpoint_dir = checkpoint or str(Path(config.stream.checkpoint_location) / db.name)
-    with psycopg.connect(config.store_dsn(db.name)) as conn:
-        store.update_status(conn, config.store.schema, db.name, slot=db.slot.name,
-                            app_started_at=datetime.now(timezone.utc), last_error=None)
+    try:
+        with psycopg.connect(config.store_dsn(db.name), connect_timeout=10) as conn:
+            store.update_status(conn, config.store.schema, db.name, slot=db.slot.name,
+                                app_started_at=datetime.now(timezone.utc), last_error=None)
+    except psycopg.OperationalError as exc:
+        log.error("cannot reach the store: %s", str(exc).strip())
+        spark.stop()
+        return 2
 
-    spool = config.stream.spool_location or str(Path(checkpoint_dir) / "sequin-spool")
+    spool = (str(Path(config.stream.spool_location) / db.name) if config.stream.spool_location
+             else str(Path(checkpoint_dir) / "sequin-spool"))
     changes = (spark.readStream.format("sequin_replication")
                .option("config", path).option("database", db.name).option("spool", spool)
                .option("partitions", str(spark.sparkContext.defaultParallelism)).load())
@@ -130,6 +136,7 @@ def run_stream_app(config_path: str | None, database: str | None, checkpoint: st
         return 1
     finally:
         pipeline.close()
+        spark.stop()
     return 0 if stopping.is_set() else 1
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterator
 
@@ -39,18 +38,6 @@ log = logging.getLogger(__name__)
 
 RECORD_MAP = "map<string,string>"
 JSON_COLUMNS = ("record", "changes")
-
-
-@dataclass
-class BatchStats:
-    """What one micro-batch did, and where its time went."""
-
-    batch_id: int
-    rows_in: int
-    messages_written: int
-    seconds: float
-    end_lsn: int | None
-    write_seconds: float = 0.0
 
 
 def _copy_text(column: Column) -> Column:
@@ -158,8 +145,9 @@ class Pipeline:
         self.database = config.database(database)
         self.sinks: tuple[SinkConfig, ...] = config.sinks_of(self.database.name)
         self._write = write_partitions(config.source, self.database.name)
+        self._visibility = SequinStreamSink(config.store_dsn(self.database.name), config.store.schema,
+                                            config.stream.store_retry_timeout)
         self._status_conn: Any = None
-        self.last_stats: BatchStats | None = None
         for sink in self.sinks:
             if sink.destination.type != "sequin_stream":
                 raise ConfigError(config.source, f"sinks.{sink.name}.destination.type",
@@ -184,9 +172,9 @@ class Pipeline:
         written = pc.sum(results.column("written")).as_py() or 0
         end_lsn = pc.max(results.column("max_lsn")).as_py()
         store_seconds = pc.sum(results.column("store_seconds")).as_py() or 0.0
+        if end_lsn is not None:  # every partition has committed: the batch may be served
+            self._visibility.make_visible([s.name for s in self.sinks], end_lsn)
         elapsed = time.monotonic() - started
-        stats = BatchStats(batch_id, rows_in, written, elapsed, end_lsn, write_seconds=store_seconds)
-        self.last_stats = stats
         self._record_status(batch_id, rows_in, elapsed, end_lsn)
         if rows_in:
             log.info("batch %d: %d changes -> %d new messages in %.3fs (store COPY %.3fs summed over %d partitions,"
@@ -208,9 +196,12 @@ class Pipeline:
                                 **fields)
         except Exception as exc:  # noqa: BLE001
             log.warning("could not record stream status: %s", exc)
+            if self._status_conn is not None:
+                self._status_conn.close()
             self._status_conn = None
 
     def close(self) -> None:
-        """Release the status connection (executors' writers go with their processes)."""
+        """Release the driver's store connections (executors' writers go with their processes)."""
+        self._visibility.close()
         if self._status_conn is not None:
             self._status_conn.close()

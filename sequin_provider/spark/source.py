@@ -10,9 +10,10 @@ unfinished batch needs no slot; only when a file is missing is the range re-read
 
 Offsets are ``{"lsn": <end LSN of the last complete transaction>}``.
 
-Options: ``config`` (path of sequin.yaml), ``database``, ``spool`` (a folder the executors can
-read: next to the checkpoint by default). The DSN is resolved from the config in the reader's
-process, so it never appears in Spark plans.
+Options: ``config`` (path of sequin.yaml), ``database``, ``spool`` (a folder of this database
+that the executors can read; the app passes ``<checkpoint>/sequin-spool`` or
+``stream.spool_location/<database>``), ``partitions`` (slices per large batch). The DSN is
+resolved from the config in the reader's process, so it never appears in Spark plans.
 """
 
 from __future__ import annotations
@@ -165,17 +166,21 @@ class ReplicationStreamReader(DataSourceStreamReader):
         if partition.start == partition.end:
             # Spark runs batch 0 over (initial, initial) when the first read found nothing.
             return
-        if os.path.exists(partition.path):
-            yield from read_spool(partition.path, partition.offset, partition.length)
+        try:
+            batches = list(read_spool(partition.path, partition.offset, partition.length))
+        except (OSError, pa.ArrowInvalid) as exc:
+            # Gone or cut short (another machine, a wiped folder, an OS crash before the data hit
+            # the disk): re-read the range from the slot, deterministically from the offsets.
+            log.warning("spool file %s unusable (%s): re-reading the range from the slot", partition.path, exc)
+        else:
+            yield from batches
             return
-        # The spool is gone (another machine, a wiped folder): re-read the range from the slot.
-        log.warning("spool file %s missing: re-reading the range from the slot", partition.path)
         replay = ReplicationStreamReader(partition.options)
-        batches = list(replay.readBetweenOffsets({"lsn": partition.start}, {"lsn": partition.end}))
+        batches = list(replay.reread_from_slot({"lsn": partition.start}, {"lsn": partition.end}))
         if batches:  # the re-read is deterministic, so each slice takes its own rows of it
             yield from pa.Table.from_batches(batches).slice(partition.offset, partition.length).to_batches()
 
-    def readBetweenOffsets(self, start: dict, end: dict) -> Iterator[pa.RecordBatch]:
+    def reread_from_slot(self, start: dict, end: dict) -> Iterator[pa.RecordBatch]:
         """Re-read exactly ``(start, end]`` from the slot with a reader of its own."""
         if int(start["lsn"]) == int(end["lsn"]):
             return iter([])
@@ -209,9 +214,9 @@ class ReplicationStreamReader(DataSourceStreamReader):
         folder = Path(self.spool)
         if not folder.is_dir():
             return
-        for path in folder.glob("*.arrow"):
+        for path in folder.glob("*.arrow*"):
             try:
-                if int(path.stem.split("-")[1]) <= committed:
+                if int(path.name.split(".")[0].split("-")[1]) <= committed:  # also a crash's .arrow.tmp
                     path.unlink()
             except (ValueError, IndexError, FileNotFoundError):
                 continue
