@@ -255,7 +255,6 @@ class ReadResult:
     end_lsn: int = 0
     transactions: int = 0
     bytes: int = 0
-    truncates: list[Truncate] = field(default_factory=list)
 
 
 @dataclass
@@ -263,7 +262,6 @@ class _Transaction:
     rows: list[tuple]
     end_lsn: int
     bytes: int
-    truncates: list[Truncate]
 
 
 class ChangeReader:
@@ -376,7 +374,6 @@ class ChangeReader:
         cur, conn, cond = self._cur, self._conn, self._cond
         pending: list[tuple] = []
         pending_bytes = 0
-        truncates: list[Truncate] = []
         last_status = time.monotonic()
         try:
             while True:
@@ -412,8 +409,8 @@ class ChangeReader:
                     pending.append(event)
                     pending_bytes += len(payload)
                 elif isinstance(event, Commit):
-                    txn = _Transaction(pending, event.end_lsn, pending_bytes, truncates)
-                    pending, pending_bytes, truncates = [], 0, []
+                    txn = _Transaction(pending, event.end_lsn, pending_bytes)
+                    pending, pending_bytes = [], 0
                     with cond:
                         self._ready.append(txn)
                         self._ready_rows += len(txn.rows)
@@ -425,7 +422,6 @@ class ChangeReader:
                 elif isinstance(event, Truncate):
                     log.warning("TRUNCATE of %s is not delivered as messages (see README: Truncate)",
                                 ", ".join(event.relations))
-                    truncates.append(event)
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer by read()/acknowledge()
             with cond:
                 self._error = exc
@@ -472,7 +468,6 @@ class ChangeReader:
                     result.rows.extend(txn.rows)
                     result.bytes += txn.bytes
                     result.transactions += 1
-                    result.truncates.extend(txn.truncates)
                     result.end_lsn = self.position = txn.end_lsn
                     self._cond.notify_all()  # room in the buffer
                     if stop_at is not None and txn.end_lsn == stop_at:

@@ -31,7 +31,7 @@ from sequin_provider.delivery import (
     needs_parsed_record,
     selection_predicate,
 )
-from sequin_provider.messages import CHANGE_FIELD_NAMES, CHANGE_SCHEMA_DDL
+from sequin_provider.messages import CHANGE_FIELD_NAMES, CHANGE_SCHEMA_DDL, idempotency_key
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,8 @@ class StreamWriter:
             selected = batch.column(f"_select_{i}").to_pylist()
             lsn, idx = batch.column("commit_lsn").to_pylist(), batch.column("commit_idx").to_pylist()
             groups, data = batch.column(f"_group_{i}").to_pylist(), batch.column(f"_data_{i}").to_pylist()
-            rows = [(sink.name, lsn[j], idx[j], groups[j], f"{lsn[j]}:{idx[j]}", apply_transform(sink, transform, data[j]))
+            rows = [(sink.name, lsn[j], idx[j], groups[j], idempotency_key(lsn[j], idx[j]),
+                     apply_transform(sink, transform, data[j]))
                     for j, keep in enumerate(selected) if keep]
             if rows:
                 yield "".join(store.copy_line(r) + "\n" for r in rows).encode()
