@@ -29,6 +29,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/stream_throughput.py
+	$(PY) bench/backfill_throughput.py
 
 # Refresh requirements.lock from the current venv (after changing pyproject.toml pins).
 lock:

@@ -1,8 +1,9 @@
 """Backfills: keyset pages sized to a query-time budget (DESIGN §7, reference/000 and 004).
 
-This module holds the parts of a backfill that need neither Spark nor Airflow. So far:
-``PageSizeOptimizer``, which picks the next keyset page size from how long recent pages took, and
-``plan_backfill``/``create_backfill``, which validate a request and record it.
+This module holds the parts of a backfill that need neither Spark nor Airflow:
+``PageSizeOptimizer``, which picks the next keyset page size from how long recent pages took,
+``plan_backfill``/``create_backfill``, which validate a request and record it, and
+``progress_line``. Reading pages is ``backfill_reader``; the Spark app is ``spark.backfill_app``.
 """
 
 from __future__ import annotations
@@ -129,6 +130,7 @@ def plan_backfill(source: psycopg.Connection[Any], config: SequinConfig, sink_na
         raise BackfillError(f"sink {sink_name!r} does not capture {qualified} "
                             f"(its tables: {', '.join(t.qualified for t in sink.tables)})")
     store.check_max_query_ms(max_query_ms)
+    check_backfill_source(source)
     info = table_info(source, table)
     if info is None:
         raise BackfillError(f"table {qualified} does not exist in database {sink.database!r}")
@@ -182,3 +184,58 @@ def create_backfill(source: psycopg.Connection[Any], store_conn: psycopg.Connect
     return store.create_backfill(store_conn, config.store.schema, plan.sink, plan.table.schema, plan.table.name,
                                  plan.kind, plan.sort_column, plan.start_position, plan.max_query_ms,
                                  plan.estimated_rows)
+
+
+MIN_SERVER_VERSION = 140000
+
+
+def check_backfill_source(source: psycopg.Connection[Any]) -> None:
+    """Backfills need watermark messages in the replication stream: Postgres 14 or later."""
+    version = source.info.server_version
+    if version < MIN_SERVER_VERSION:
+        raise BackfillError(f"backfills need PostgreSQL 14 or later (logical messages in pgoutput); the source is"
+                            f" {version // 10000}")
+
+
+def progress_line(backfill: store.Backfill, rate: float | None = None) -> str:
+    """``rows done / estimated total (percent), rows/s, ETA`` of a backfill, for logs and the CLI."""
+    done = backfill.rows_processed
+    total = backfill.rows_initial
+    parts = [f"{backfill.state}", f"{done:,}/{total:,} rows" if total else f"{done:,} rows"]
+    if total:
+        parts[-1] += f" ({min(100.0, 100.0 * done / total):.1f}%)"
+    if backfill.rows_emitted != done:
+        parts.append(f"{backfill.rows_emitted:,} emitted")
+    if rate is None and backfill.started_at is not None and done:
+        end = backfill.finished_at or backfill.updated_at
+        seconds = (end - backfill.started_at).total_seconds() if end else 0
+        rate = done / seconds if seconds > 0 else None
+    if rate is not None:
+        parts.append(f"{rate:,.0f} rows/s")
+        if backfill.state == "running" and total and rate > 0 and total > done:
+            eta = int((total - done) / rate)
+            parts.append(f"ETA {eta // 3600}:{eta % 3600 // 60:02d}:{eta % 60:02d}")
+    if backfill.error:
+        parts.append(f"error: {backfill.error}")
+    return ", ".join(parts)
+
+
+def create_initial_backfills(source: psycopg.Connection[Any], store_conn: psycopg.Connection[Any],
+                             config: SequinConfig, database: str) -> list[store.Backfill]:
+    """The ``initial_backfill`` of each sink of ``database`` seen for the first time (DESIGN §7).
+
+    Every request is validated before any is recorded, and the sink is marked set up only after
+    its backfills exist, so a failed init creates nothing and the next one tries again.
+    """
+    sinks = [s for s in config.sinks_of(database)]
+    created: list[store.Backfill] = []
+    for name in store.new_sinks(store_conn, config.store.schema, [s.name for s in sinks]):
+        sink = next(s for s in sinks if s.name == name)
+        for request in sink.initial_backfill:
+            plan_backfill(source, config, name, request.table, request.sort_column, request.start_position,
+                          request.max_query_ms)
+        for request in sink.initial_backfill:
+            created.append(create_backfill(source, store_conn, config, name, request.table, request.sort_column,
+                                           request.start_position, request.max_query_ms))
+        store.record_sink_setup(store_conn, config.store.schema, name)
+    return created

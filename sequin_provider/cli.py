@@ -1,4 +1,4 @@
-"""The ``sequin`` command: ``init``, ``status``, ``stream``, ``messages``."""
+"""The ``sequin`` command: ``init``, ``status``, ``stream``, ``messages``, ``backfill``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from sequin_provider import store
 from sequin_provider.config import ConfigError, SequinConfig, load_config
 from sequin_provider.pgoutput import int_to_lsn
 from sequin_provider.replication import ReplicationError, slot_info
+from sequin_provider.store import BackfillError
 
 
 def _config(args: argparse.Namespace) -> SequinConfig:
@@ -92,9 +93,117 @@ def cmd_messages(args: argparse.Namespace) -> int:
     """Print a sink's stream messages in position order (JSON lines)."""
     config = _config(args)
     with psycopg.connect(config.store_dsn(args.database), connect_timeout=5) as conn:
-        for message in store.stream_messages(conn, config.store.schema, args.sink)[-args.limit:]:
+        for message in store.stream_messages(conn, config.store.schema, args.sink, visible_only=True)[-args.limit:]:
             print(message.data)
     return 0
+
+
+def _store_conn(config: SequinConfig, database: str | None) -> psycopg.Connection[Any]:
+    return psycopg.connect(config.store_dsn(database), connect_timeout=5)
+
+
+def _database_of_sink(config: SequinConfig, sink: str) -> str:
+    found = next((s for s in config.sinks if s.name == sink), None)
+    if found is None:
+        raise BackfillError(f"unknown sink {sink!r} (configured sinks: {', '.join(s.name for s in config.sinks) or 'none'})")
+    return found.database
+
+
+def _run_backfill(args: argparse.Namespace, backfill_id: int) -> int:
+    from sequin_provider.spark.backfill_app import run_backfill_app
+
+    return run_backfill_app(args.config, backfill_id, args.master, args.ranges, args.max_page_rows,
+                            args.window_timeout)
+
+
+def cmd_backfill_start(args: argparse.Namespace) -> int:
+    """Validate and record a backfill, then run it (unless --no-run)."""
+    from sequin_provider.backfill import create_backfill
+
+    config = _config(args)
+    database = config.database(_database_of_sink(config, args.sink))
+    with psycopg.connect(database.dsn, autocommit=True, connect_timeout=5) as source, \
+            _store_conn(config, database.name) as conn:
+        store.migrate(conn, config.store.schema)
+        conn.commit()
+        backfill = create_backfill(source, conn, config, args.sink, args.table, args.sort_column, args.start_position,
+                                   args.max_query_ms)
+    print(f"backfill {backfill.id}: {backfill.kind} backfill of {backfill.table_schema}.{backfill.table_name} for sink "
+          f"{backfill.sink!r}, about {backfill.rows_initial if backfill.rows_initial is not None else '?'} rows")
+    if args.no_run:
+        print(f"recorded as pending; run it with: sequin backfill run {backfill.id}")
+        return 0
+    return _run_backfill(args, backfill.id)
+
+
+def cmd_backfill_run(args: argparse.Namespace) -> int:
+    """Run (or resume) recorded backfills: one by id, or every pending and running one."""
+    config = _config(args)
+    if args.id is not None:
+        return _run_backfill(args, args.id)
+    code = 0
+    for db in config.databases:
+        with _store_conn(config, db.name) as conn:
+            ids = [b.id for b in store.list_backfills(conn, config.store.schema)
+                   if b.state in store.ACTIVE_BACKFILL_STATES and _database_of_sink(config, b.sink) == db.name]
+        for backfill_id in sorted(ids):
+            code = max(code, _run_backfill(args, backfill_id))
+    return code
+
+
+def cmd_backfill_status(args: argparse.Namespace) -> int:
+    """A progress line per backfill (or one)."""
+    from sequin_provider.backfill import progress_line
+
+    config = _config(args)
+    out: list[store.Backfill] = []
+    for db in config.databases:
+        with _store_conn(config, db.name) as conn:
+            if not store.schema_version(conn, config.store.schema):
+                continue
+            if args.id is not None:
+                try:
+                    out.append(store.get_backfill(conn, config.store.schema, args.id))
+                except BackfillError:
+                    continue
+            else:
+                out += store.list_backfills(conn, config.store.schema, args.sink)
+        if config.store.dsn:
+            break  # one shared store
+    if args.id is not None and not out:
+        raise BackfillError(f"no backfill with id {args.id}")
+    if args.json:
+        print(json.dumps([b.__dict__ for b in out], indent=2, default=str))
+        return 0
+    for b in out:
+        print(f"backfill {b.id} [{b.sink} {b.table_schema}.{b.table_name} {b.kind}"
+              f"{' from ' + b.sort_column + ' >= ' + repr(b.start_position) if b.sort_column else ''}]: {progress_line(b)}")
+    return 0
+
+
+def cmd_backfill_cancel(args: argparse.Namespace) -> int:
+    """Cancel a pending or running backfill (its Spark tasks stop at their next page)."""
+    config = _config(args)
+    for db in config.databases:
+        with _store_conn(config, db.name) as conn:
+            try:
+                store.get_backfill(conn, config.store.schema, args.id)
+            except BackfillError:
+                continue
+            backfill = store.transition_backfill(conn, config.store.schema, args.id, "cancelled")
+            print(f"backfill {backfill.id}: cancelled after {backfill.rows_processed:,} rows")
+            return 0
+    raise BackfillError(f"no backfill with id {args.id}")
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    from sequin_provider.backfill_reader import DEFAULT_MAX_PAGE_ROWS, DEFAULT_WINDOW_TIMEOUT
+
+    p.add_argument("--master", default=None, help="Spark master (default: local[2], or SEQUIN_SPARK_MASTER)")
+    p.add_argument("--ranges", type=int, default=None, help="key ranges read in parallel (default: Spark's parallelism)")
+    p.add_argument("--max-page-rows", type=int, default=DEFAULT_MAX_PAGE_ROWS)
+    p.add_argument("--window-timeout", type=float, default=DEFAULT_WINDOW_TIMEOUT,
+                   help="seconds to wait for the stream app to take a page before failing")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,6 +227,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--database", default=None)
     p.add_argument("--limit", type=int, default=100)
     p.set_defaults(func=cmd_messages)
+    backfill = sub.add_parser("backfill", help="start, run, watch and cancel backfills").add_subparsers(
+        dest="backfill_command", required=True)
+    p = backfill.add_parser("start", help="record a backfill of a sink's table and run it (Spark)")
+    p.add_argument("sink")
+    p.add_argument("table")
+    p.add_argument("--sort-column", default=None, help="partial backfill: rows with sort column >= start position")
+    p.add_argument("--start-position", default=None)
+    p.add_argument("--max-query-ms", type=int, default=5000, help="time budget of one page query (1-600000)")
+    p.add_argument("--no-run", action="store_true", help="only record it (pending)")
+    _add_run_options(p)
+    p.set_defaults(func=cmd_backfill_start)
+    p = backfill.add_parser("run", help="run or resume a recorded backfill (default: every pending/running one)")
+    p.add_argument("id", type=int, nargs="?")
+    _add_run_options(p)
+    p.set_defaults(func=cmd_backfill_run)
+    p = backfill.add_parser("status", help="progress of backfills")
+    p.add_argument("id", type=int, nargs="?")
+    p.add_argument("--sink", default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_backfill_status)
+    p = backfill.add_parser("cancel", help="cancel a pending or running backfill")
+    p.add_argument("id", type=int)
+    p.set_defaults(func=cmd_backfill_cancel)
     return parser
 
 
@@ -126,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (ConfigError, ReplicationError) as exc:
+    except (ConfigError, ReplicationError, BackfillError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except psycopg.OperationalError as exc:

@@ -95,6 +95,16 @@ class DestinationConfig:
 
 
 @dataclass(frozen=True)
+class InitialBackfill:
+    """A backfill to create when a sink is first set up: the whole table, or from a sort position."""
+
+    table: str  # schema.table
+    sort_column: str | None = None
+    start_position: str | None = None
+    max_query_ms: int = 5000
+
+
+@dataclass(frozen=True)
 class SinkConfig:
     """One consumer of changes: which tables/actions, how to filter, transform, group and deliver."""
 
@@ -108,7 +118,7 @@ class SinkConfig:
     message_grouping: bool = True
     message_kind: str = "change"
     max_retry_count: int | None = None
-    initial_backfill: Any = False
+    initial_backfill: tuple[InitialBackfill, ...] = ()
 
     @property
     def consumer_id(self) -> str:
@@ -373,8 +383,37 @@ def _parse_sink(r: _Reader, value: Any, path: str, databases: set[str]) -> SinkC
         message_grouping=r.boolean(item.get("message_grouping", True), f"{path}.message_grouping"),
         message_kind=kind,
         max_retry_count=None if retry is None else r.integer(retry, f"{path}.max_retry_count", 0),
-        initial_backfill=item.get("initial_backfill", False),
+        initial_backfill=_parse_initial_backfill(r, item.get("initial_backfill", False), f"{path}.initial_backfill",
+                                                 tables),
     )
+
+
+def _parse_initial_backfill(r: _Reader, value: Any, path: str, tables: tuple[TableConfig, ...]) -> tuple[InitialBackfill, ...]:
+    """``true`` (every table, whole), or one or a list of ``{table, sort_column, start_position, max_query_ms}``."""
+    if value is None or value is False:
+        return ()
+    if value is True:
+        return tuple(InitialBackfill(t.qualified) for t in tables)
+    items = value if isinstance(value, list) else [value]
+    out = []
+    for i, raw in enumerate(items):
+        where = f"{path}[{i}]" if isinstance(value, list) else path
+        if not isinstance(raw, dict):
+            raise r.fail(where, "expected true, or {table, sort_column, start_position} (or a list of them)")
+        item = r.mapping(raw, where, {"table", "sort_column", "start_position", "max_query_ms"}, {"table"})
+        name = r.string(item["table"], f"{where}.table")
+        qualified = name if "." in name else f"public.{name}"
+        if qualified not in {t.qualified for t in tables}:
+            raise r.fail(f"{where}.table", f"{name!r} is not one of this sink's tables")
+        sort_column = r.identifier(item["sort_column"], f"{where}.sort_column") if "sort_column" in item else None
+        start = item.get("start_position")
+        if (sort_column is None) != (start is None):
+            raise r.fail(where, "a partial backfill needs both sort_column and start_position")
+        if start is not None and not isinstance(start, (str, int, float)) or isinstance(start, bool):
+            raise r.fail(f"{where}.start_position", "expected a value of the sort column (string or number)")
+        out.append(InitialBackfill(qualified, sort_column, None if start is None else str(start),
+                                   r.integer(item.get("max_query_ms", 5000), f"{where}.max_query_ms", 1, 600_000)))
+    return tuple(out)
 
 
 def parse_config(data: Any, source: str = DEFAULT_CONFIG_PATH, environ: dict[str, str] | None = None) -> SequinConfig:

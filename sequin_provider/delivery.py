@@ -27,10 +27,12 @@ def _table_match(schema: str, name: str) -> str:
 
 
 def selection_predicate(sink: SinkConfig) -> str:
-    """SQL predicate: this sink's tables and actions (record sinks never get deletes), and its filter."""
+    """SQL predicate: this sink's tables and actions (record sinks never get deletes), its own
+    backfills' reads (a backfill is for one sink), and its filter."""
     actions = [a for a in sink.actions if not (sink.message_kind == "record" and a == "delete")]
     tables = " OR ".join(_table_match(t.schema, t.name) for t in sink.tables)
-    predicate = f"({tables}) AND action IN ({', '.join(sql_string(a) for a in actions) or 'NULL'})"
+    predicate = (f"({tables}) AND (action IN ({', '.join(sql_string(a) for a in actions) or 'NULL'})"
+                 f" OR (action = 'read' AND backfill_sink = {sql_string(sink.name)}))")
     if sink.filter:
         predicate += f" AND coalesce(({sink.filter}), false)"
     return predicate

@@ -124,13 +124,13 @@ def main() -> int:
             def delivered() -> list[dict[str, object]] | None:
                 app.check_alive()
                 with psycopg.connect(dsn) as conn:
-                    got = [parse_message(m.data) for m in store.stream_messages(conn, "sequin", "shop_changes")]
+                    got = [parse_message(m.data) for m in store.stream_messages(conn, "sequin", "shop_changes", visible_only=True)]
                 return got if len(got) >= committed else None
 
             messages = wait_for(delivered, 180, what="the burst to reach the sink")
             elapsed = time.monotonic() - started
             with psycopg.connect(dsn) as conn:
-                big = [parse_message(m.data) for m in store.stream_messages(conn, "sequin", "big_orders")]
+                big = [parse_message(m.data) for m in store.stream_messages(conn, "sequin", "big_orders", visible_only=True)]
                 lag = slot_info(conn, "sequin_demo_slot")
             print(f"\nsink shop_changes ({len(messages)} messages, position order):")
             for message in messages:

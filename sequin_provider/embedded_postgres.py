@@ -136,8 +136,8 @@ class EmbeddedPostgres:
         self.port = self.port or free_port()
         options = {
             "wal_level": self.wal_level,
-            "max_replication_slots": "20",
-            "max_wal_senders": "20",
+            "max_replication_slots": "64",
+            "max_wal_senders": "64",
             "listen_addresses": "127.0.0.1",
             "port": str(self.port),
             "unix_socket_directories": str(self.data_dir),

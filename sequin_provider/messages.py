@@ -27,6 +27,9 @@ CHANGE_COLUMNS: tuple[tuple[str, str, pa.DataType], ...] = (
     ("changes", "string", pa.string()),
     ("record_pks", "array<string>", pa.list_(pa.string())),
     ("unchanged_toast", "array<string>", pa.list_(pa.string())),
+    # Backfill reads only (null for changes): which backfill produced the row, for which sink.
+    ("backfill_id", "bigint", pa.int64()),
+    ("backfill_sink", "string", pa.string()),
 )
 CHANGE_SCHEMA_DDL = ", ".join(f"{name} {ddl}" for name, ddl, _ in CHANGE_COLUMNS)
 CHANGE_ARROW_SCHEMA = pa.schema([pa.field(name, typ) for name, _, typ in CHANGE_COLUMNS])
@@ -40,9 +43,30 @@ def rows_to_arrow(rows: Sequence[tuple]) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays(arrays, schema=CHANGE_ARROW_SCHEMA)
 
 
-def idempotency_key(commit_lsn: int, commit_idx: int) -> str:
-    """Stable key of a change: its position. Unique per sink, identical across replays."""
-    return f"{commit_lsn}:{commit_idx}"
+def idempotency_key(commit_lsn: int, commit_idx: int, backfill_id: int | None = None,
+                    record_pks: Sequence[str] | None = None) -> str:
+    """Stable key of a message: a change's position, or (backfill, primary key) for a backfill read.
+
+    Unique per sink and identical across replays (a read re-read after a restart keeps its key).
+    """
+    if backfill_id is None:
+        return f"{commit_lsn}:{commit_idx}"
+    return f"backfill:{backfill_id}:{_json(list(record_pks or []))}"
+
+
+_READ_KEY_SQL = "concat('backfill:', backfill_id, ':', to_json(record_pks))"
+
+
+def idempotency_key_sql() -> str:
+    """``idempotency_key`` as Spark SQL over a change row."""
+    return f"CASE WHEN backfill_id IS NULL THEN concat(commit_lsn, ':', commit_idx) ELSE {_READ_KEY_SQL} END"
+
+
+def idempotency_key_json_sql() -> str:
+    """``idempotency_key`` as a JSON string, in Spark SQL (a read's key holds its key values as JSON)."""
+    quoted = f"to_json(array({_READ_KEY_SQL}))"  # '["..."]' with the JSON escapes done by Spark
+    return (f"CASE WHEN backfill_id IS NULL THEN concat('\"', commit_lsn, ':', commit_idx, '\"')"
+            f" ELSE substr({quoted}, 2, length({quoted}) - 2) END")
 
 
 def sql_string(value: str) -> str:
@@ -68,7 +92,7 @@ def metadata_sql(consumer_id: str, consumer_name: str, database_name: str,
     return (
         f"concat(CASE {per_table} END, "
         """',"commit_timestamp":"', commit_timestamp, '","commit_lsn":', commit_lsn, ',"commit_idx":', commit_idx, """
-        """',"idempotency_key":"', commit_lsn, ':', commit_idx, '","record_pks":', to_json(record_pks), """
+        f"""',"idempotency_key":', {idempotency_key_json_sql()}, ',"record_pks":', to_json(record_pks), """
         f"{sql_string(suffix)}, "
         """CASE WHEN size(unchanged_toast) > 0 THEN concat(',"unchanged_toast_columns":', to_json(unchanged_toast))"""
         """ ELSE '' END, '}')"""

@@ -311,7 +311,8 @@ class Truncate:
 
 ChangeRow = tuple
 """(commit_lsn, commit_idx, commit_timestamp, xid, table_schema, table_name, action, record,
-changes, record_pks, unchanged_toast) — the columns of ``messages.CHANGE_SCHEMA``."""
+changes, record_pks, unchanged_toast, backfill_id, backfill_sink) — the columns of
+``messages.CHANGE_COLUMNS`` (the last two are None except for backfill reads)."""
 
 
 class DecodeError(ValueError):
@@ -388,11 +389,20 @@ class PgOutputDecoder:
         pk = self._primary_key(relid, schema, name) if self._primary_key else []
         if not pk:
             pk = [c for c, k in zip(columns, keys) if k]
-        rel = Relation(relid, schema, name, replident, columns, oids, keys, pk)
-        rel.converters = [self.types.converter(o) for o in oids]
+        self.relations[relid] = self.make_relation(relid, schema, name, replident, columns, oids, keys, pk)
+
+    def make_relation(self, relid: int, schema: str, name: str, replica_identity: str, columns: list[str],
+                      type_oids: list[int], key_flags: list[bool], primary_key: list[str]) -> Relation:
+        """A ``Relation`` with its renderers; also used by backfills to render rows read by SELECT."""
+        rel = Relation(relid, schema, name, replica_identity, columns, type_oids, key_flags, primary_key)
+        rel.converters = [self.types.converter(o) for o in type_oids]
         rel.prefixes = [_json_string(c) + ":" for c in columns]
-        rel.pk_positions = [columns.index(c) for c in pk if c in columns]
-        self.relations[relid] = rel
+        rel.pk_positions = [columns.index(c) for c in primary_key if c in columns]
+        return rel
+
+    def render_values(self, rel: Relation, values: list[object]) -> tuple[str, list[str]]:
+        """Record JSON and ``record_pks`` of a full row of text values (as a change would carry them)."""
+        return self._render(rel, values)[0], self._pks(rel, values)
 
     def _rel(self, buf: bytes) -> Relation:
         relid = _UNPACK_U32(buf, 1)[0]
@@ -450,7 +460,7 @@ class PgOutputDecoder:
         idx = self.idx
         self.idx += 1
         return (self.commit_lsn, idx, self.commit_ts_iso, self.xid, rel.schema, rel.name, action,
-                record, changes, pks, missing)
+                record, changes, pks, missing, None, None)
 
     def _insert(self, buf: bytes) -> ChangeRow:
         rel = self._rel(buf)
@@ -502,7 +512,7 @@ class PgOutputDecoder:
         idx = self.idx
         self.idx += 1
         return (self.commit_lsn, idx, self.commit_ts_iso, self.xid, "", event.prefix, "message",
-                event.content.decode("utf-8", "replace"), None, [], [])
+                event.content.decode("utf-8", "replace"), None, [], [], None, None)
 
     def _message(self, buf: bytes) -> LogicalMessage:
         transactional = bool(buf[1])

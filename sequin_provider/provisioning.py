@@ -13,6 +13,8 @@ import psycopg
 from psycopg import sql
 
 from sequin_provider import store
+from sequin_provider.backfill import create_initial_backfills
+from sequin_provider.store import BackfillError
 from sequin_provider.config import SequinConfig
 from sequin_provider.replication import (
     ReplicationError,
@@ -54,8 +56,16 @@ def initialize(config: SequinConfig, database: str | None = None) -> InitReport:
         version = server_version(conn)
         with psycopg.connect(config.store_dsn(db.name), connect_timeout=10) as store_conn:
             applied = store.migrate(store_conn, config.store.schema)
+            store_conn.commit()
+            try:
+                backfills = create_initial_backfills(conn, store_conn, config, db.name)
+            except BackfillError as exc:
+                raise ReplicationError(f"initial backfill: {exc}") from None
         if applied:
             report.created.append(f"store schema {config.store.schema!r} (migrations {applied})")
+        for b in backfills:
+            report.created.append(f"initial backfill {b.id} of {b.table_schema}.{b.table_name} for sink {b.sink!r}"
+                                  f" (pending: `sequin backfill run` or the Airflow operator runs it)")
         if version < 140000:
             conn.execute("CREATE TABLE IF NOT EXISTS public.sequin_heartbeat (id int PRIMARY KEY, beat_at timestamptz)")
         pub_tables = list(tables)

@@ -215,11 +215,19 @@ def emit_heartbeat(conn: psycopg.Connection[Any], version: int, content: str = "
     PG 14+: a logical message. Below: an upsert into ``sequin_heartbeat`` (in the publication).
     """
     if version >= 140000:
-        conn.execute("SELECT pg_logical_emit_message(true, %s, %s)", (HEARTBEAT_PREFIX, content or "{}"))
-    else:
-        conn.execute("INSERT INTO public.sequin_heartbeat (id, beat_at) VALUES (1, now())"
-                     " ON CONFLICT (id) DO UPDATE SET beat_at = now()")
+        emit_message(conn, HEARTBEAT_PREFIX, content or "{}")
+        return
+    conn.execute("INSERT INTO public.sequin_heartbeat (id, beat_at) VALUES (1, now())"
+                 " ON CONFLICT (id) DO UPDATE SET beat_at = now()")
     conn.commit()
+
+
+def emit_message(conn: psycopg.Connection[Any], prefix: str, content: str) -> None:
+    """Commit a transactional logical message (in a transaction of its own), which the stream
+    app receives at that commit's position (PG 14+: pgoutput's ``messages`` option)."""
+    conn.execute("SELECT pg_logical_emit_message(true, %s, %s)", (prefix, content))
+    if not conn.autocommit:
+        conn.commit()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -83,6 +83,46 @@ CREATE TABLE IF NOT EXISTS {schema}.stream_visibility (
     updated_at  timestamptz NOT NULL DEFAULT now()
 );
 """),
+    (4, "backfill ranges, pages and staged rows", """
+CREATE TABLE IF NOT EXISTS {schema}.backfill_ranges (
+    backfill_id     bigint  NOT NULL REFERENCES {schema}.backfills (id) ON DELETE CASCADE,
+    range_idx       integer NOT NULL,
+    lower_key       jsonb,                 -- exclusive; null: from the first key
+    upper_key       jsonb,                 -- inclusive; null: to the last key
+    cursor          jsonb,                 -- the last key whose page was emitted
+    done            boolean NOT NULL DEFAULT false,
+    rows_processed  bigint  NOT NULL DEFAULT 0,
+    PRIMARY KEY (backfill_id, range_idx)
+);
+CREATE TABLE IF NOT EXISTS {schema}.backfill_pages (
+    id              bigserial PRIMARY KEY,
+    backfill_id     bigint  NOT NULL REFERENCES {schema}.backfills (id) ON DELETE CASCADE,
+    range_idx       integer NOT NULL,
+    state           text    NOT NULL DEFAULT 'open'
+                            CHECK (state IN ('open', 'staged', 'closing', 'emitted', 'stale')),
+    cursor_after    jsonb,
+    rows_staged     integer NOT NULL DEFAULT 0,
+    rows_emitted    integer,
+    dropped         integer[],             -- ordinals whose key changed inside the window
+    high_lsn        bigint,                -- commit LSN of the high watermark that closed the window
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    updated_at      timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS backfill_pages_closing ON {schema}.backfill_pages (high_lsn) WHERE state = 'closing';
+CREATE TABLE IF NOT EXISTS {schema}.backfill_rows (
+    page_id         bigint  NOT NULL,
+    ordinal         integer NOT NULL,
+    record_pks      text[]  NOT NULL,
+    record          text    NOT NULL,
+    PRIMARY KEY (page_id, ordinal)
+);
+"""),
+    (5, "sink setups", """
+CREATE TABLE IF NOT EXISTS {schema}.sink_setups (
+    sink        text PRIMARY KEY,
+    created_at  timestamptz NOT NULL DEFAULT now()
+);
+"""),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
@@ -222,6 +262,227 @@ def _ident(schema: str) -> sql.Identifier:
     return sql.Identifier(schema)
 
 
+def new_sinks(conn: psycopg.Connection[Any], schema: str, sinks: Sequence[str]) -> list[str]:
+    """Which of ``sinks`` were never set up before (without recording them: ``record_sink_setup``)."""
+    known = {r[0] for r in conn.execute(sql.SQL("SELECT sink FROM {}.sink_setups WHERE sink = ANY(%s)").format(
+        _ident(schema)), (list(sinks),)).fetchall()}
+    conn.commit()
+    return [s for s in sinks if s not in known]
+
+
+def record_sink_setup(conn: psycopg.Connection[Any], schema: str, sink: str) -> None:
+    """Remember that a sink has been set up (its initial backfills are created once)."""
+    conn.execute(sql.SQL("INSERT INTO {}.sink_setups (sink) VALUES (%s) ON CONFLICT DO NOTHING").format(_ident(schema)),
+                 (sink,))
+    conn.commit()
+
+
+# -- backfill ranges and pages (the watermark window protocol, DESIGN §7) ----------------------
+
+@dataclass(frozen=True)
+class BackfillRange:
+    """One task's slice of a backfill's key space and how far it got."""
+
+    backfill_id: int
+    range_idx: int
+    lower_key: list[str] | None
+    upper_key: list[str] | None
+    cursor: list[str] | None
+    done: bool
+    rows_processed: int
+
+
+def ensure_backfill_ranges(conn: psycopg.Connection[Any], schema: str, backfill_id: int,
+                           bounds: Sequence[tuple[list[str] | None, list[str] | None]]) -> list[BackfillRange]:
+    """Record a backfill's ranges once; a resumed backfill keeps the ranges (and cursors) it has."""
+    with conn.transaction():
+        conn.execute(sql.SQL("SELECT 1 FROM {}.backfills WHERE id = %s FOR UPDATE").format(_ident(schema)),
+                     (backfill_id,))
+        if not backfill_ranges(conn, schema, backfill_id):
+            with conn.cursor() as cur:
+                cur.executemany(sql.SQL("INSERT INTO {}.backfill_ranges (backfill_id, range_idx, lower_key, upper_key)"
+                                        " VALUES (%s, %s, %s, %s)").format(_ident(schema)),
+                                [(backfill_id, i, Jsonb(lo) if lo is not None else None,
+                                  Jsonb(hi) if hi is not None else None) for i, (lo, hi) in enumerate(bounds)])
+    conn.commit()
+    return backfill_ranges(conn, schema, backfill_id)
+
+
+def backfill_ranges(conn: psycopg.Connection[Any], schema: str, backfill_id: int) -> list[BackfillRange]:
+    """A backfill's ranges in key order."""
+    rows = conn.execute(sql.SQL("SELECT backfill_id, range_idx, lower_key, upper_key, cursor, done, rows_processed"
+                                " FROM {}.backfill_ranges WHERE backfill_id = %s ORDER BY range_idx").format(
+        _ident(schema)), (backfill_id,)).fetchall()
+    return [BackfillRange(*r) for r in rows]
+
+
+def open_backfill_page(conn: psycopg.Connection[Any], schema: str, backfill_id: int, range_idx: int) -> int:
+    """A new page of a range (before its low watermark); returns the page id."""
+    row = conn.execute(sql.SQL("INSERT INTO {}.backfill_pages (backfill_id, range_idx) VALUES (%s, %s)"
+                               " RETURNING id").format(_ident(schema)), (backfill_id, range_idx)).fetchone()
+    conn.commit()
+    return int(row[0])  # type: ignore[index]
+
+
+def stage_backfill_page(conn: psycopg.Connection[Any], schema: str, page_id: int,
+                        rows: Sequence[tuple[list[str], str]], cursor_after: list[str] | None) -> None:
+    """Stage a page's rows ``(record_pks, record JSON)`` before its high watermark is emitted."""
+    with conn.transaction(), conn.cursor() as cur:
+        with cur.copy(sql.SQL("COPY {}.backfill_rows (page_id, ordinal, record_pks, record) FROM STDIN").format(
+                _ident(schema))) as copy:
+            for ordinal, (pks, record) in enumerate(rows):
+                copy.write_row((page_id, ordinal, pks, record))
+        cur.execute(sql.SQL("UPDATE {}.backfill_pages SET state = 'staged', rows_staged = %s, cursor_after = %s,"
+                            " updated_at = now() WHERE id = %s AND state = 'open'").format(_ident(schema)),
+                    (len(rows), Jsonb(cursor_after) if cursor_after is not None else None, page_id))
+    conn.commit()
+
+
+@dataclass(frozen=True)
+class BackfillPage:
+    """A page's state as the backfill job sees it."""
+
+    id: int
+    backfill_id: int
+    range_idx: int
+    state: str
+    rows_staged: int
+    rows_emitted: int | None
+
+
+def get_backfill_page(conn: psycopg.Connection[Any], schema: str, page_id: int) -> BackfillPage:
+    """One page by id."""
+    row = conn.execute(sql.SQL("SELECT id, backfill_id, range_idx, state, rows_staged, rows_emitted"
+                               " FROM {}.backfill_pages WHERE id = %s").format(_ident(schema)), (page_id,)).fetchone()
+    conn.commit()
+    if row is None:
+        raise BackfillError(f"no backfill page {page_id}")
+    return BackfillPage(*row)
+
+
+@dataclass(frozen=True)
+class ClosedWindow:
+    """What the stream app emits for a page whose window it saw: the staged rows still valid."""
+
+    page_id: int
+    backfill_id: int
+    sink: str
+    rows: list[tuple[int, list[str], str]]  # (ordinal, record_pks, record JSON)
+
+
+def close_backfill_window(conn: psycopg.Connection[Any], schema: str, page_id: int, seen: bool,
+                          changed: set[tuple[str, ...]], high_lsn: int) -> ClosedWindow | None:
+    """Stream side, at a page's high watermark (DESIGN §7).
+
+    A window this process saw becomes ``closing``: the rows whose key changed inside it are
+    recorded as dropped and the others returned, to be emitted at the high watermark's position;
+    ``finish_emitted_pages`` marks it ``emitted`` once that batch is delivered. A window not
+    seen (the app restarted in between), or of a backfill no longer running, becomes ``stale``
+    and the job reads the page again. Pages in other states are left alone (a replay).
+    """
+    s = _ident(schema)
+    with conn.transaction():
+        row = conn.execute(sql.SQL("SELECT p.state, p.backfill_id, b.sink, b.state FROM {0}.backfill_pages p"
+                                   " JOIN {0}.backfills b ON b.id = p.backfill_id WHERE p.id = %s FOR UPDATE OF p"
+                                   ).format(s), (page_id,)).fetchone()
+        if row is None or row[0] not in ("staged", "closing"):
+            result = None
+        elif not seen or row[3] != "running":
+            conn.execute(sql.SQL("UPDATE {}.backfill_pages SET state = 'stale', updated_at = now() WHERE id = %s"
+                                 ).format(s), (page_id,))
+            conn.execute(sql.SQL("DELETE FROM {}.backfill_rows WHERE page_id = %s").format(s), (page_id,))
+            result = None
+        else:
+            staged = conn.execute(sql.SQL("SELECT ordinal, record_pks, record FROM {}.backfill_rows WHERE page_id = %s"
+                                          " ORDER BY ordinal").format(s), (page_id,)).fetchall()
+            kept = [r for r in staged if tuple(r[1]) not in changed]
+            dropped = [r[0] for r in staged if tuple(r[1]) in changed]
+            conn.execute(sql.SQL("UPDATE {}.backfill_pages SET state = 'closing', rows_emitted = %s, dropped = %s,"
+                                 " high_lsn = %s, updated_at = now() WHERE id = %s").format(s),
+                         (len(kept), dropped, high_lsn, page_id))
+            result = ClosedWindow(page_id, int(row[1]), str(row[2]), kept)
+    conn.commit()
+    return result
+
+
+def closing_windows(conn: psycopg.Connection[Any], schema: str, high_lsns: Sequence[int]) -> dict[int, ClosedWindow]:
+    """Pages closed at these high watermark LSNs, rebuilt from the store (a batch re-read from the slot)."""
+    s = _ident(schema)
+    out: dict[int, ClosedWindow] = {}
+    pages = conn.execute(sql.SQL("SELECT p.id, p.backfill_id, b.sink, coalesce(p.dropped, '{{}}'), p.high_lsn"
+                                 " FROM {0}.backfill_pages p JOIN {0}.backfills b ON b.id = p.backfill_id"
+                                 " WHERE p.state = 'closing' AND p.high_lsn = ANY(%s)").format(s),
+                         (list(high_lsns),)).fetchall()
+    for page_id, backfill_id, sink, dropped, _high in pages:
+        rows = conn.execute(sql.SQL("SELECT ordinal, record_pks, record FROM {}.backfill_rows WHERE page_id = %s"
+                                    " AND NOT ordinal = ANY(%s) ORDER BY ordinal").format(s),
+                            (page_id, list(dropped))).fetchall()
+        out[int(page_id)] = ClosedWindow(int(page_id), int(backfill_id), str(sink), [tuple(r) for r in rows])
+    conn.commit()
+    return out
+
+
+def finish_emitted_pages(conn: psycopg.Connection[Any], schema: str, end_lsn: int) -> int:
+    """Stream side, after a batch ending at ``end_lsn`` is delivered: its closing pages are emitted."""
+    s = _ident(schema)
+    with conn.transaction():
+        ids = _drop_staged_rows(conn, s, conn.execute(sql.SQL(
+            "UPDATE {}.backfill_pages SET state = 'emitted', updated_at = now() WHERE state = 'closing'"
+            " AND high_lsn < %s RETURNING id").format(s), (end_lsn,)).fetchall())
+    conn.commit()
+    return len(ids)
+
+
+def _drop_staged_rows(conn: psycopg.Connection[Any], s: sql.Identifier, pages: Sequence[Sequence[Any]]) -> list[int]:
+    """Delete the staged rows of the pages ``(id, …)`` just finished; returns their ids."""
+    ids = [int(r[0]) for r in pages]
+    if ids:
+        conn.execute(sql.SQL("DELETE FROM {}.backfill_rows WHERE page_id = ANY(%s)").format(s), (ids,))
+    return ids
+
+
+def discard_backfill_page(conn: psycopg.Connection[Any], schema: str, page_id: int) -> None:
+    """Job side: give up a page that is not emitted (stale, or the job stops); its rows go."""
+    s = _ident(schema)
+    with conn.transaction():
+        conn.execute(sql.SQL("UPDATE {}.backfill_pages SET state = 'stale', updated_at = now()"
+                             " WHERE id = %s AND state IN ('open', 'staged')").format(s), (page_id,))
+        conn.execute(sql.SQL("DELETE FROM {0}.backfill_rows r USING {0}.backfill_pages p WHERE r.page_id = p.id"
+                             " AND p.id = %s AND p.state = 'stale'").format(s), (page_id,))
+    conn.commit()
+
+
+def abandon_backfill_pages(conn: psycopg.Connection[Any], schema: str, backfill_id: int) -> int:
+    """Job side, at (re)start: pages a previous run left open or staged will never be waited for."""
+    s = _ident(schema)
+    with conn.transaction():
+        ids = _drop_staged_rows(conn, s, conn.execute(sql.SQL(
+            "UPDATE {}.backfill_pages SET state = 'stale', updated_at = now() WHERE backfill_id = %s"
+            " AND state IN ('open', 'staged') RETURNING id").format(s), (backfill_id,)).fetchall())
+    conn.commit()
+    return len(ids)
+
+
+def advance_backfill_range(conn: psycopg.Connection[Any], schema: str, backfill_id: int, range_idx: int,
+                           cursor: list[str] | None, processed: int, emitted: int, done: bool) -> None:
+    """Job side, after a page is emitted: move the range's cursor and add to the backfill's counts."""
+    s = _ident(schema)
+    with conn.transaction():
+        conn.execute(sql.SQL("UPDATE {}.backfill_ranges SET cursor = coalesce(%s, cursor), done = %s,"
+                             " rows_processed = rows_processed + %s WHERE backfill_id = %s AND range_idx = %s"
+                             ).format(s),
+                     (Jsonb(cursor) if cursor is not None else None, done, processed, backfill_id, range_idx))
+        done_row = conn.execute(sql.SQL(
+            "UPDATE {0}.backfills SET cursor = (SELECT jsonb_agg(jsonb_build_object('range', range_idx, 'cursor', cursor,"
+            " 'done', done) ORDER BY range_idx) FROM {0}.backfill_ranges WHERE backfill_id = %s),"
+            " rows_processed = rows_processed + %s, rows_emitted = rows_emitted + %s, updated_at = now()"
+            " WHERE id = %s AND state = 'running' RETURNING id").format(s),
+            (backfill_id, processed, emitted, backfill_id)).fetchone()
+        if done_row is None:
+            raise BackfillError(f"backfill {backfill_id} is not running: progress not recorded")
+    conn.commit()
+
+
 def migrate(conn: psycopg.Connection[Any], schema: str = "sequin") -> list[int]:
     """Create the schema and apply missing migrations; return the versions applied now."""
     applied: list[int] = []
@@ -351,11 +612,21 @@ class StoredMessage:
     data: str
 
 
-def stream_messages(conn: psycopg.Connection[Any], schema: str, sink: str | None = None) -> list[StoredMessage]:
-    """All messages of a sink (or all sinks), in position order."""
-    query = sql.SQL("SELECT sink, commit_lsn, commit_idx, group_id, idempotency_key, data::text FROM {}.stream_messages"
-                    " {} ORDER BY sink, commit_lsn, commit_idx").format(
-        _ident(schema), sql.SQL("WHERE sink = %s") if sink else sql.SQL(""))
+def stream_messages(conn: psycopg.Connection[Any], schema: str, sink: str | None = None,
+                    visible_only: bool = False) -> list[StoredMessage]:
+    """All messages of a sink (or all sinks), in position order.
+
+    ``visible_only`` returns what a consumer may be served: messages at or below their sink's
+    visibility watermark (a batch still being written is left out).
+    """
+    conditions = [sql.SQL("m.sink = %s")] if sink else []
+    if visible_only:
+        conditions.append(sql.SQL("m.commit_lsn <= (SELECT v.visible_lsn FROM {}.stream_visibility v"
+                                  " WHERE v.sink = m.sink)").format(_ident(schema)))
+    where = sql.SQL("WHERE ") + sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("")
+    query = sql.SQL("SELECT m.sink, m.commit_lsn, m.commit_idx, m.group_id, m.idempotency_key, m.data::text"
+                    " FROM {}.stream_messages m {} ORDER BY m.sink, m.commit_lsn, m.commit_idx").format(
+        _ident(schema), where)
     return [StoredMessage(*r) for r in conn.execute(query, (sink,) if sink else ()).fetchall()]
 
 

@@ -51,11 +51,11 @@ def write_config(path: Path, body: str) -> Path:
 
 
 def sink_messages(dsn: str, sink: str, schema: str = "sequin") -> list[dict[str, Any]]:
-    """A sink's stream messages, parsed, in position order."""
+    """A sink's stream messages that a consumer may be served (visible), parsed, in position order."""
     with psycopg.connect(dsn) as conn:
         if not store.schema_version(conn, schema):
             return []
-        return [parse_message(m.data) for m in store.stream_messages(conn, schema, sink)]
+        return [parse_message(m.data) for m in store.stream_messages(conn, schema, sink, visible_only=True)]
 
 
 class StreamApp(StreamAppProcess):

@@ -113,3 +113,47 @@ def test_unreachable_database_is_a_clear_cli_error(tmp_path: Path, capsys: pytes
     path = config_for(tmp_path, "postgresql://postgres@127.0.0.1:1/none", "[a]", "s")
     assert cli_main(["--config", str(path), "init"]) == 2
     assert "cannot connect" in capsys.readouterr().err
+
+
+def test_initial_backfill_is_created_once_when_the_sink_is_first_set_up(tmp_path: Path, dsn: str, dbname: str) -> None:
+    execute(dsn, "CREATE TABLE a (id int PRIMARY KEY, at timestamptz)", "CREATE TABLE b (id int PRIMARY KEY)",
+            "INSERT INTO a SELECT g, now() FROM generate_series(1, 10) g")
+    path = write_config(tmp_path / "sequin.yaml", f"""
+        databases:
+          - {{name: app, dsn: "{dsn}", slot: {{name: slot_{dbname}}}, publication: {{name: pub_{dbname}}}}}
+        sinks:
+          - {{name: whole, tables: [a, b], initial_backfill: true, destination: {{type: sequin_stream}}}}
+          - name: recent
+            tables: [a]
+            initial_backfill: {{table: a, sort_column: at, start_position: "2020-01-01"}}
+            destination: {{type: sequin_stream}}
+          - {{name: none, tables: [b], destination: {{type: sequin_stream}}}}
+        """)
+    report = initialize(load_config(path))
+    assert sum("initial backfill" in line for line in report.created) == 3
+    with psycopg.connect(dsn) as conn:
+        got = sorted((b.sink, b.table_name, b.kind, b.sort_column, b.start_position, b.state)
+                     for b in store.list_backfills(conn, "sequin"))
+    assert got == [("recent", "a", "partial", "at", "2020-01-01", "pending"),
+                   ("whole", "a", "full", None, None, "pending"), ("whole", "b", "full", None, None, "pending")]
+    assert not any("initial backfill" in line for line in initialize(load_config(path)).created)  # once
+    with psycopg.connect(dsn) as conn:
+        assert len(store.list_backfills(conn, "sequin")) == 3
+
+
+def test_a_bad_initial_backfill_fails_init_and_records_nothing(tmp_path: Path, dsn: str, dbname: str) -> None:
+    execute(dsn, "CREATE TABLE a (id int PRIMARY KEY, at timestamptz)")
+    path = write_config(tmp_path / "sequin.yaml", f"""
+        databases:
+          - {{name: app, dsn: "{dsn}", slot: {{name: slot_{dbname}}}, publication: {{name: pub_{dbname}}}}}
+        sinks:
+          - name: s
+            tables: [a]
+            initial_backfill: {{table: a, sort_column: at, start_position: "not a time"}}
+            destination: {{type: sequin_stream}}
+        """)
+    with pytest.raises(ReplicationError, match="initial backfill: start position 'not a time' is not a valid"):
+        initialize(load_config(path))
+    with psycopg.connect(dsn) as conn:
+        assert store.list_backfills(conn, "sequin") == []
+        assert store.new_sinks(conn, "sequin", ["s"]) == ["s"]  # tried again next time

@@ -53,13 +53,14 @@ class SequinStreamSink:
                 source, consumed = iter(list(consumed)), []
                 raise
 
-        return self._retrying(attempt)
+        return self.retrying(attempt)
 
     def make_visible(self, sinks: Sequence[str], lsn: int) -> None:
         """Mark the sinks' messages up to ``lsn`` complete (``store.advance_visible_lsn``), with retries."""
-        self._retrying(lambda conn: store.advance_visible_lsn(conn, self.schema, sinks, lsn))
+        self.retrying(lambda conn: store.advance_visible_lsn(conn, self.schema, sinks, lsn))
 
-    def _retrying(self, operation: Callable[[psycopg.Connection[Any]], T]) -> T:
+    def retrying(self, operation: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """Run ``operation`` on the store connection, reconnecting with backoff while the store is down."""
         deadline = time.monotonic() + self.retry_timeout
         delay = 0.2
         while True:

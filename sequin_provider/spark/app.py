@@ -25,6 +25,8 @@ def spark_session(app_name: str, master: str | None = None) -> Any:
     """A SparkSession tuned for the stream app (small shuffles, quiet logs)."""
     from pyspark.sql import SparkSession
 
+    # executors' Python workers must run the interpreter that has this package (a venv's)
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder.appName(app_name)
     if master:
         builder = builder.master(master)

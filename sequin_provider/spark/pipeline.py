@@ -31,7 +31,7 @@ from sequin_provider.delivery import (
     needs_parsed_record,
     selection_predicate,
 )
-from sequin_provider.messages import CHANGE_FIELD_NAMES, CHANGE_SCHEMA_DDL, idempotency_key
+from sequin_provider.messages import CHANGE_FIELD_NAMES, CHANGE_SCHEMA_DDL, idempotency_key, idempotency_key_sql
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
 
 log = logging.getLogger(__name__)
@@ -56,8 +56,10 @@ def project_batch(df: DataFrame, sinks: tuple[SinkConfig, ...], database_name: s
     if any(needs_parsed_record(s) for s in sinks):
         columns += [F.from_json(c, RECORD_MAP).alias(c) for c in JSON_COLUMNS]
     df = df.select(*columns)
-    position = F.concat(F.col("commit_lsn").cast("string"), F.lit(":"), F.col("commit_idx").cast("string"))
+    key = F.expr(idempotency_key_sql())
     out: list[Column] = [F.col("commit_lsn"), F.col("commit_idx")]
+    if any(load_transform(s.transform) is not None for s in sinks):  # the Python path builds the key itself
+        out += [F.col("backfill_id"), F.col("record_pks")]
     for i, sink in enumerate(sinks):
         selected = F.expr(selection_predicate(sink))
         group = F.expr(group_expression(sink))
@@ -66,7 +68,7 @@ def project_batch(df: DataFrame, sinks: tuple[SinkConfig, ...], database_name: s
             out += [selected.alias(f"_select_{i}"), group.alias(f"_group_{i}"), data.alias(f"_data_{i}")]
         else:
             line = F.concat_ws("\t", F.lit(sink.name), F.col("commit_lsn"), F.col("commit_idx"), _copy_text(group),
-                               position, _copy_text(data))
+                               _copy_text(key), _copy_text(data))
             out.append(F.when(selected, F.concat(line, F.lit("\n"))).alias(f"_line_{i}"))
     return df.select(*out)
 
@@ -92,8 +94,9 @@ class StreamWriter:
                 continue
             selected = batch.column(f"_select_{i}").to_pylist()
             lsn, idx = batch.column("commit_lsn").to_pylist(), batch.column("commit_idx").to_pylist()
+            backfill, pks = batch.column("backfill_id").to_pylist(), batch.column("record_pks").to_pylist()
             groups, data = batch.column(f"_group_{i}").to_pylist(), batch.column(f"_data_{i}").to_pylist()
-            rows = [(sink.name, lsn[j], idx[j], groups[j], idempotency_key(lsn[j], idx[j]),
+            rows = [(sink.name, lsn[j], idx[j], groups[j], idempotency_key(lsn[j], idx[j], backfill[j], pks[j]),
                      apply_transform(sink, transform, data[j]))
                     for j, keep in enumerate(selected) if keep]
             if rows:
@@ -175,6 +178,10 @@ class Pipeline:
         store_seconds = pc.sum(results.column("store_seconds")).as_py() or 0.0
         if end_lsn is not None:  # every partition has committed: the batch may be served
             self._visibility.make_visible([s.name for s in self.sinks], end_lsn)
+            # and backfill pages whose reads it carried are emitted (Spark commits the source's
+            # offset only when the next batch starts, which may be a heartbeat later)
+            schema = self.config.store.schema
+            self._visibility.retrying(lambda conn: store.finish_emitted_pages(conn, schema, end_lsn + 1))
         elapsed = time.monotonic() - started
         self._record_status(batch_id, rows_in, elapsed, end_lsn)
         if rows_in:

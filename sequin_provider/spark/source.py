@@ -27,9 +27,12 @@ from typing import Any, Iterator
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 
-from sequin_provider.config import DatabaseConfig, StreamConfig, load_config
+from sequin_provider.config import DatabaseConfig, SequinConfig, StreamConfig, load_config
 from sequin_provider.messages import CHANGE_ARROW_SCHEMA, CHANGE_SCHEMA_DDL, rows_to_arrow
 from sequin_provider.replication import ChangeReader, confirmed_flush_lsn
+from sequin_provider.sinks.sequin_stream import SequinStreamSink
+from sequin_provider import store
+from sequin_provider.watermarks import HIGH_PREFIX, WindowTracker, parse_watermark, read_rows
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +98,9 @@ class ReplicationStreamReader(DataSourceStreamReader):
         self._reader: ChangeReader | None = None
         self._db: DatabaseConfig | None = None
         self._stream: StreamConfig | None = None
+        self._config: SequinConfig | None = None
+        self._store: SequinStreamSink | None = None  # its retrying connection, for the backfill pages
+        self._windows = WindowTracker()
         self._last_heartbeat = 0.0
         self._initial_lsn: int | None = None
         self.slices = max(1, int(options.get("partitions") or 1))
@@ -102,10 +108,18 @@ class ReplicationStreamReader(DataSourceStreamReader):
 
     def _settings(self) -> tuple[DatabaseConfig, StreamConfig]:
         if self._db is None or self._stream is None:
-            config = load_config(self.config_path)
+            self._config = config = load_config(self.config_path)
             self._db = config.database(self.database_name)
             self._stream = config.stream
         return self._db, self._stream
+
+    def _backfill_store(self) -> tuple[SequinStreamSink, str]:
+        db, stream = self._settings()
+        assert self._config is not None
+        if self._store is None:
+            self._store = SequinStreamSink(self._config.store_dsn(db.name), self._config.store.schema,
+                                           stream.store_retry_timeout)
+        return self._store, self._config.store.schema
 
     def _new_reader(self) -> ChangeReader:
         db, _ = self._settings()
@@ -127,17 +141,40 @@ class ReplicationStreamReader(DataSourceStreamReader):
             self._reader = self._new_reader()
         if not self._reader.is_open or self._reader.position != lsn:
             self._reader.open(lsn)
+            self._windows.reset()  # windows opened before this position are unknown now
         self._maybe_heartbeat(db)
         result = self._reader.read(stream.max_batch_rows, stream.max_batch_bytes, stream.max_batch_wait)
         if result.end_lsn == lsn:
             return start
+        rows = result.rows
+        closed = self._windows.scan(rows)
+        if closed:
+            rows = rows + self._close_windows(closed)
         # A heartbeat-only transaction gives a 0-row batch: the offset still advances, so the
         # slot is acknowledged past it and an idle database does not retain WAL.
         os.makedirs(self.spool, exist_ok=True)
         path = spool_path(self.spool, lsn, result.end_lsn)
-        write_spool(path, rows_to_arrow(result.rows))
-        self._spooled_rows[path] = len(result.rows)
+        write_spool(path, rows_to_arrow(rows))
+        self._spooled_rows[path] = len(rows)
         return {"lsn": result.end_lsn}
+
+    def _close_windows(self, closed: list[Any]) -> list[tuple]:
+        """Backfill pages whose high watermark is in this batch: their reads, at its position."""
+        sink, schema = self._backfill_store()
+        reads: list[tuple] = []
+        for window in closed:
+            mark = window.mark
+            emitted = sink.retrying(lambda conn, w=window: store.close_backfill_window(
+                conn, schema, w.mark.page_id, w.seen, set(w.changed), w.row[0]))
+            if emitted is None:
+                log.info("backfill %d page %d: window %s; the page will be read again", mark.backfill_id, mark.page_id,
+                         "seen whole but the page is not waiting" if window.seen else "not seen by this process")
+                continue
+            reads += read_rows(window.row, mark.table_schema, mark.table_name, emitted.backfill_id, emitted.sink,
+                               emitted.rows)
+            log.info("backfill %d page %d: %d reads at the high watermark (%d keys changed in its window)",
+                     mark.backfill_id, mark.page_id, len(emitted.rows), len(window.changed))
+        return reads
 
     def _maybe_heartbeat(self, db: DatabaseConfig) -> None:
         if db.heartbeat_interval <= 0 or self._reader is None:
@@ -190,7 +227,23 @@ class ReplicationStreamReader(DataSourceStreamReader):
             result = reader.read(0, 0, 0, stop_at=int(end["lsn"]))
         finally:
             reader.close()
-        return iter([rows_to_arrow(result.rows)])
+        return iter([rows_to_arrow(result.rows + self._reread_windows(result.rows))])
+
+    def _reread_windows(self, rows: list[tuple]) -> list[tuple]:
+        """The reads a batch carried, rebuilt from the store for its high watermarks (``closing`` pages)."""
+        highs = [r for r in rows if r[6] == "message" and r[5] == HIGH_PREFIX]
+        if not highs:
+            return []
+        sink, schema = self._backfill_store()
+        windows = sink.retrying(lambda conn: store.closing_windows(conn, schema, sorted({r[0] for r in highs})))
+        reads: list[tuple] = []
+        for row in highs:
+            mark = parse_watermark(row[7])
+            emitted = windows.get(mark.page_id) if mark else None
+            if mark is not None and emitted is not None:
+                reads += read_rows(row, mark.table_schema, mark.table_name, emitted.backfill_id, emitted.sink,
+                                   emitted.rows)
+        return reads
 
     def commit(self, end: dict) -> None:
         lsn = int(end["lsn"])
@@ -209,6 +262,11 @@ class ReplicationStreamReader(DataSourceStreamReader):
             finally:
                 self._reader.close()
         self._remove_spooled(lsn)
+        try:  # the batch is delivered: pages closed in it are emitted (a later commit retries)
+            sink, schema = self._backfill_store()
+            sink.retrying(lambda conn: store.finish_emitted_pages(conn, schema, lsn))
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not mark delivered backfill pages emitted yet: %s", exc)
 
     def _remove_spooled(self, committed: int) -> None:
         folder = Path(self.spool)
@@ -225,3 +283,5 @@ class ReplicationStreamReader(DataSourceStreamReader):
         if self._reader is not None:
             self._reader.close()
             self._reader = None
+        if self._store is not None:
+            self._store.close()

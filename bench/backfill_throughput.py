@@ -1,0 +1,147 @@
+"""Backfill benchmark: rows/s from start to every row in the sink, beside COPY of the same table.
+
+    .venv/bin/python bench/backfill_throughput.py [--rows 1000000] [--write-rate 2000]
+
+One run on a fresh embedded cluster (source and store in separate databases):
+  (a) ``COPY (SELECT * FROM t) TO STDOUT`` of the table: the read limit;
+  (b) a full backfill into a Sequin Stream sink with the stream app running and the table idle:
+      rows/s from ``sequin backfill start`` to the last read durable in the sink;
+  (c) the same while a writer updates random rows at ``--write-rate`` changes/s.
+Prints a Markdown table and writes bench/results/backfill_throughput.json. Not a test: no thresholds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sequin_provider.config import load_config  # noqa: E402
+from sequin_provider.embedded_postgres import EmbeddedPostgres  # noqa: E402
+from sequin_provider.provisioning import initialize  # noqa: E402
+from sequin_provider.stream_process import StreamAppProcess  # noqa: E402
+
+from bench.stream_throughput import ROW, TABLE  # noqa: E402 - the same table as the stream benchmark
+
+
+def copy_seconds(dsn: str) -> float:
+    started = time.monotonic()
+    with psycopg.connect(dsn) as conn, conn.cursor() as cur, cur.copy("COPY (SELECT * FROM events) TO STDOUT") as copy:
+        for _ in copy:
+            pass
+    return time.monotonic() - started
+
+
+def reads_in_sink(store_dsn: str, backfill_id: int) -> int:
+    with psycopg.connect(store_dsn) as conn:
+        return int(conn.execute("SELECT rows_emitted FROM sequin.backfills WHERE id = %s",
+                                (backfill_id,)).fetchone()[0])  # type: ignore[index]
+
+
+def run_backfill(config_path: Path, rows: int) -> tuple[float, str]:
+    """``sequin backfill start`` as a user runs it (its own local Spark); returns (seconds, last progress line)."""
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "sequin_provider.cli", "--config", str(config_path), "backfill",
+                          "start", "events", "events"], capture_output=True, text=True)
+    seconds = time.monotonic() - started
+    if out.returncode != 0:
+        raise SystemExit(f"backfill failed:\n{out.stderr[-4000:]}")
+    lines = [line for line in out.stderr.splitlines() if "completed" in line]
+    return seconds, (lines[-1] if lines else "")
+
+
+def writer(dsn: str, rows: int, rate: int, stop: threading.Event, counter: list[int]) -> None:
+    rng = random.Random(7)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while not stop.is_set():
+            tick = time.monotonic()
+            with conn.transaction():
+                for _ in range(max(1, rate // 20)):
+                    conn.execute("UPDATE events SET amount = amount + 1, updated_at = now() WHERE id = %s",
+                                 (rng.randint(1, rows),))
+                    counter[0] += 1
+            time.sleep(max(0.0, 0.05 - (time.monotonic() - tick)))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--write-rate", type=int, default=2_000, help="updates/s during run (c)")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="sequin-bench-backfill-"))
+    results: dict[str, object] = {"rows": args.rows}
+    with EmbeddedPostgres(use_env_dsn=False) as pg:
+        dsn, store_dsn = pg.create_database("bench"), pg.create_database("bench_store")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(TABLE)
+            conn.execute(f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW}"
+                         f" FROM generate_series(1, {args.rows}) g")
+            conn.execute("VACUUM ANALYZE events")
+        config_path = work / "sequin.yaml"
+        config_path.write_text(f"""
+databases:
+  - name: bench
+    dsn: {dsn}
+    slot: {{name: bench_slot}}
+    publication: {{name: bench_pub}}
+store: {{dsn: {store_dsn}}}
+sinks:
+  - name: events
+    tables: [events]
+    destination: {{type: sequin_stream}}
+stream: {{checkpoint_location: {work / 'ckpt'}}}
+""")
+        initialize(load_config(config_path))
+        copy_s = min(copy_seconds(dsn) for _ in range(3))
+        results.update(copy_seconds=copy_s, copy_rate=args.rows / copy_s)
+        print(f"bench: COPY of {args.rows:,} rows: {copy_s:.2f}s ({args.rows / copy_s:,.0f} rows/s)", flush=True)
+        app = StreamAppProcess(config_path, work / "app.log").start()
+        try:
+            app.wait_streaming(store_dsn)
+            seconds, line = run_backfill(config_path, args.rows)
+            results.update(idle_seconds=seconds, idle_rate=args.rows / seconds, idle_progress=line)
+            print(f"bench: backfill, table idle: {seconds:.1f}s ({args.rows / seconds:,.0f} rows/s) -- {line}", flush=True)
+            stop, counter = threading.Event(), [0]
+            thread = threading.Thread(target=writer, args=(dsn, args.rows, args.write_rate, stop, counter))
+            thread.start()
+            try:
+                seconds_w, line_w = run_backfill(config_path, args.rows)
+            finally:
+                stop.set()
+                thread.join()
+            results.update(busy_seconds=seconds_w, busy_rate=args.rows / seconds_w, busy_progress=line_w,
+                           concurrent_updates=counter[0])
+            print(f"bench: backfill with {counter[0]:,} concurrent updates: {seconds_w:.1f}s "
+                  f"({args.rows / seconds_w:,.0f} rows/s) -- {line_w}", flush=True)
+        finally:
+            app.stop()
+    shutil.rmtree(work, ignore_errors=True)
+    (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
+    (ROOT / "bench" / "results" / "backfill_throughput.json").write_text(json.dumps(results, indent=2))
+    print()
+    print("| measure | rows/s | seconds | vs COPY |")
+    print("|---|---:|---:|---:|")
+    print(f"| (a) COPY (SELECT * FROM events) TO STDOUT, the read limit | {results['copy_rate']:,.0f} | {copy_s:.2f} | 1.00 |")
+    for key, label in (("idle", "(b) backfill into the Sequin Stream sink, table idle"),
+                       ("busy", f"(c) backfill while {args.write_rate:,} updates/s hit the table")):
+        rate = float(results[f"{key}_rate"])  # type: ignore[arg-type]
+        print(f"| {label} | {rate:,.0f} | {results[f'{key}_seconds']:.1f} | {rate / float(results['copy_rate']):.2f} |")  # type: ignore[arg-type]
+    print("\n(b) and (c) include starting the backfill's own local Spark (about 8 s) and the last page's trip through"
+          " the stream app.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

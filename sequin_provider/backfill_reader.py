@@ -1,0 +1,330 @@
+"""Reading a backfill's rows: key ranges, keyset pages and the page protocol (DESIGN §7).
+
+``split_key_ranges`` cuts a table's primary-key space into ranges of similar size from a
+sample (any key type, composite keys included). ``RangeReader`` walks one range with keyset
+pages under ``statement_timeout = max_query_ms``, sized by ``PageSizeOptimizer``, and runs each
+page through the watermark window protocol: open the page, emit the low watermark, select, stage
+the rows in the store, emit the high watermark, then wait for the stream app to mark the page
+emitted (the cursor advances) or stale (the same page is read again). Rows are rendered to
+record JSON by the pgoutput decoder's own converters, so a read looks exactly like a change of
+the same row. Plain Python (no Spark): the Spark app runs one ``RangeReader`` per task.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import psycopg
+from psycopg import sql
+
+from sequin_provider import store
+from sequin_provider.backfill import PageSizeOptimizer
+from sequin_provider.config import SequinConfig
+from sequin_provider.pgoutput import PgOutputDecoder, Relation, TypeRegistry
+from sequin_provider.replication import _Catalog, emit_message, primary_key_columns
+from sequin_provider.store import BackfillError
+from sequin_provider.watermarks import HIGH_PREFIX, LOW_PREFIX, Watermark, watermark_content
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_PAGE_ROWS = 50_000
+DEFAULT_WINDOW_TIMEOUT = 600.0
+SAMPLE_ROWS = 5_000
+SNAPSHOT_WAIT = 2.0
+
+
+@dataclass(frozen=True)
+class TableShape:
+    """What a backfill needs to know about its table: columns as pgoutput publishes them, key and types."""
+
+    oid: int
+    schema: str
+    name: str
+    columns: tuple[str, ...]
+    type_oids: tuple[int, ...]
+    types: dict[str, str]  # column -> format_type, for casts of cursor values
+    primary_key: tuple[str, ...]
+
+    @property
+    def qualified(self) -> sql.Identifier:
+        return sql.Identifier(self.schema, self.name)
+
+
+def table_shape(conn: psycopg.Connection[Any], schema: str, name: str) -> TableShape:
+    """The table's published columns (attnum order, no dropped or generated ones), types and key."""
+    rows = conn.execute(
+        "SELECT c.oid, a.attname, a.atttypid, format_type(a.atttypid, a.atttypmod) FROM pg_class c"
+        " JOIN pg_namespace n ON n.oid = c.relnamespace JOIN pg_attribute a ON a.attrelid = c.oid"
+        " WHERE n.nspname = %s AND c.relname = %s AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''"
+        " ORDER BY a.attnum", (schema, name)).fetchall()
+    if not rows:
+        raise BackfillError(f"table {schema}.{name} does not exist")
+    oid = int(rows[0][0])
+    return TableShape(oid, schema, name, tuple(r[1] for r in rows), tuple(int(r[2]) for r in rows),
+                      {r[1]: str(r[3]) for r in rows}, tuple(primary_key_columns(conn, oid)))
+
+
+_COPY_ESCAPE = re.compile(r"\\(.)")
+_COPY_CODES = {"b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v", "\\": "\\"}
+
+
+def parse_copy_line(line: str) -> list[str | None]:
+    """One line of ``COPY ... TO STDOUT`` text format as the columns' text values (None for NULL)."""
+    out: list[str | None] = []
+    for field in line.split("\t"):
+        if field == "\\N":
+            out.append(None)
+        elif "\\" in field:
+            out.append(_COPY_ESCAPE.sub(lambda m: _COPY_CODES.get(m.group(1), m.group(1)), field))
+        else:
+            out.append(field)
+    return out
+
+
+def _cast_row(shape: TableShape, columns: Sequence[str], values: Sequence[str]) -> sql.Composed:
+    return sql.SQL("ROW({})").format(sql.SQL(", ").join(
+        sql.SQL("CAST({} AS {})").format(sql.Literal(v), sql.SQL(shape.types[c])) for c, v in zip(columns, values)))
+
+
+def _key_row(columns: Sequence[str]) -> sql.Composed:
+    return sql.SQL("ROW({})").format(sql.SQL(", ").join(sql.Identifier(c) for c in columns))
+
+
+def split_key_ranges(conn: psycopg.Connection[Any], shape: TableShape, ranges: int,
+                     estimated_rows: int | None) -> list[tuple[list[str] | None, list[str] | None]]:
+    """Cut the primary-key space into up to ``ranges`` ranges ``(lower, upper]`` of similar size.
+
+    Boundaries are keys at even quantiles of a Bernoulli sample of about ``SAMPLE_ROWS`` rows,
+    compared as whole (composite) keys, so any key type works: integers, uuid, text.
+    """
+    if ranges <= 1 or not estimated_rows or estimated_rows < 2 * ranges:
+        return [(None, None)]
+    percent = min(100.0, 100.0 * SAMPLE_ROWS / max(estimated_rows, 1))
+    # qualified names: a bare ORDER BY name would pick the text output column of the same name
+    keys = sql.SQL(", ").join(sql.Identifier("k", c) for c in shape.primary_key)
+    text_keys = sql.SQL(", ").join(sql.SQL("{}::text").format(sql.Identifier("k", c)) for c in shape.primary_key)
+    query = sql.SQL("SELECT {} FROM {} AS k TABLESAMPLE BERNOULLI (%s) ORDER BY {}").format(
+        text_keys, shape.qualified, keys)
+    sample = [list(r) for r in conn.execute(query, (percent,)).fetchall()]
+    if len(sample) < ranges:
+        return [(None, None)]
+    bounds: list[list[str]] = []
+    for i in range(1, ranges):
+        key = sample[i * len(sample) // ranges]
+        if not bounds or key != bounds[-1]:
+            bounds.append(key)
+    lowers: list[list[str] | None] = [None, *bounds]
+    uppers: list[list[str] | None] = [*bounds, None]
+    return list(zip(lowers, uppers))
+
+
+@dataclass(frozen=True)
+class PageQuery:
+    """How one range of one backfill is paged: the order columns and the fixed conditions."""
+
+    shape: TableShape
+    order: tuple[str, ...]  # (sort column,) + primary key for partial backfills
+    lower: list[str] | None
+    upper: list[str] | None
+    sort_column: str | None = None
+    start_position: str | None = None
+
+    def sql(self, cursor: Sequence[str] | None, limit: int) -> sql.Composed:
+        """``COPY (SELECT every column ... ORDER BY order LIMIT limit) TO STDOUT`` after ``cursor``."""
+        shape = self.shape
+        where: list[sql.Composable] = []
+        if self.sort_column is not None:
+            where.append(sql.SQL("{} >= CAST({} AS {})").format(
+                sql.Identifier(self.sort_column), sql.Literal(self.start_position), sql.SQL(shape.types[self.sort_column])))
+        if self.lower is not None:
+            where.append(sql.SQL("{} > {}").format(_key_row(shape.primary_key), _cast_row(shape, shape.primary_key, self.lower)))
+        if self.upper is not None:
+            where.append(sql.SQL("{} <= {}").format(_key_row(shape.primary_key), _cast_row(shape, shape.primary_key, self.upper)))
+        if cursor is not None:
+            where.append(sql.SQL("{} > {}").format(_key_row(self.order), _cast_row(shape, self.order, cursor)))
+        condition = sql.SQL(" AND ").join(where) if where else sql.SQL("true")
+        return sql.SQL("COPY (SELECT {} FROM {} WHERE {} ORDER BY {} LIMIT {}) TO STDOUT").format(
+            sql.SQL(", ").join(sql.Identifier(c) for c in shape.columns), shape.qualified, condition,
+            sql.SQL(", ").join(sql.Identifier(c) for c in self.order), sql.Literal(limit))
+
+
+def read_page(conn: psycopg.Connection[Any], query: sql.Composed) -> list[list[str | None]]:
+    """Run a page's COPY and return its rows as text values."""
+    chunks: list[bytes] = []
+    with conn.cursor() as cur, cur.copy(query) as copy:
+        for data in copy:
+            chunks.append(bytes(data))
+    text = b"".join(chunks).decode("utf-8")
+    return [parse_copy_line(line) for line in text.split("\n") if line]
+
+
+def wait_for_snapshot_horizon(conn: psycopg.Connection[Any], timeout: float = SNAPSHOT_WAIT) -> None:
+    """Wait until transactions still in progress now have finished (briefly).
+
+    A transaction whose commit record precedes the low watermark can still look in progress to a
+    snapshot taken just after it (Postgres writes the commit record, then publishes the commit).
+    Its change is not inside the window, so the page's SELECT must see it: waiting for the
+    transactions in progress at this moment closes that gap. Transactions still running after
+    ``timeout`` had not written their commit record yet, so they fall inside the window.
+    """
+    snapshot = conn.execute("SELECT txid_current_snapshot()::text").fetchone()[0]  # type: ignore[index]
+    in_progress = [int(x) for x in str(snapshot).split(":")[2].split(",") if x]
+    deadline = time.monotonic() + timeout
+    while in_progress:
+        rows = conn.execute("SELECT x FROM unnest(%s::bigint[]) AS x WHERE txid_status(x) = 'in progress'",
+                            (in_progress,)).fetchall()
+        in_progress = [int(r[0]) for r in rows]
+        if not in_progress or time.monotonic() > deadline:
+            return
+        time.sleep(0.002)
+
+
+class BackfillStopped(RuntimeError):
+    """The backfill stopped being ``running`` (cancelled or failed elsewhere) while a range was read."""
+
+
+@dataclass
+class RangeResult:
+    """What one range reader did."""
+
+    range_idx: int
+    rows_processed: int = 0
+    rows_emitted: int = 0
+    pages: int = 0
+    stale_pages: int = 0
+    done: bool = False
+
+
+class RangeReader:
+    """Reads one range of a backfill page by page through the watermark window protocol."""
+
+    def __init__(self, config: SequinConfig, database: str, backfill_id: int, range_idx: int,
+                 max_page_rows: int = DEFAULT_MAX_PAGE_ROWS, window_timeout: float = DEFAULT_WINDOW_TIMEOUT,
+                 on_page: Callable[[RangeResult], None] | None = None) -> None:
+        self.config = config
+        self.database = config.database(database)
+        self.backfill_id = backfill_id
+        self.range_idx = range_idx
+        self.max_page_rows = max_page_rows
+        self.window_timeout = window_timeout
+        self.on_page = on_page
+        self.schema = config.store.schema
+
+    def run(self) -> RangeResult:
+        """Read the range to its end (resuming from its stored cursor)."""
+        with psycopg.connect(self.config.store_dsn(self.database.name), connect_timeout=10) as store_conn:
+            backfill = store.get_backfill(store_conn, self.schema, self.backfill_id)
+            rng = next(r for r in store.backfill_ranges(store_conn, self.schema, self.backfill_id)
+                       if r.range_idx == self.range_idx)
+            store_conn.commit()
+            result = RangeResult(self.range_idx, done=rng.done)
+            if rng.done:
+                return result
+            with psycopg.connect(self.database.dsn, autocommit=True, connect_timeout=10) as source:
+                return self._read(source, store_conn, backfill, rng, result)
+
+    def _read(self, source: psycopg.Connection[Any], store_conn: psycopg.Connection[Any], backfill: store.Backfill,
+              rng: store.BackfillRange, result: RangeResult) -> RangeResult:
+        shape = table_shape(source, backfill.table_schema, backfill.table_name)
+        catalog = _Catalog(self.database.dsn)
+        try:
+            decoder = PgOutputDecoder(TypeRegistry(catalog.type_info))
+            rel = decoder.make_relation(shape.oid, shape.schema, shape.name, "d", list(shape.columns),
+                                        list(shape.type_oids), [c in shape.primary_key for c in shape.columns],
+                                        list(shape.primary_key))
+            order = ((backfill.sort_column,) if backfill.sort_column else ()) + shape.primary_key
+            query = PageQuery(shape, order, rng.lower_key, rng.upper_key, backfill.sort_column, backfill.start_position)
+            positions = [shape.columns.index(c) for c in order]
+            optimizer = PageSizeOptimizer(backfill.max_query_ms, initial_size=min(1000, self.max_page_rows),
+                                          max_size=self.max_page_rows)
+            source.execute(sql.SQL("SET statement_timeout = {}").format(sql.Literal(backfill.max_query_ms)))
+            cursor: list[str] | None = list(rng.cursor) if rng.cursor is not None else None
+            while True:
+                state = store.get_backfill(store_conn, self.schema, self.backfill_id).state
+                store_conn.commit()
+                if state != "running":
+                    raise BackfillStopped(f"backfill {self.backfill_id} is {state}")
+                outcome = self._page(source, store_conn, shape, rel, decoder, query, positions, optimizer, cursor)
+                if outcome is None:  # stale or timed out: the same page again
+                    result.stale_pages += 1
+                    continue
+                rows, emitted, cursor_after, size = outcome
+                done = rows < size
+                store.advance_backfill_range(store_conn, self.schema, self.backfill_id, self.range_idx,
+                                             cursor_after, rows, emitted, done)
+                result.rows_processed += rows
+                result.rows_emitted += emitted
+                result.pages += 1
+                cursor = cursor_after if cursor_after is not None else cursor
+                if self.on_page:
+                    self.on_page(result)
+                if done:
+                    result.done = True
+                    return result
+        finally:
+            catalog.close()
+
+    def _page(self, source: psycopg.Connection[Any], store_conn: psycopg.Connection[Any], shape: TableShape,
+              rel: Relation, decoder: PgOutputDecoder, query: PageQuery, positions: list[int],
+              optimizer: PageSizeOptimizer, cursor: list[str] | None) -> tuple[int, int, list[str] | None, int] | None:
+        """One page through the window protocol: (rows read, reads emitted, cursor after, page size
+        asked for), or None to read it again."""
+        size = optimizer.size
+        page_id = store.open_backfill_page(store_conn, self.schema, self.backfill_id, self.range_idx)
+        mark = Watermark(self.backfill_id, page_id, self.range_idx, shape.schema, shape.name, shape.primary_key)
+        emit_message(source, LOW_PREFIX, watermark_content(mark))
+        try:
+            wait_for_snapshot_horizon(source)
+            started = time.monotonic()
+            try:
+                values = read_page(source, query.sql(cursor, size))
+            except psycopg.errors.QueryCanceled:
+                optimizer.observe(size, 0, timed_out=True)
+                log.warning("backfill %d range %d: a page of %d rows hit max_query_ms=%d; next page %d rows",
+                            self.backfill_id, self.range_idx, size, optimizer.max_query_ms, optimizer.size)
+                if size <= optimizer.min_size:
+                    raise BackfillError(f"a page of {size} rows of {shape.schema}.{shape.name} still takes longer than"
+                                        f" max_query_ms={optimizer.max_query_ms}: raise the budget or index the"
+                                        f" sort column") from None
+                store.discard_backfill_page(store_conn, self.schema, page_id)
+                return None
+            optimizer.observe(size, (time.monotonic() - started) * 1000.0)
+            staged = [decoder.render_values(rel, v)[::-1] for v in values]  # (record_pks, record)
+            cursor_after = [str(values[-1][p]) for p in positions] if values else None
+            if values:
+                store.stage_backfill_page(store_conn, self.schema, page_id, staged, cursor_after)
+            else:
+                store.discard_backfill_page(store_conn, self.schema, page_id)
+        finally:
+            emit_message(source, HIGH_PREFIX, watermark_content(mark))  # always close the window
+        if not values:
+            return 0, 0, None, size
+        staged_at = time.monotonic()
+        page = self._wait_emitted(store_conn, page_id)
+        log.info("backfill %d range %d page %d: %d rows; select %.0f ms, render+stage %.0f ms, window %.0f ms",
+                 self.backfill_id, self.range_idx, page_id, len(values), optimizer.observations[-1].elapsed_ms,
+                 (staged_at - started) * 1000 - optimizer.observations[-1].elapsed_ms,
+                 (time.monotonic() - staged_at) * 1000)
+        if page.state == "stale":
+            log.info("backfill %d range %d: page %d is stale (its window was broken by a stream app restart);"
+                     " reading it again", self.backfill_id, self.range_idx, page_id)
+            return None
+        return len(values), int(page.rows_emitted or 0), cursor_after, size
+
+    def _wait_emitted(self, store_conn: psycopg.Connection[Any], page_id: int) -> store.BackfillPage:
+        deadline = time.monotonic() + self.window_timeout
+        delay = 0.01
+        while True:
+            page = store.get_backfill_page(store_conn, self.schema, page_id)
+            if page.state in ("emitted", "stale"):
+                return page
+            if time.monotonic() > deadline:
+                store.discard_backfill_page(store_conn, self.schema, page_id)
+                raise BackfillError(f"the stream app did not take page {page_id} within {self.window_timeout:.0f}s:"
+                                    " is the stream app (`sequin stream`) running for this database?")
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.2)

@@ -1,0 +1,190 @@
+"""The backfill Spark batch app: one task per key range, each reading its range page by page.
+
+The driver starts (or resumes) the backfill, splits the key space once (the ranges and their
+cursors are kept in the store, so a restarted backfill continues where each range stopped), runs
+the ranges as Spark tasks (``backfill_reader.RangeReader``), logs a progress line every few
+seconds, and records the outcome: completed, failed with the error, or left cancelled.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import psycopg
+
+from sequin_provider import store
+from sequin_provider.backfill import check_backfill_source, progress_line
+from sequin_provider.backfill_reader import (
+    DEFAULT_MAX_PAGE_ROWS,
+    DEFAULT_WINDOW_TIMEOUT,
+    BackfillStopped,
+    RangeReader,
+    split_key_ranges,
+    table_shape,
+)
+from sequin_provider.config import ConfigError, SequinConfig, load_config
+from sequin_provider.store import BackfillError
+
+log = logging.getLogger("sequin.backfill")
+PROGRESS_INTERVAL = 5.0
+
+
+def _database_of(config: SequinConfig, sink_name: str) -> str:
+    sink = next((s for s in config.sinks if s.name == sink_name), None)
+    if sink is None:
+        raise BackfillError(f"the backfill's sink {sink_name!r} is no longer in the config")
+    return sink.database
+
+
+def read_ranges(config_path: str, database: str, backfill_id: int, max_page_rows: int,
+                window_timeout: float) -> Any:
+    """The task body: read each range of the partition; yields one summary row per range."""
+
+    def run(ranges: Iterator[int]) -> Iterator[tuple[int, int, int, int, bool]]:
+        logging.basicConfig(level=os.environ.get("SEQUIN_LOG_LEVEL", "INFO"),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+        config = load_config(config_path)
+        for range_idx in ranges:
+            result = RangeReader(config, database, backfill_id, range_idx, max_page_rows, window_timeout).run()
+            yield (result.range_idx, result.rows_processed, result.rows_emitted, result.stale_pages, result.done)
+
+    return run
+
+
+def start_backfill(config: SequinConfig, backfill_id: int, ranges: int) -> tuple[store.Backfill, list[store.BackfillRange]]:
+    """Move a pending backfill to running with its ranges, or return a running one's ranges (resume)."""
+    with psycopg.connect(config.store_dsn(_database_of(config, _sink_of(config, backfill_id))), connect_timeout=10) as conn:
+        backfill = store.get_backfill(conn, config.store.schema, backfill_id)
+        database = config.database(_database_of(config, backfill.sink))
+        if backfill.state in ("completed", "failed", "cancelled"):
+            return backfill, store.backfill_ranges(conn, config.store.schema, backfill_id)
+        with psycopg.connect(database.dsn, autocommit=True, connect_timeout=10) as source:
+            check_backfill_source(source)
+            existing = store.backfill_ranges(conn, config.store.schema, backfill_id)
+            bounds: list[tuple[Any, Any]] = [(None, None)]
+            if not existing and backfill.kind == "full" and ranges > 1:
+                shape = table_shape(source, backfill.table_schema, backfill.table_name)
+                bounds = split_key_ranges(source, shape, ranges, backfill.rows_initial)
+        conn.commit()
+        if backfill.state == "pending":
+            backfill = store.transition_backfill(conn, config.store.schema, backfill_id, "running")
+        found = store.ensure_backfill_ranges(conn, config.store.schema, backfill_id, bounds)
+        abandoned = store.abandon_backfill_pages(conn, config.store.schema, backfill_id)
+        if abandoned:
+            log.info("backfill %d: %d pages of an earlier run were left unfinished; their ranges resume from"
+                     " their cursors", backfill_id, abandoned)
+        return backfill, found
+
+
+def _sink_of(config: SequinConfig, backfill_id: int) -> str:
+    """The sink of a backfill, looked up in the store of whichever database holds it."""
+    errors = []
+    for db in config.databases:
+        try:
+            with psycopg.connect(config.store_dsn(db.name), connect_timeout=10) as conn:
+                return store.get_backfill(conn, config.store.schema, backfill_id).sink
+        except BackfillError as exc:
+            errors.append(str(exc))
+    raise BackfillError(errors[0] if errors else f"no backfill with id {backfill_id}")
+
+
+def run_backfill(spark: Any, config_path: str, backfill_id: int, ranges: int | None = None,
+                 max_page_rows: int = DEFAULT_MAX_PAGE_ROWS, window_timeout: float = DEFAULT_WINDOW_TIMEOUT) -> store.Backfill:
+    """Run (or resume) a backfill to its end on ``spark``; returns its final record."""
+    config = load_config(config_path)
+    parallelism = ranges or int(spark.sparkContext.defaultParallelism)
+    backfill, found = start_backfill(config, backfill_id, parallelism)
+    database = _database_of(config, backfill.sink)
+    dsn = config.store_dsn(database)
+    schema = config.store.schema
+    if backfill.state != "running":
+        log.info("backfill %d is already %s", backfill_id, backfill.state)
+        return backfill
+    todo = [r.range_idx for r in found if not r.done]
+    log.info("backfill %d of %s.%s for sink %r: %d ranges to read (%d done), about %s rows", backfill_id,
+             backfill.table_schema, backfill.table_name, backfill.sink, len(todo), len(found) - len(todo),
+             backfill.rows_initial if backfill.rows_initial is not None else "?")
+    stop = threading.Event()
+    reporter = threading.Thread(target=_report_progress, args=(dsn, schema, backfill_id, stop), daemon=True)
+    reporter.start()
+    error: str | None = None
+    try:
+        if todo:
+            spark.sparkContext.setJobDescription(f"sequin backfill {backfill_id}")
+            rdd = spark.sparkContext.parallelize(todo, len(todo))
+            rdd.mapPartitions(read_ranges(str(Path(config_path).absolute()), database, backfill_id, max_page_rows,
+                                          window_timeout)).collect()
+    except Exception as exc:  # noqa: BLE001 - a task's error, as Spark reports it
+        error = _task_error(exc)
+    finally:
+        stop.set()
+        reporter.join(timeout=10)
+    with psycopg.connect(dsn, connect_timeout=10) as conn:
+        current = store.get_backfill(conn, schema, backfill_id)
+        if current.state != "running":
+            log.info("backfill %d is %s", backfill_id, current.state)
+            return current
+        if error is None and all(r.done for r in store.backfill_ranges(conn, schema, backfill_id)):
+            final = store.transition_backfill(conn, schema, backfill_id, "completed")
+            log.info("backfill %d completed: %s", backfill_id, progress_line(final))
+            return final
+        final = store.transition_backfill(conn, schema, backfill_id, "failed", error or "ranges left unfinished")
+        log.error("backfill %d failed: %s", backfill_id, final.error)
+        return final
+
+
+def _task_error(exc: Exception) -> str:
+    """The useful line of a Spark task failure (the Python exception it carries)."""
+    text = str(exc)
+    for marker in ("BackfillError: ", "BackfillStopped: ", "QueryCanceled: ", "OperationalError: "):
+        if marker in text:
+            return text.split(marker, 1)[1].strip().splitlines()[0]
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def _report_progress(dsn: str, schema: str, backfill_id: int, stop: threading.Event) -> None:
+    last: tuple[float, int] | None = None
+    while not stop.wait(PROGRESS_INTERVAL):
+        try:
+            with psycopg.connect(dsn, connect_timeout=5) as conn:
+                backfill = store.get_backfill(conn, schema, backfill_id)
+        except Exception as exc:  # noqa: BLE001 - progress is best effort
+            log.warning("progress unavailable: %s", exc)
+            continue
+        now = time.monotonic()
+        rate = None
+        if last is not None and now > last[0]:
+            rate = (backfill.rows_processed - last[1]) / (now - last[0])
+        last = (now, backfill.rows_processed)
+        log.info("backfill %d: %s", backfill_id, progress_line(backfill, rate))
+
+
+def run_backfill_app(config_path: str | None, backfill_id: int, master: str | None = None, ranges: int | None = None,
+                     max_page_rows: int = DEFAULT_MAX_PAGE_ROWS, window_timeout: float = DEFAULT_WINDOW_TIMEOUT) -> int:
+    """The ``spark_apps/backfill.py`` entry point; returns the process exit code (0: completed)."""
+    from sequin_provider.spark.app import spark_session
+
+    logging.basicConfig(level=os.environ.get("SEQUIN_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    path = str(Path(config_path or os.environ.get("SEQUIN_CONFIG") or "sequin.yaml").absolute())
+    try:
+        load_config(path)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    spark = spark_session(f"sequin-backfill-{backfill_id}", master)
+    try:
+        final = run_backfill(spark, path, backfill_id, ranges, max_page_rows, window_timeout)
+    except (BackfillError, BackfillStopped) as exc:
+        log.error("%s", exc)
+        return 2
+    finally:
+        spark.stop()
+    return 0 if final.state == "completed" else 1

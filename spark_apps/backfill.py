@@ -1,0 +1,32 @@
+"""spark-submit entry point of the backfill batch app (DESIGN §7).
+
+    spark-submit spark_apps/backfill.py --config sequin.yaml --backfill-id 7
+
+Runs (or resumes) a recorded backfill to its end. Only parses arguments and calls into the package.
+Exit code 0: completed; 1: failed or cancelled; 2: bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from sequin_provider.backfill_reader import DEFAULT_MAX_PAGE_ROWS, DEFAULT_WINDOW_TIMEOUT
+from sequin_provider.spark.backfill_app import run_backfill_app
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Sequin backfill app")
+    parser.add_argument("--config", default=None, help="sequin.yaml (default: $SEQUIN_CONFIG or ./sequin.yaml)")
+    parser.add_argument("--backfill-id", type=int, required=True, help="the backfill to run (sequin backfill start --no-run)")
+    parser.add_argument("--master", default=None, help="Spark master when not given by spark-submit")
+    parser.add_argument("--ranges", type=int, default=None, help="key ranges read in parallel (default: parallelism)")
+    parser.add_argument("--max-page-rows", type=int, default=DEFAULT_MAX_PAGE_ROWS)
+    parser.add_argument("--window-timeout", type=float, default=DEFAULT_WINDOW_TIMEOUT)
+    args = parser.parse_args(argv)
+    return run_backfill_app(args.config, args.backfill_id, args.master, args.ranges, args.max_page_rows,
+                            args.window_timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

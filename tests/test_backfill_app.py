@@ -1,0 +1,369 @@
+"""Backfills end to end: real Postgres, the stream app (a subprocess), the backfill Spark app in local mode.
+
+The backfill app runs in this test process (one SparkSession for the module); the stream app
+that places the reads at the high watermarks runs as in production, as its own process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import psycopg
+import pytest
+
+from sequin_provider import store
+from sequin_provider.backfill import create_backfill
+from sequin_provider.config import load_config
+from sequin_provider.embedded_postgres import EmbeddedPostgres
+from sequin_provider.store import Backfill
+from tests.conftest import StreamApp, execute, sink_messages, wait_for, write_config
+
+SCHEMA = [
+    "CREATE TABLE big (id bigint PRIMARY KEY, name text NOT NULL, n numeric)",
+    "INSERT INTO big SELECT g, 'row ' || g, g * 1.5 FROM generate_series(1, 100000) g",
+    "CREATE TABLE busy (id int PRIMARY KEY, n int NOT NULL, s text)",
+    "INSERT INTO busy SELECT g, 0, 'v' || g FROM generate_series(1, 200000) g",
+    "CREATE TABLE events (id int PRIMARY KEY, kind text, updated_at timestamptz)",
+    "INSERT INTO events SELECT g, 'e', CASE WHEN g % 10 = 0 THEN NULL"
+    " ELSE timestamptz '2025-01-01 00:00:00+00' + g * interval '1 hour' END FROM generate_series(1, 1000) g",
+    "CREATE INDEX ON events (updated_at)",
+    "CREATE TABLE lines (order_id int, line int, sku text, PRIMARY KEY (order_id, line))",
+    "INSERT INTO lines SELECT o, l, 'sku-' || o || '-' || l FROM generate_series(1, 300) o, generate_series(1, 7) l",
+    "CREATE TABLE docs (id uuid PRIMARY KEY, title text)",
+    "INSERT INTO docs SELECT md5(g::text)::uuid, 'doc ' || g FROM generate_series(1, 3000) g",
+    "CREATE TABLE nothing (id int PRIMARY KEY)",
+    "CREATE TABLE adapt (id int PRIMARY KEY, pad text)",
+    "INSERT INTO adapt SELECT g, repeat('x', 100) FROM generate_series(1, 60000) g",
+    "ANALYZE",
+]
+
+CONFIG = """
+databases:
+  - name: app
+    dsn: {dsn}
+    slot: {{name: slot_{db}}}
+    publication: {{name: pub_{db}}}
+    heartbeat_interval: 1s
+sinks:
+  - {{name: big_sink, tables: [big], destination: {{type: sequin_stream}}}}
+  - {{name: busy_sink, tables: [busy], destination: {{type: sequin_stream}}}}
+  - {{name: events_sink, tables: [events], destination: {{type: sequin_stream}}}}
+  - {{name: lines_sink, tables: [lines], destination: {{type: sequin_stream}}}}
+  - {{name: docs_sink, tables: [docs], destination: {{type: sequin_stream}}}}
+  - {{name: nothing_sink, tables: [nothing], destination: {{type: sequin_stream}}}}
+  - {{name: adapt_sink, tables: [adapt], destination: {{type: sequin_stream}}}}
+stream:
+  checkpoint_location: {checkpoint}
+"""
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    """The backfill app's Spark (local mode, two cores as on CI)."""
+    from sequin_provider.spark.app import spark_session
+
+    session = spark_session("sequin-backfill-tests", "local[2]")
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="module")
+def app_db(pg: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, StreamApp, Path]]:
+    """A database with the tables above and a running stream app."""
+    db = "backfill_app"
+    dsn = pg.create_database(db)
+    execute(dsn, *SCHEMA)
+    tmp = tmp_path_factory.mktemp("backfill")
+    config = write_config(tmp / "sequin.yaml", CONFIG.format(dsn=dsn, db=db, checkpoint=tmp / "ckpt"))
+    app = StreamApp(config, tmp / "app.log").start()
+    try:
+        app.wait_streaming(dsn)
+        yield dsn, app, config
+    finally:
+        app.stop()
+
+
+def backfill(dsn: str, config_path: Path, sink: str, table: str, sort_column: str | None = None,
+             start_position: str | None = None, max_query_ms: int = 5000) -> Backfill:
+    """Record a backfill as the CLI and the operator do."""
+    config = load_config(config_path)
+    with psycopg.connect(dsn, autocommit=True) as source, psycopg.connect(dsn) as conn:
+        return create_backfill(source, conn, config, sink, table, sort_column, start_position, max_query_ms)
+
+
+def run(spark: Any, config_path: Path, backfill_id: int, **kwargs: Any) -> Backfill:
+    from sequin_provider.spark.backfill_app import run_backfill
+
+    return run_backfill(spark, str(config_path), backfill_id, **kwargs)
+
+
+def reads_of(dsn: str, sink: str) -> list[dict[str, Any]]:
+    return [m for m in sink_messages(dsn, sink) if m["action"] == "read"]
+
+
+def test_full_backfill_delivers_every_row_once_in_key_order_per_range(
+        app_db: tuple[str, StreamApp, Path], spark: Any) -> None:
+    dsn, app, config = app_db
+    created = backfill(dsn, config, "big_sink", "big")
+    assert created.state == "pending" and 90_000 <= (created.rows_initial or 0) <= 110_000  # planner estimate
+    final = run(spark, config, created.id)
+    assert final.state == "completed", final.error
+    assert (final.rows_processed, final.rows_emitted) == (100_000, 100_000)
+    reads = reads_of(dsn, "big_sink")
+    assert len(reads) == 100_000
+    assert sorted(m["record"]["id"] for m in reads) == list(range(1, 100_001))  # each row once
+    first = reads[0]
+    assert first["changes"] is None and first["record"]["name"] == f"row {first['record']['id']}"
+    assert first["metadata"]["idempotency_key"] == f'backfill:{created.id}:["{first["record"]["id"]}"]'
+    assert first["metadata"]["record_pks"] == [str(first["record"]["id"])]
+    with psycopg.connect(dsn) as conn:
+        ranges = store.backfill_ranges(conn, "sequin", created.id)
+    assert len(ranges) == 2 and all(r.done for r in ranges)
+    assert sum(r.rows_processed for r in ranges) == 100_000
+    # in key order within each range: position order == key order
+    bound = int(ranges[0].upper_key[0])  # type: ignore[index]
+    for in_range in ([m for m in reads if m["record"]["id"] <= bound], [m for m in reads if m["record"]["id"] > bound]):
+        assert in_range, "both ranges got rows"
+        ids = [m["record"]["id"] for m in in_range]
+        assert ids == sorted(ids)
+    # the pages were staged and emitted: nothing left in staging
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM sequin.backfill_rows").fetchone()[0] == 0
+        states = dict(conn.execute("SELECT state, count(*) FROM sequin.backfill_pages WHERE backfill_id = %s"
+                                   " GROUP BY state", (created.id,)).fetchall())
+    assert set(states) <= {"emitted", "stale"} and states["emitted"] >= 2
+
+
+def _workload(dsn: str, stop: threading.Event, seed: int, counts: dict[str, int]) -> None:
+    rng = random.Random(seed)
+    next_id = 200_001 + seed * 1_000_000
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while not stop.is_set():
+            with conn.transaction():
+                for _ in range(rng.randint(1, 5)):
+                    roll = rng.random()
+                    key = rng.randint(2, 200_000)
+                    if roll < 0.6:
+                        conn.execute("UPDATE busy SET n = n + 1, s = %s WHERE id = %s", (f"u{rng.random()}", key))
+                        counts["update"] += 1
+                    elif roll < 0.8:
+                        conn.execute("DELETE FROM busy WHERE id = %s", (key,))
+                        counts["delete"] += 1
+                    else:
+                        conn.execute("INSERT INTO busy VALUES (%s, 0, 'new')", (next_id,))
+                        next_id += 1
+                        counts["insert"] += 1
+            time.sleep(0.001)
+
+
+def test_backfill_racing_a_random_workload_replays_to_the_final_state(
+        app_db: tuple[str, StreamApp, Path], spark: Any) -> None:
+    dsn, app, config = app_db
+    with psycopg.connect(dsn) as conn:
+        initial = {r[0] for r in conn.execute("SELECT id FROM busy").fetchall()}
+    created = backfill(dsn, config, "busy_sink", "busy")
+    stop = threading.Event()
+    counts = {"update": 0, "delete": 0, "insert": 0}
+    workers = [threading.Thread(target=_workload, args=(dsn, stop, seed, counts)) for seed in (1, 2)]
+    for w in workers:
+        w.start()
+    try:
+        final = run(spark, config, created.id)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+    assert final.state == "completed", final.error
+    assert counts["update"] > 100 and counts["delete"] > 20, counts  # the race really happened
+    execute(dsn, "UPDATE busy SET s = 'the end' WHERE id = 1")  # a last change, to know the stream caught up
+    wait_for(lambda: any(m["record"].get("s") == "the end" for m in sink_messages(dsn, "busy_sink")[-50:]),
+             180, what="the final marker change")
+    messages = sink_messages(dsn, "busy_sink")
+    with psycopg.connect(dsn) as conn:
+        final_rows = {r[0]: {"id": r[0], "n": r[1], "s": r[2]} for r in conn.execute("SELECT id, n, s FROM busy")}
+    state: dict[int, dict[str, Any] | None] = {}
+    changed: set[int] = set()
+    stale_reads = []
+    for m in messages:  # position order
+        key = m["record"]["id"]
+        if m["action"] == "read":
+            if key in changed and state.get(key) != m["record"]:
+                stale_reads.append((key, state.get(key), m["record"]))  # a read older than a change before it
+            state[key] = m["record"]
+        elif m["action"] == "delete":
+            changed.add(key)
+            state[key] = None
+        else:
+            changed.add(key)
+            state[key] = m["record"]
+    assert stale_reads == []
+    replayed = {k: v for k, v in state.items() if v is not None}
+    assert replayed == final_rows  # every key: replay == final table state
+    assert initial <= set(state)  # every row present at the start is represented by a read or a change
+    reads = [m for m in messages if m["action"] == "read"]
+    assert len(reads) == len({m["record"]["id"] for m in reads})  # no row read twice
+    assert final.rows_processed >= len(reads) and final.rows_emitted == len(reads)
+    dropped = final.rows_processed - final.rows_emitted
+    logging.getLogger(__name__).info("race: %s, %d reads, %d dropped as changed in their window", counts, len(reads),
+                                     dropped)
+
+
+def test_partial_backfill_from_a_timestamp_skips_older_rows_and_nulls(
+        app_db: tuple[str, StreamApp, Path], spark: Any, tmp_path: Path) -> None:
+    dsn, app, config = app_db
+    # through the CLI, as a user would: record, run, status
+    cli = [sys.executable, "-m", "sequin_provider.cli", "--config", str(config), "backfill"]
+    started = subprocess.run([*cli, "start", "events_sink", "events", "--sort-column", "updated_at",
+                              "--start-position", "2025-01-30 00:00:00+00", "--no-run"],
+                             capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stderr
+    backfill_id = int(started.stdout.split()[1].rstrip(":"))
+    final = run(spark, config, backfill_id)
+    assert final.state == "completed" and final.kind == "partial"
+    reads = reads_of(dsn, "events_sink")
+    # hour g after 2025-01-01 >= 2025-01-30 00:00  <=>  g >= 696; NULL sort values (g % 10 = 0) are not included
+    expected = [g for g in range(696, 1001) if g % 10]
+    assert [m["record"]["id"] for m in reads] == expected  # in (updated_at, id) order
+    status = subprocess.run([*cli, "status", str(backfill_id)], capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert f"backfill {backfill_id} [events_sink public.events partial from updated_at >= " in status.stdout
+    assert f"completed, {len(expected):,}" in status.stdout and "rows/s" in status.stdout
+
+
+def test_composite_uuid_and_empty_tables(app_db: tuple[str, StreamApp, Path], spark: Any) -> None:
+    dsn, app, config = app_db
+    for sink, table, rows in (("lines_sink", "lines", 2100), ("docs_sink", "docs", 3000), ("nothing_sink", "nothing", 0)):
+        created = backfill(dsn, config, sink, table)
+        final = run(spark, config, created.id, ranges=3)
+        assert final.state == "completed", final.error
+        assert final.rows_processed == rows
+        assert len(reads_of(dsn, sink)) == rows
+    lines = reads_of(dsn, "lines_sink")
+    assert sorted((m["record"]["order_id"], m["record"]["line"]) for m in lines) == [
+        (o, ln) for o in range(1, 301) for ln in range(1, 8)]
+    assert lines[0]["metadata"]["record_pks"] == [str(lines[0]["record"]["order_id"]), str(lines[0]["record"]["line"])]
+    with psycopg.connect(dsn) as conn:
+        uuids = {str(r[0]) for r in conn.execute("SELECT id FROM docs")}
+    assert {m["record"]["id"] for m in reads_of(dsn, "docs_sink")} == uuids
+
+
+def test_page_size_adapts_to_a_small_budget_and_to_timeouts(app_db: tuple[str, StreamApp, Path], spark: Any) -> None:
+    """A real table, a 300 ms budget, and a lock that makes page queries time out for a while."""
+    dsn, app, config = app_db
+    created = backfill(dsn, config, "adapt_sink", "adapt", max_query_ms=300)
+    locker = psycopg.connect(dsn)
+    locker.execute("LOCK TABLE adapt IN ACCESS EXCLUSIVE MODE")  # page queries wait, then hit the budget
+    result: dict[str, Backfill] = {}
+    runner = threading.Thread(target=lambda: result.update(final=run(spark, config, created.id, ranges=1)))
+    runner.start()
+    try:
+        wait_for(lambda: len(_stale_pages(dsn, created.id)) >= 2, 180, what="pages timing out on the locked table")
+    finally:
+        locker.rollback()
+        locker.close()
+    runner.join(timeout=600)
+    final = result["final"]
+    assert final.state == "completed", final.error
+    assert len(reads_of(dsn, "adapt_sink")) == 60_000
+    with psycopg.connect(dsn) as conn:
+        sizes = [r[0] for r in conn.execute("SELECT rows_staged FROM sequin.backfill_pages WHERE backfill_id = %s"
+                                            " AND state = 'emitted' ORDER BY id", (created.id,))]
+    assert len(sizes) >= 3 and sizes[0] < max(sizes), sizes  # pages grew while queries finished inside the budget
+    # the pages that hit the budget were given up (no rows staged) and read again smaller
+    assert _stale_pages(dsn, created.id), "the locked table made at least one page time out"
+
+
+def _stale_pages(dsn: str, backfill_id: int) -> list[int]:
+    with psycopg.connect(dsn) as conn:
+        return [r[0] for r in conn.execute("SELECT id FROM sequin.backfill_pages WHERE backfill_id = %s"
+                                           " AND state = 'stale' AND rows_staged = 0", (backfill_id,))]
+
+
+def test_stream_app_killed_mid_backfill_then_restarted_completes_with_nothing_missing(
+        pg: EmbeddedPostgres, tmp_path: Path, spark: Any) -> None:
+    db = "backfill_kill"
+    dsn = pg.create_database(db)
+    execute(dsn, "CREATE TABLE big (id bigint PRIMARY KEY, name text NOT NULL, n numeric)",
+            "INSERT INTO big SELECT g, 'row ' || g, g FROM generate_series(1, 150000) g", "ANALYZE big")
+    config = write_config(tmp_path / "sequin.yaml", """
+        databases:
+          - name: app
+            dsn: {dsn}
+            slot: {{name: slot_{db}}}
+            publication: {{name: pub_{db}}}
+            heartbeat_interval: 1s
+        sinks:
+          - {{name: big_sink, tables: [big], destination: {{type: sequin_stream}}}}
+        stream:
+          checkpoint_location: {ckpt}
+        """.format(dsn=dsn, db=db, ckpt=tmp_path / "ckpt"))
+    app = StreamApp(config, tmp_path / "app.log").start()
+    app.wait_streaming(dsn)
+    created = backfill(dsn, config, "big_sink", "big")
+    result: dict[str, Backfill] = {}
+    runner = threading.Thread(target=lambda: result.update(final=run(spark, config, created.id, max_page_rows=10_000)))
+    runner.start()
+    seen = 0
+    try:
+        for _ in range(2):  # kill it twice while pages are in flight
+            wait_for(lambda at_least=seen + 5_000: count_messages(dsn, "big_sink") > at_least, 240,
+                     what="backfill progress")
+            app.kill()
+            time.sleep(1.0)
+            app.start()
+            app.wait_streaming(dsn)
+            seen = count_messages(dsn, "big_sink")
+        runner.join(timeout=600)
+    finally:
+        app.stop()
+    assert result["final"].state == "completed", result["final"].error
+    ids = [m["record"]["id"] for m in reads_of(dsn, "big_sink")]
+    assert set(ids) == set(range(1, 150_001))  # nothing missing
+    # a page re-read after the restart may repeat rows emitted before it (at least once): same idempotency key
+    with psycopg.connect(dsn) as conn:
+        stale = conn.execute("SELECT count(*) FROM sequin.backfill_pages WHERE backfill_id = %s AND state = 'stale'",
+                             (created.id,)).fetchone()[0]
+    logging.getLogger(__name__).info("kill test: %d reads for 150000 rows, %d stale pages", len(ids), stale)
+
+
+def count_messages(dsn: str, sink: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        return int(conn.execute("SELECT count(*) FROM sequin.stream_messages WHERE sink = %s", (sink,)).fetchone()[0])
+
+
+def test_bad_backfill_requests_fail_clearly_through_the_cli(app_db: tuple[str, StreamApp, Path]) -> None:
+    dsn, app, config = app_db
+    cli = [sys.executable, "-m", "sequin_provider.cli", "--config", str(config), "backfill"]
+    cases = [
+        (["start", "big_sink", "nope", "--no-run"], "does not capture public.nope"),
+        (["start", "no_sink", "big", "--no-run"], "unknown sink 'no_sink'"),
+        (["start", "events_sink", "events", "--sort-column", "missing", "--start-position", "1", "--no-run"],
+         "sort column 'missing' is not a column"),
+        (["start", "events_sink", "events", "--sort-column", "updated_at", "--start-position", "yesterday-ish",
+          "--no-run"], "is not a valid timestamp with time zone"),
+        (["start", "big_sink", "big", "--max-query-ms", "0", "--no-run"], "max_query_ms must be an integer between 1"),
+        (["status", "999999"], "no backfill with id 999999"),
+        (["cancel", "999999"], "no backfill with id 999999"),
+    ]
+    for args, message in cases:
+        out = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and message in out.stderr, (args, out.stdout, out.stderr)
+    first = subprocess.run([*cli, "start", "docs_sink", "docs", "--no-run"], capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    second = subprocess.run([*cli, "start", "docs_sink", "docs", "--no-run"], capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2 and "already has an active backfill" in second.stderr
+    backfill_id = int(first.stdout.split()[1].rstrip(":"))
+    cancelled = subprocess.run([*cli, "cancel", str(backfill_id)], capture_output=True, text=True, timeout=60)
+    assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout
+    with psycopg.connect(dsn) as conn:
+        assert store.get_backfill(conn, "sequin", backfill_id).state == "cancelled"
+    assert json.loads(subprocess.run([*cli, "status", "--sink", "docs_sink", "--json"], capture_output=True, text=True,
+                                     timeout=60).stdout)[0]["state"] == "cancelled"
