@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -332,6 +334,62 @@ def test_stream_app_killed_mid_backfill_then_restarted_completes_with_nothing_mi
         stale = conn.execute("SELECT count(*) FROM sequin.backfill_pages WHERE backfill_id = %s AND state = 'stale'",
                              (created.id,)).fetchone()[0]
     logging.getLogger(__name__).info("kill test: %d reads for 150000 rows, %d stale pages", len(ids), stale)
+
+
+def test_backfill_app_killed_mid_run_resumes_from_its_cursors_with_nothing_missing(
+        pg: EmbeddedPostgres, tmp_path: Path) -> None:
+    """SIGKILL the backfill app itself (driver and JVM) mid-run; ``sequin backfill run ID`` finishes it."""
+    db = "backfill_resume"
+    dsn = pg.create_database(db)
+    execute(dsn, "CREATE TABLE big (id bigint PRIMARY KEY, name text NOT NULL)",
+            "INSERT INTO big SELECT g, 'row ' || g FROM generate_series(1, 120000) g", "ANALYZE big")
+    config = write_config(tmp_path / "sequin.yaml", """
+        databases:
+          - name: app
+            dsn: {dsn}
+            slot: {{name: slot_{db}}}
+            publication: {{name: pub_{db}}}
+            heartbeat_interval: 1s
+        sinks:
+          - {{name: big_sink, tables: [big], destination: {{type: sequin_stream}}}}
+        stream:
+          checkpoint_location: {ckpt}
+        """.format(dsn=dsn, db=db, ckpt=tmp_path / "ckpt"))
+    app = StreamApp(config, tmp_path / "app.log").start()
+    try:
+        app.wait_streaming(dsn)
+        created = backfill(dsn, config, "big_sink", "big")
+        root = Path(__file__).resolve().parent.parent
+        with open(tmp_path / "backfill1.log", "wb") as log_file:
+            first = subprocess.Popen([sys.executable, str(root / "spark_apps" / "backfill.py"), "--config", str(config),
+                                      "--backfill-id", str(created.id), "--master", "local[2]", "--ranges", "2",
+                                      "--max-page-rows", "5000"],
+                                     stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                wait_for(lambda: count_messages(dsn, "big_sink") > 20_000 or first.poll() is not None, 300,
+                         what="backfill progress before the kill")
+                assert first.poll() is None, (tmp_path / "backfill1.log").read_text()[-3000:]
+            finally:
+                os.killpg(first.pid, signal.SIGKILL)  # the driver and its JVM, mid-page
+                first.wait(timeout=60)
+        with psycopg.connect(dsn) as conn:
+            killed = store.get_backfill(conn, "sequin", created.id)
+            cursors = [r.cursor for r in store.backfill_ranges(conn, "sequin", created.id)]
+        assert killed.state == "running" and 0 < killed.rows_emitted < 120_000
+        assert all(c is not None for c in cursors)  # both ranges had made progress to resume from
+        resumed = subprocess.run([sys.executable, "-m", "sequin_provider.cli", "--config", str(config), "backfill",
+                                  "run", str(created.id)], capture_output=True, text=True, timeout=600)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert "unfinished" in resumed.stderr or "resume" in resumed.stderr, resumed.stderr[-3000:]
+    finally:
+        app.stop()
+    with psycopg.connect(dsn) as conn:
+        final = store.get_backfill(conn, "sequin", created.id)
+    assert final.state == "completed", final.error
+    ids = [m["record"]["id"] for m in reads_of(dsn, "big_sink")]
+    assert set(ids) == set(range(1, 120_001))  # nothing missing
+    # resumed from the cursors, not from the start: at most the pages in flight at the kill are read again
+    assert len(ids) - 120_000 <= 2 * 2 * 5_000, len(ids)
 
 
 def count_messages(dsn: str, sink: str) -> int:
