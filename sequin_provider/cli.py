@@ -1,4 +1,4 @@
-"""The ``sequin`` command: ``init``, ``status``, ``stream``, ``messages``, ``backfill``."""
+"""The ``sequin`` command: ``init``, ``status``, ``stream``, ``messages``, ``backfill``, ``api``, ``token``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from sequin_provider.config import ConfigError, SequinConfig, load_config
 from sequin_provider.pgoutput import int_to_lsn
 from sequin_provider.replication import ReplicationError, slot_info
 from sequin_provider.store import BackfillError
+from sequin_provider.stream_queue import TokenError
 
 
 def _config(args: argparse.Namespace) -> SequinConfig:
@@ -196,6 +197,66 @@ def cmd_backfill_cancel(args: argparse.Namespace) -> int:
     raise BackfillError(f"no backfill with id {args.id}")
 
 
+def _token_store(config: SequinConfig) -> psycopg.Connection[Any]:
+    """The store holding API tokens: the first database's (migrated)."""
+    conn = psycopg.connect(config.store_dsn(config.databases[0].name), connect_timeout=5)
+    store.migrate(conn, config.store.schema)
+    conn.commit()
+    return conn
+
+
+def cmd_token_create(args: argparse.Namespace) -> int:
+    """Create an API token and print it (it is shown only this once)."""
+    from sequin_provider import stream_queue
+
+    config = _config(args)
+    with _token_store(config) as conn:
+        token = stream_queue.create_token(conn, config.store.schema, args.name)
+    print(token)
+    print(f"token {args.name!r} created; it is stored hashed and cannot be shown again", file=sys.stderr)
+    return 0
+
+
+def cmd_token_revoke(args: argparse.Namespace) -> int:
+    """Revoke an API token by name."""
+    from sequin_provider import stream_queue
+
+    config = _config(args)
+    with _token_store(config) as conn:
+        stream_queue.revoke_token(conn, config.store.schema, args.name)
+    print(f"token {args.name!r} revoked")
+    return 0
+
+
+def cmd_token_list(args: argparse.Namespace) -> int:
+    """List API tokens (names and dates; tokens themselves are not stored)."""
+    from sequin_provider import stream_queue
+
+    config = _config(args)
+    with _token_store(config) as conn:
+        for name, created, revoked in stream_queue.list_tokens(conn, config.store.schema):
+            state = f"revoked {revoked:%Y-%m-%d %H:%M:%S}" if revoked else "active"
+            print(f"{name}\tcreated {created:%Y-%m-%d %H:%M:%S}\t{state}")
+    return 0
+
+
+def cmd_api(args: argparse.Namespace) -> int:
+    """Serve the Sequin Stream HTTP pull API."""
+    import uvicorn
+
+    from sequin_provider.stream_api import create_app
+
+    config = _config(args)
+    for db in config.databases:  # the tables must exist before the first request
+        with psycopg.connect(config.store_dsn(db.name), connect_timeout=5) as conn:
+            store.migrate(conn, config.store.schema)
+    streams = [s.name for s in config.sinks if s.destination.type == "sequin_stream"]
+    print(f"serving Sequin Streams {', '.join(streams) or '(none configured)'} on http://{args.host}:{args.port}"
+          f" (OpenAPI: /docs)", file=sys.stderr)
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0
+
+
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     from sequin_provider.backfill_reader import DEFAULT_MAX_PAGE_ROWS, DEFAULT_WINDOW_TIMEOUT
 
@@ -227,6 +288,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--database", default=None)
     p.add_argument("--limit", type=int, default=100)
     p.set_defaults(func=cmd_messages)
+    p = sub.add_parser("api", help="serve the Sequin Stream HTTP pull API (receive/ack/nack)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=7376)
+    p.add_argument("--log-level", default="warning")
+    p.set_defaults(func=cmd_api)
+    token = sub.add_parser("token", help="create, revoke and list API tokens").add_subparsers(
+        dest="token_command", required=True)
+    p = token.add_parser("create", help="create a token and print it (shown once)")
+    p.add_argument("name")
+    p.set_defaults(func=cmd_token_create)
+    p = token.add_parser("revoke", help="revoke a token")
+    p.add_argument("name")
+    p.set_defaults(func=cmd_token_revoke)
+    p = token.add_parser("list", help="list tokens")
+    p.set_defaults(func=cmd_token_list)
     backfill = sub.add_parser("backfill", help="start, run, watch and cancel backfills").add_subparsers(
         dest="backfill_command", required=True)
     p = backfill.add_parser("start", help="record a backfill of a sink's table and run it (Spark)")
@@ -258,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (ConfigError, ReplicationError, BackfillError) as exc:
+    except (ConfigError, ReplicationError, BackfillError, TokenError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except psycopg.OperationalError as exc:

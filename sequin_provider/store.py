@@ -123,6 +123,34 @@ CREATE TABLE IF NOT EXISTS {schema}.sink_setups (
     created_at  timestamptz NOT NULL DEFAULT now()
 );
 """),
+    (6, "api tokens, consumer visibility index, buffer of parked messages", """
+CREATE TABLE IF NOT EXISTS {schema}.api_tokens (
+    name        text PRIMARY KEY,
+    token_hash  text        NOT NULL UNIQUE,   -- sha256 hex of the token; the token itself is never stored
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    revoked_at  timestamptz
+);
+CREATE INDEX IF NOT EXISTS stream_messages_outstanding ON {schema}.stream_messages (sink)
+    WHERE state = 'delivered';
+CREATE TABLE IF NOT EXISTS {schema}.buffered_messages (
+    sink              text        NOT NULL,
+    commit_lsn        bigint      NOT NULL,
+    commit_idx        integer     NOT NULL,
+    group_id          text        NOT NULL,
+    idempotency_key   text        NOT NULL,
+    data              text,                    -- the rendered message; null when its transform failed
+    source            text,                    -- the message before its transform, to transform again
+    state             text        NOT NULL DEFAULT 'parked' CHECK (state IN ('parked', 'discarded')),
+    attempts          integer     NOT NULL DEFAULT 0,
+    next_attempt_at   timestamptz NOT NULL DEFAULT now(),
+    last_error        text,
+    parked_at         timestamptz NOT NULL DEFAULT now(),
+    updated_at        timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (sink, commit_lsn, commit_idx)
+);
+CREATE INDEX IF NOT EXISTS buffered_messages_group ON {schema}.buffered_messages (sink, group_id, commit_lsn, commit_idx)
+    WHERE state = 'parked';
+"""),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
@@ -590,7 +618,14 @@ def advance_visible_lsn(conn: psycopg.Connection[Any], schema: str, sinks: Seque
             "INSERT INTO {0}.stream_visibility (sink, visible_lsn) SELECT unnest(%s::text[]), %s"
             " ON CONFLICT (sink) DO UPDATE SET visible_lsn = greatest({0}.stream_visibility.visible_lsn,"
             " EXCLUDED.visible_lsn), updated_at = now()").format(_ident(schema)), (list(sinks), lsn))
+        # wake long-polling receivers of these sinks (delivered at commit; payload: schema/sink)
+        conn.execute("SELECT pg_notify(%s, %s || '/' || s) FROM unnest(%s::text[]) s",
+                     (VISIBLE_CHANNEL, schema, list(sinks)))
     conn.commit()
+
+
+VISIBLE_CHANNEL = "sequin_visible"
+"""NOTIFY channel announcing that a sink has new visible messages (payload ``schema/sink``)."""
 
 
 def visible_lsn(conn: psycopg.Connection[Any], schema: str, sink: str) -> int | None:

@@ -1,0 +1,381 @@
+"""The Sequin Stream HTTP pull API (DESIGN §9, reference/002): receive, ack and nack over HTTP.
+
+Wire-compatible with Sequin's public API: ``POST|GET /api/sequin_streams/{name}/receive``,
+``POST .../ack`` and ``POST .../nack``, also under the older prefix ``/api/http_pull_consumers``.
+Every request carries ``Authorization: Bearer <token>`` (tokens: ``sequin token create``). Errors
+are JSON ``{"code": ..., "summary": ...}`` with status 400, 401, 403, 404, 413 or 429.
+
+Long polls (``wait_for``) wake as soon as the stream app makes new messages visible (NOTIFY on
+``store.VISIBLE_CHANNEL``) and re-check at least every second, which also catches visibility
+timeouts expiring and nacks from other API processes. ``max_waiting`` is enforced per API process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Annotated, Any, AsyncIterator, Awaitable, Callable
+
+import anyio.to_thread
+import psycopg
+from fastapi import Body, Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from psycopg_pool import ConnectionPool
+from pydantic import BaseModel, Field, StrictInt
+from starlette.concurrency import run_in_threadpool
+
+from sequin_provider import stream_queue
+from sequin_provider.config import SequinConfig
+from sequin_provider.store import VISIBLE_CHANNEL
+
+log = logging.getLogger(__name__)
+
+PREFIXES = ("/api/sequin_streams", "/api/http_pull_consumers")
+MAX_BODY_BYTES = 1024 * 1024
+MAX_ACK_IDS = 10_000
+TOKEN_CACHE_SECONDS = 2.0
+RECHECK_SECONDS = 1.0
+
+
+class ApiError(Exception):
+    """An error answered as ``{"code", "summary"}`` with an HTTP status."""
+
+    def __init__(self, status: int, code: str, summary: str) -> None:
+        super().__init__(summary)
+        self.status, self.code, self.summary = status, code, summary
+
+
+class ErrorBody(BaseModel):
+    """Every error response."""
+
+    code: str
+    summary: str
+
+
+BatchSize = Annotated[StrictInt, Field(ge=1, le=1000)]
+WaitFor = Annotated[StrictInt, Field(ge=500, le=300_000)]
+
+
+class ReceiveParams(BaseModel):
+    """``receive`` parameters, from the query string or a JSON body."""
+
+    batch_size: BatchSize | None = Field(None, description="messages to return at most (1-1000, default 1)")
+    max_batch_size: BatchSize | None = Field(None, description="alias of batch_size")
+    wait_for: WaitFor | None = Field(None, description="long poll: wait up to this many ms for a message (500-300000)")
+
+
+class AckRequest(BaseModel):
+    """``ack``/``nack`` body."""
+
+    ack_ids: list[uuid.UUID] = Field(..., min_length=1, max_length=MAX_ACK_IDS)
+
+
+class ReceivedMessage(BaseModel):
+    """One delivered message: ``data`` is the message JSON (record, changes, action, metadata)."""
+
+    ack_id: uuid.UUID
+    data: dict[str, Any]
+
+
+class ReceiveResponse(BaseModel):
+    data: list[ReceivedMessage]
+
+
+class SuccessResponse(BaseModel):
+    success: bool
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": what} for status, what in (
+        (400, "invalid parameters or body"), (401, "missing or unknown bearer token"), (403, "revoked token"),
+        (404, "no Sequin Stream sink of that name"), (413, "body larger than 1 MiB"),
+        (429, "max_waiting long-polling receivers already waiting"))}
+
+
+BEARER = HTTPBearer(auto_error=False, description="an API token from `sequin token create`")
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A Sequin Stream sink as the API serves it."""
+
+    name: str
+    store_dsn: str
+    schema: str
+    visibility_timeout: float
+    max_ack_pending: int
+    max_waiting: int
+
+
+class StreamService:
+    """The API's state: streams, store pools, token checks, long-poll wake-ups and waiter counts."""
+
+    def __init__(self, config: SequinConfig, pool_size: int = 16) -> None:
+        self.streams = {s.name: Stream(s.name, config.store_dsn(s.database), config.store.schema,
+                                       s.destination.visibility_timeout, s.destination.max_ack_pending,
+                                       s.destination.max_waiting)
+                        for s in config.sinks if s.destination.type == "sequin_stream"}
+        self.token_dsn = config.store_dsn(config.databases[0].name)
+        self.schema = config.store.schema
+        dsns = {s.store_dsn for s in self.streams.values()} | {self.token_dsn}
+        self.pools = {dsn: ConnectionPool(dsn, min_size=1, max_size=pool_size, open=False,
+                                          kwargs={"autocommit": False, "connect_timeout": 5}) for dsn in dsns}
+        self._tokens: dict[str, tuple[str, float]] = {}
+        self._waiting: dict[str, int] = {}
+        self._events: dict[str, asyncio.Event] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop = threading.Event()
+        self._listeners: list[threading.Thread] = []
+
+    # lifecycle ---------------------------------------------------------------------------------
+    def open(self) -> None:
+        """Open the pools and start one LISTEN thread per store (call inside the event loop)."""
+        self._loop = asyncio.get_running_loop()
+        for pool in self.pools.values():
+            pool.open(wait=False)
+        for dsn in {s.store_dsn for s in self.streams.values()}:
+            thread = threading.Thread(target=self._listen, args=(dsn,), name="sequin-api-listen", daemon=True)
+            thread.start()
+            self._listeners.append(thread)
+
+    def close(self) -> None:
+        """Stop the listeners and close the pools."""
+        self._stop.set()
+        for thread in self._listeners:
+            thread.join(timeout=5)
+        for pool in self.pools.values():
+            pool.close()
+
+    def _listen(self, dsn: str) -> None:
+        """Wake the long polls of a sink when the stream app makes its messages visible."""
+        while not self._stop.is_set():
+            try:
+                with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
+                    conn.execute(f"LISTEN {VISIBLE_CHANNEL}")
+                    while not self._stop.is_set():
+                        for note in conn.notifies(timeout=1.0):
+                            schema, _, sink = note.payload.partition("/")
+                            if schema == self.schema:
+                                self._wake(sink)
+            except psycopg.Error as exc:
+                log.warning("stream API: LISTEN on the store failed (%s); long polls fall back to 1 s re-checks",
+                            str(exc).strip())
+                self._stop.wait(2.0)
+
+    def _wake(self, sink: str) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._set_event, sink)
+
+    def _set_event(self, sink: str) -> None:
+        event = self._events.pop(sink, None)
+        if event is not None:
+            event.set()
+
+    def _event(self, sink: str) -> asyncio.Event:
+        return self._events.setdefault(sink, asyncio.Event())
+
+    # requests ----------------------------------------------------------------------------------
+    def stream(self, name: str) -> Stream:
+        """The stream called ``name`` (404 otherwise)."""
+        stream = self.streams.get(name)
+        if stream is None:
+            raise ApiError(404, "not_found", f"no Sequin Stream sink named {name!r}")
+        return stream
+
+    def authorize(self, token: str) -> None:
+        """Check a bearer token against the store (cached for a moment)."""
+        cached = self._tokens.get(token)
+        if cached is None or cached[1] < time.monotonic():
+            with self.pools[self.token_dsn].connection() as conn:
+                status = stream_queue.token_status(conn, self.schema, token)
+            cached = (status, time.monotonic() + TOKEN_CACHE_SECONDS)
+            if len(self._tokens) > 10_000:
+                self._tokens.clear()
+            self._tokens[token] = cached
+        if cached[0] == "unknown":
+            raise ApiError(401, "unauthorized", "unknown API token")
+        if cached[0] == "revoked":
+            raise ApiError(403, "forbidden", "this API token has been revoked")
+
+    def _run(self, stream: Stream, operation: Callable[[psycopg.Connection[Any]], Any]) -> Any:
+        with self.pools[stream.store_dsn].connection() as conn:
+            return operation(conn)
+
+    async def receive(self, stream: Stream, batch_size: int, wait_for_ms: int | None) -> list[stream_queue.Delivery]:
+        """Deliverable messages now, or (long poll) as soon as some arrive within ``wait_for_ms``."""
+        def once() -> list[stream_queue.Delivery]:
+            return self._run(stream, lambda conn: stream_queue.receive(
+                conn, stream.schema, stream.name, batch_size, stream.visibility_timeout, stream.max_ack_pending))
+
+        if wait_for_ms is None:
+            return await run_in_threadpool(once)
+        if self._waiting.get(stream.name, 0) >= stream.max_waiting:
+            raise ApiError(429, "too_many_requests",
+                           f"{stream.max_waiting} receivers are already waiting on {stream.name!r} (max_waiting)")
+        self._waiting[stream.name] = self._waiting.get(stream.name, 0) + 1
+        try:
+            deadline = time.monotonic() + wait_for_ms / 1000.0
+            while True:
+                event = self._event(stream.name)
+                got = await run_in_threadpool(once)
+                remaining = deadline - time.monotonic()
+                if got or remaining <= 0:
+                    return got
+                try:
+                    await asyncio.wait_for(event.wait(), timeout=min(remaining, RECHECK_SECONDS))
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self._waiting[stream.name] -= 1
+
+    async def ack(self, stream: Stream, ack_ids: list[str]) -> int:
+        return int(await run_in_threadpool(
+            self._run, stream, lambda conn: stream_queue.ack(conn, stream.schema, stream.name, ack_ids)))
+
+    async def nack(self, stream: Stream, ack_ids: list[str]) -> int:
+        count = int(await run_in_threadpool(
+            self._run, stream, lambda conn: stream_queue.nack(conn, stream.schema, stream.name, ack_ids)))
+        self._set_event(stream.name)  # nacked messages are deliverable now
+        return count
+
+
+def _deliveries_json(deliveries: list[stream_queue.Delivery]) -> bytes:
+    """The receive response, built from the stored JSON texts without re-encoding them."""
+    return ('{"data":[' + ",".join(f'{{"ack_id":"{d.ack_id}","data":{d.data}}}' for d in deliveries)
+            + "]}").encode()
+
+
+class BodyLimit:
+    """ASGI middleware: bodies over ``MAX_BODY_BYTES`` get 413 before any handler reads them."""
+
+    def __init__(self, app: Any, limit: int = MAX_BODY_BYTES) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],
+                       send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        too_big = JSONResponse({"code": "payload_too_large", "summary": f"request body over {self.limit} bytes"}, 413)
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            await too_big(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> dict[str, Any]:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise ApiError(413, "payload_too_large", f"request body over {self.limit} bytes")
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def _validation_summary(exc: RequestValidationError | Exception) -> str:
+    errors = exc.errors() if hasattr(exc, "errors") else []
+    if not errors:
+        return str(exc)
+    first = errors[0]
+    where = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query"))
+    return f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+
+
+def create_app(config: SequinConfig, service: StreamService | None = None) -> FastAPI:
+    """The FastAPI app serving every Sequin Stream sink of ``config``."""
+    service = service or StreamService(config)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        anyio.to_thread.current_default_thread_limiter().total_tokens = 200  # long polls hold no thread
+        service.open()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(service.close)
+
+    app = FastAPI(title="Sequin Stream API", version="1", lifespan=lifespan,
+                  description="Pull messages of Sequin Stream sinks: receive, then ack or nack (consumer groups, "
+                              "visibility timeout, per-group order).")
+    app.state.service = service
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if exc.status == 429 else None
+        return JSONResponse({"code": exc.code, "summary": exc.summary}, exc.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"code": "bad_request", "summary": _validation_summary(exc)}, 400)
+
+    async def authorized(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]) -> None:
+        if credentials is None or credentials.scheme.lower() != "bearer" or not credentials.credentials:
+            raise ApiError(401, "unauthorized", "missing bearer token (Authorization: Bearer <token>)")
+        await run_in_threadpool(service.authorize, credentials.credentials)
+
+    async def receive(name: str,
+                      batch_size: Annotated[int | None, Query(ge=1, le=1000, description="default 1")] = None,
+                      max_batch_size: Annotated[int | None, Query(ge=1, le=1000, description="alias of batch_size")]
+                      = None,
+                      wait_for: Annotated[int | None, Query(ge=500, le=300_000, description="long poll, ms")] = None,
+                      body: Annotated[ReceiveParams | None, Body()] = None) -> Response:
+        stream = service.stream(name)
+        if body is not None:  # a JSON body's values win over the query string's
+            batch_size = body.batch_size or body.max_batch_size or batch_size or max_batch_size
+            wait_for = body.wait_for if body.wait_for is not None else wait_for
+        got = await service.receive(stream, batch_size or max_batch_size or 1, wait_for)
+        return Response(_deliveries_json(got), media_type="application/json")
+
+    def settle_endpoint(operation: str) -> Callable[[str, AckRequest], Awaitable[SuccessResponse]]:
+        async def endpoint(name: str, body: AckRequest) -> SuccessResponse:
+            stream = service.stream(name)
+            ids = list(dict.fromkeys(str(i) for i in body.ack_ids))
+            await (service.ack(stream, ids) if operation == "ack" else service.nack(stream, ids))
+            return SuccessResponse(success=True)
+        return endpoint
+
+    deps = [Depends(authorized)]
+    for prefix in PREFIXES:
+        legacy = prefix != PREFIXES[0]
+        suffix = "_legacy" if legacy else ""
+        for method in ("POST", "GET"):
+            app.add_api_route(f"{prefix}/{{name}}/receive", receive, methods=[method], dependencies=deps,
+                              operation_id=f"receive_{method.lower()}{suffix}", response_model=ReceiveResponse,
+                              responses=ERROR_RESPONSES, include_in_schema=not legacy, tags=["Sequin Stream"],
+                              summary="Receive messages: at most one per group, invisible for the visibility timeout")
+        for operation in ("ack", "nack"):
+            app.add_api_route(f"{prefix}/{{name}}/{operation}", settle_endpoint(operation), methods=["POST"],
+                              dependencies=deps, operation_id=f"{operation}{suffix}", response_model=SuccessResponse,
+                              responses=ERROR_RESPONSES, include_in_schema=not legacy, tags=["Sequin Stream"],
+                              summary="Acknowledge messages (delete them)" if operation == "ack"
+                              else "Make messages visible again at once")
+
+    @app.get("/health", include_in_schema=False)
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's document, minus the 422 it adds by default: validation errors answer 400 here."""
+        if app.openapi_schema is None:
+            document = FastAPI.openapi(app)
+            for path in document.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                document.get("components", {}).get("schemas", {}).pop(name, None)
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    app.add_middleware(BodyLimit)
+    return app
