@@ -1,4 +1,4 @@
-"""The ``sequin`` command: ``init``, ``status``, ``stream``, ``messages``, ``backfill``, ``api``, ``token``."""
+"""The ``sequin`` command: ``init``, ``status``, ``stream``, ``messages``, ``backfill``, ``api``, ``token``, ``buffer``."""
 
 from __future__ import annotations
 
@@ -257,6 +257,72 @@ def cmd_api(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_buffer_retry(args: argparse.Namespace) -> int:
+    """Retry due parked messages (one sink or all); exit 1 if some are still parked."""
+    from sequin_provider.sinks.retry import retry_sinks
+
+    reports = retry_sinks(_config(args), args.sink)
+    for report in reports:
+        print(report.line())
+        for error in report.errors:
+            print(f"  {error}", file=sys.stderr)
+    return 1 if any(r.still_parked for r in reports) else 0
+
+
+def cmd_buffer_list(args: argparse.Namespace) -> int:
+    """List parked and discarded messages."""
+    from sequin_provider import buffer
+
+    config = _config(args)
+    out: list[dict[str, Any]] = []
+    for db in config.databases:
+        with _store_conn(config, db.name) as conn:
+            if store.schema_version(conn, config.store.schema) < 6:
+                continue
+            for m in buffer.list_messages(conn, config.store.schema, args.sink, args.state):
+                if _database_of_sink_or_none(config, m.sink) in (db.name, None):
+                    out.append({"sink": m.sink, "commit_lsn": m.commit_lsn, "commit_idx": m.commit_idx,
+                                "group": m.group_id, "state": m.state, "attempts": m.attempts,
+                                "next_attempt_at": m.next_attempt_at.isoformat(), "error": m.last_error})
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        for m in out:
+            print(f"{m['sink']}\t{int_to_lsn(m['commit_lsn'])}:{m['commit_idx']}\t{m['group']}\t{m['state']}"
+                  f"\tattempts {m['attempts']}\tnext {m['next_attempt_at']}\t{m['error']}")
+        print(f"{len(out)} buffered messages", file=sys.stderr)
+    return 0
+
+
+def _database_of_sink_or_none(config: SequinConfig, sink: str) -> str | None:
+    found = next((s for s in config.sinks if s.name == sink), None)
+    return None if found is None else found.database
+
+
+def _set_buffer_state(args: argparse.Namespace, to_state: str) -> int:
+    from sequin_provider import buffer
+
+    config = _config(args)
+    database = _database_of_sink(config, args.sink)
+    with _store_conn(config, database) as conn:
+        store.migrate(conn, config.store.schema)
+        conn.commit()
+        count = buffer.set_state(conn, config.store.schema, args.sink, to_state, args.group)
+    verb = "discarded" if to_state == "discarded" else "requeued"
+    print(f"{count} messages of sink {args.sink!r}{f' group {args.group!r}' if args.group else ''} {verb}")
+    return 0
+
+
+def cmd_buffer_discard(args: argparse.Namespace) -> int:
+    """Give up parked messages (kept as discarded, with their errors); their groups move on."""
+    return _set_buffer_state(args, "discarded")
+
+
+def cmd_buffer_requeue(args: argparse.Namespace) -> int:
+    """Put discarded messages back in line, due now with their attempts reset."""
+    return _set_buffer_state(args, "parked")
+
+
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     from sequin_provider.backfill_reader import DEFAULT_MAX_PAGE_ROWS, DEFAULT_WINDOW_TIMEOUT
 
@@ -293,6 +359,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=7376)
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=cmd_api)
+    buf = sub.add_parser("buffer", help="retry, list, discard and requeue parked messages").add_subparsers(
+        dest="buffer_command", required=True)
+    p = buf.add_parser("retry", help="redeliver due parked messages, group by group in order")
+    p.add_argument("--sink", default=None)
+    p.set_defaults(func=cmd_buffer_retry)
+    p = buf.add_parser("list", help="parked and discarded messages")
+    p.add_argument("--sink", default=None)
+    p.add_argument("--state", choices=["parked", "discarded"], default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_buffer_list)
+    for name, func, what in (("discard", cmd_buffer_discard, "give up a sink's parked messages (kept as discarded)"),
+                             ("requeue", cmd_buffer_requeue, "put a sink's discarded messages back in line")):
+        p = buf.add_parser(name, help=what)
+        p.add_argument("sink")
+        p.add_argument("--group", default=None, help="only this group")
+        p.set_defaults(func=func)
     token = sub.add_parser("token", help="create, revoke and list API tokens").add_subparsers(
         dest="token_command", required=True)
     p = token.add_parser("create", help="create a token and print it (shown once)")

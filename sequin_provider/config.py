@@ -334,8 +334,25 @@ def _parse_destination(r: _Reader, value: Any, path: str) -> DestinationConfig:
             max_waiting=r.integer(item.get("max_waiting", 20), f"{path}.max_waiting", 1),
         )
     if kind == "webhook":
-        item = r.mapping(value, path, {"type", "url", "headers", "batch", "batch_size", "timeout", "secret"}, {"url"})
-        return DestinationConfig(type=kind, options={k: v for k, v in item.items() if k != "type"})
+        item = r.mapping(value, path, {"type", "url", "headers", "batch", "batch_size", "timeout", "secret",
+                                       "concurrency"}, {"url"})
+        url = r.string(item["url"], f"{path}.url")
+        if not re.match(r"^https?://[^/\s]+", url):
+            raise r.fail(f"{path}.url", f"expected an http:// or https:// URL, got {url!r}")
+        headers = item.get("headers") or {}
+        if not isinstance(headers, dict) or not all(isinstance(k, str) and isinstance(v, (str, int)) for k, v in
+                                                    headers.items()):
+            raise r.fail(f"{path}.headers", "expected a mapping of header names to string values")
+        secret = item.get("secret")
+        return DestinationConfig(type=kind, options={
+            "url": url,
+            "headers": {k: str(v) for k, v in headers.items()},
+            "batch": r.boolean(item.get("batch", True), f"{path}.batch"),
+            "batch_size": r.integer(item.get("batch_size", 10), f"{path}.batch_size", 1, 1000),
+            "timeout": r.duration(item.get("timeout", 30), f"{path}.timeout"),
+            "secret": None if secret is None else r.string(secret, f"{path}.secret"),
+            "concurrency": r.integer(item.get("concurrency", 8), f"{path}.concurrency", 1, 64),
+        })
     raise r.fail(f"{path}.type", f"unknown destination type {kind!r} (sequin_stream | webhook)")
 
 

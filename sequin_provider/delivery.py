@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import importlib
 import json
-from typing import Any, Callable
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
 
+from sequin_provider.buffer import FOLLOWER_ERROR, DeliveryError, ParkRow, backoff_seconds
 from sequin_provider.config import SinkConfig
 from sequin_provider.messages import message_sql, metadata_sql, sql_string
 
@@ -97,3 +102,93 @@ def apply_transform(sink: SinkConfig, transform: Transform, message: str) -> str
     except Exception as exc:  # noqa: BLE001 - user code
         raise TransformError(f"transform {sink.transform!r} of sink {sink.name!r} failed: "
                              f"{type(exc).__name__}: {exc}") from exc
+
+
+# ---------------------------------------------------------------------------------------------
+# Push delivery: in order per group, parallel across groups, failures parked
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """A message for a push sink: rendered ``data``, or ``transform_error`` with its ``source``."""
+
+    commit_lsn: int
+    commit_idx: int
+    group_id: str
+    idempotency_key: str
+    data: str | None
+    source: str | None = None
+    transform_error: str | None = None
+
+
+@dataclass
+class PushResult:
+    """What one partition's push did: delivered messages, and messages to park (not yet written)."""
+
+    delivered: int = 0
+    parked: list[ParkRow] = field(default_factory=list)
+
+
+def push_in_group_order(sink: str, messages: Sequence[Outgoing], send: Callable[[list[str]], None], batch_size: int,
+                        lanes: int, parked_groups: set[str]) -> PushResult:
+    """Deliver ``messages`` (in position order) through ``send``, in order within each group.
+
+    Groups are spread over ``lanes`` that send concurrently; each lane sends its messages in
+    order, ``batch_size`` per request. A request that fails parks all its messages with the
+    error (one attempt made); a failed transform parks its message; after either, and for groups
+    already in ``parked_groups``, every later message of the group is parked behind them
+    without being tried. The caller writes ``parked`` to the buffer before the batch completes.
+    """
+    result = PushResult()
+    lock = threading.Lock()
+    by_lane: dict[int, list[Outgoing]] = {}
+    for m in messages:
+        by_lane.setdefault(zlib.crc32(m.group_id.encode()) % max(lanes, 1), []).append(m)
+
+    def park(batch: Iterable[Outgoing], error: str, attempts: int) -> None:
+        rows = [ParkRow(sink, m.commit_lsn, m.commit_idx, m.group_id, m.idempotency_key, m.data, m.source, attempts,
+                        error, backoff_seconds(attempts) if attempts else 0.0) for m in batch]
+        with lock:
+            result.parked.extend(rows)
+
+    def run_lane(lane: list[Outgoing]) -> None:
+        blocked = set(parked_groups)
+        pending: list[Outgoing] = []
+
+        def flush() -> None:
+            if not pending:
+                return
+            try:
+                send([m.data for m in pending if m.data is not None])
+            except DeliveryError as exc:
+                park(pending, str(exc), 1)
+                blocked.update(m.group_id for m in pending)
+            else:
+                with lock:
+                    result.delivered += len(pending)
+            pending.clear()
+
+        for m in lane:
+            if m.group_id in blocked:
+                park([m], FOLLOWER_ERROR, 0)
+            elif m.transform_error is not None:
+                flush()  # earlier messages of this group may be pending: send them first
+                if m.group_id in blocked:
+                    park([m], FOLLOWER_ERROR, 0)
+                else:
+                    park([m], m.transform_error, 1)
+                    blocked.add(m.group_id)
+            else:
+                pending.append(m)
+                if len(pending) >= batch_size:
+                    flush()
+        flush()
+
+    if len(by_lane) <= 1:
+        for lane in by_lane.values():
+            run_lane(lane)
+    else:
+        with ThreadPoolExecutor(max_workers=len(by_lane), thread_name_prefix=f"push-{sink}") as pool:
+            list(pool.map(run_lane, by_lane.values()))
+    result.parked.sort(key=lambda r: (r.commit_lsn, r.commit_idx))
+    return result

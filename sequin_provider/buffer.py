@@ -1,0 +1,286 @@
+"""The persistent buffer of parked messages (DESIGN §2.4, §9) and its retry.
+
+A message that a sink refuses (non-2xx, timeout, connection error) or whose transform raises is
+parked here with its error and attempt count, and so is every later message of its group, so the
+stream's micro-batch completes and the slot advances while the group keeps its order. ``retry``
+redelivers due groups one message at a time in position order, with exponential backoff
+(1 s x 2^(n-1), +/-15 % jitter, capped); after ``max_retry_count`` attempts a message is kept as
+``discarded`` with its last error and its group moves on. Nothing is ever dropped silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Callable, Iterable, Sequence
+
+import psycopg
+from psycopg import sql
+
+from sequin_provider.config import SequinConfig, SinkConfig
+from sequin_provider.store import _ident
+
+log = logging.getLogger(__name__)
+
+BACKOFF_BASE = 1.0
+BACKOFF_CAP = 300.0
+JITTER = 0.15
+FOLLOWER_ERROR = "waiting behind an earlier parked message of its group"
+
+
+def backoff_seconds(attempts: int, rng: random.Random | None = None) -> float:
+    """Delay before attempt ``attempts + 1``: 1 s x 2^(attempts-1), +/-15 % jitter, capped."""
+    base = min(BACKOFF_BASE * 2 ** max(attempts - 1, 0), BACKOFF_CAP)
+    return base * (1 + (rng or random).uniform(-JITTER, JITTER))
+
+
+@dataclass(frozen=True)
+class ParkRow:
+    """A message to park: ``data`` is the rendered message, or None with ``source`` (the message
+    before its transform) when the transform failed."""
+
+    sink: str
+    commit_lsn: int
+    commit_idx: int
+    group_id: str
+    idempotency_key: str
+    data: str | None
+    source: str | None
+    attempts: int
+    error: str
+    delay: float = 0.0
+
+
+@dataclass(frozen=True)
+class Parked:
+    """A message in the buffer."""
+
+    sink: str
+    commit_lsn: int
+    commit_idx: int
+    group_id: str
+    idempotency_key: str
+    data: str | None
+    source: str | None
+    state: str
+    attempts: int
+    next_attempt_at: datetime
+    last_error: str | None
+
+
+COLUMNS = "sink, commit_lsn, commit_idx, group_id, idempotency_key, data, source, state, attempts, next_attempt_at," \
+          " last_error"
+
+
+def park(conn: psycopg.Connection[Any], schema: str, rows: Sequence[ParkRow]) -> int:
+    """Durably park messages (a replayed batch parks nothing twice); returns how many are new."""
+    if not rows:
+        return 0
+    with conn.transaction(), conn.cursor() as cur:
+        cur.execute(sql.SQL(
+            "INSERT INTO {}.buffered_messages (sink, commit_lsn, commit_idx, group_id, idempotency_key, data, source,"
+            " attempts, last_error, next_attempt_at)"
+            " SELECT sink, lsn, idx, grp, key, data, source, attempts, err, now() + delay * interval '1 second'"
+            " FROM unnest(%s::text[], %s::bigint[], %s::int[], %s::text[], %s::text[], %s::text[], %s::text[],"
+            " %s::int[], %s::text[], %s::float8[]) AS r(sink, lsn, idx, grp, key, data, source, attempts, err, delay)"
+            " ON CONFLICT DO NOTHING").format(_ident(schema)),
+            ([r.sink for r in rows], [r.commit_lsn for r in rows], [r.commit_idx for r in rows],
+             [r.group_id for r in rows], [r.idempotency_key for r in rows], [r.data for r in rows],
+             [r.source for r in rows], [r.attempts for r in rows], [r.error[:4000] for r in rows],
+             [r.delay for r in rows]))
+        return cur.rowcount
+
+
+def parked_groups(conn: psycopg.Connection[Any], schema: str, sink: str, groups: Iterable[str]) -> set[str]:
+    """Which of ``groups`` have parked messages in ``sink`` (their next messages must be parked too)."""
+    wanted = list(set(groups))
+    if not wanted:
+        return set()
+    rows = conn.execute(sql.SQL("SELECT DISTINCT group_id FROM {}.buffered_messages WHERE sink = %s"
+                                " AND state = 'parked' AND group_id = ANY(%s)").format(_ident(schema)),
+                        (sink, wanted)).fetchall()
+    conn.commit()
+    return {r[0] for r in rows}
+
+
+def due_groups(conn: psycopg.Connection[Any], schema: str, sink: str, limit: int = 10_000) -> list[str]:
+    """Groups of ``sink`` whose first parked message is due for another attempt, oldest first."""
+    rows = conn.execute(sql.SQL("""
+        SELECT group_id FROM (
+            SELECT DISTINCT ON (group_id) group_id, commit_lsn, commit_idx, next_attempt_at
+            FROM {}.buffered_messages WHERE sink = %s AND state = 'parked'
+            ORDER BY group_id, commit_lsn, commit_idx) heads
+        WHERE next_attempt_at <= now() ORDER BY commit_lsn, commit_idx LIMIT %s""").format(_ident(schema)),
+        (sink, limit)).fetchall()
+    conn.commit()
+    return [r[0] for r in rows]
+
+
+def group_messages(conn: psycopg.Connection[Any], schema: str, sink: str, group: str) -> list[Parked]:
+    """A group's parked messages in position order."""
+    rows = conn.execute(sql.SQL(f"SELECT {COLUMNS} FROM {{}}.buffered_messages WHERE sink = %s AND group_id = %s"
+                                " AND state = 'parked' ORDER BY commit_lsn, commit_idx").format(_ident(schema)),
+                        (sink, group)).fetchall()
+    conn.commit()
+    return [Parked(*r) for r in rows]
+
+
+def remove(conn: psycopg.Connection[Any], schema: str, message: Parked) -> None:
+    """Forget a message that has now been delivered."""
+    with conn.transaction():
+        conn.execute(sql.SQL("DELETE FROM {}.buffered_messages WHERE sink = %s AND commit_lsn = %s AND commit_idx = %s")
+                     .format(_ident(schema)), (message.sink, message.commit_lsn, message.commit_idx))
+
+
+def record_failure(conn: psycopg.Connection[Any], schema: str, message: Parked, error: str, discard: bool,
+                   delay: float) -> None:
+    """Count a failed attempt: due again after ``delay`` seconds, or discarded (kept, with its error)."""
+    with conn.transaction():
+        conn.execute(sql.SQL(
+            "UPDATE {}.buffered_messages SET attempts = attempts + 1, last_error = %s, updated_at = now(),"
+            " state = CASE WHEN %s THEN 'discarded' ELSE state END,"
+            " next_attempt_at = now() + %s * interval '1 second'"
+            " WHERE sink = %s AND commit_lsn = %s AND commit_idx = %s").format(_ident(schema)),
+            (error[:4000], discard, delay, message.sink, message.commit_lsn, message.commit_idx))
+
+
+def list_messages(conn: psycopg.Connection[Any], schema: str, sink: str | None = None,
+                  state: str | None = None) -> list[Parked]:
+    """Buffered messages (parked and discarded), by sink and position."""
+    where = [sql.SQL("true")]
+    params: list[Any] = []
+    if sink:
+        where.append(sql.SQL("sink = %s"))
+        params.append(sink)
+    if state:
+        where.append(sql.SQL("state = %s"))
+        params.append(state)
+    rows = conn.execute(sql.SQL("SELECT " + COLUMNS + " FROM {} WHERE {} ORDER BY sink, commit_lsn, commit_idx").format(
+        sql.SQL("{}.buffered_messages").format(_ident(schema)), sql.SQL(" AND ").join(where)), params).fetchall()
+    return [Parked(*r) for r in rows]
+
+
+def buffer_counts(conn: psycopg.Connection[Any], schema: str) -> dict[str, dict[str, int]]:
+    """{sink: {"parked": n, "discarded": n}}."""
+    out: dict[str, dict[str, int]] = {}
+    for sink, state, n in conn.execute(sql.SQL("SELECT sink, state, count(*) FROM {}.buffered_messages"
+                                               " GROUP BY sink, state").format(_ident(schema))).fetchall():
+        out.setdefault(sink, {"parked": 0, "discarded": 0})[state] = int(n)
+    return out
+
+
+def set_state(conn: psycopg.Connection[Any], schema: str, sink: str, to_state: str, group: str | None = None) -> int:
+    """``discarded``: give up a sink's (or one group's) parked messages, kept for the record.
+    ``parked``: requeue discarded ones, due now with their attempts reset."""
+    from_state = "parked" if to_state == "discarded" else "discarded"
+    with conn.transaction():
+        cur = conn.execute(sql.SQL(
+            "UPDATE {}.buffered_messages SET state = %s, updated_at = now(),"
+            " attempts = CASE WHEN %s = 'parked' THEN 0 ELSE attempts END,"
+            " next_attempt_at = CASE WHEN %s = 'parked' THEN now() ELSE next_attempt_at END,"
+            " last_error = CASE WHEN %s = 'discarded' THEN coalesce(last_error, '') || ' (discarded by hand)'"
+            " ELSE last_error END"
+            " WHERE sink = %s AND state = %s AND (%s::text IS NULL OR group_id = %s)").format(_ident(schema)),
+            (to_state, to_state, to_state, to_state, sink, from_state, group, group))
+    return cur.rowcount
+
+
+# ---------------------------------------------------------------------------------------------
+# Retry
+
+
+class DeliveryError(RuntimeError):
+    """A sink did not take a message (its text says why: HTTP status, timeout, connection error)."""
+
+
+Deliver = Callable[["Parked", str], None]
+"""Delivers one parked message (its rendered form given) or raises DeliveryError."""
+
+
+@dataclass
+class RetryReport:
+    """What one retry run did for a sink."""
+
+    sink: str
+    delivered: int = 0
+    failed: int = 0
+    discarded: int = 0
+    still_parked: int = 0
+    skipped: str | None = None
+    errors: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        """One line for logs and the CLI."""
+        if self.skipped:
+            return f"{self.sink}: skipped ({self.skipped})"
+        return (f"{self.sink}: delivered {self.delivered}, failed again {self.failed}, discarded {self.discarded},"
+                f" still parked {self.still_parked}")
+
+
+def retry_sink(config: SequinConfig, sink: SinkConfig, deliver: Deliver,
+               render: Callable[[Parked], str] | None = None, workers: int = 8) -> RetryReport:
+    """Redeliver ``sink``'s due parked messages group by group, in order (one retry run per sink at a time)."""
+    report = RetryReport(sink.name)
+    schema = config.store.schema
+    dsn = config.store_dsn(sink.database)
+    lock = threading.Lock()
+    local = threading.local()
+    connections: list[psycopg.Connection[Any]] = []
+
+    def connection() -> psycopg.Connection[Any]:
+        if getattr(local, "conn", None) is None:
+            local.conn = psycopg.connect(dsn, connect_timeout=10)
+            with lock:
+                connections.append(local.conn)
+        return local.conn  # type: ignore[no-any-return]
+
+    def retry_group(group: str) -> None:
+        conn = connection()
+        for message in group_messages(conn, schema, sink.name, group):
+            try:
+                data = message.data if message.data is not None else (render(message) if render else None)
+                if data is None:
+                    raise DeliveryError("the message has no rendered form")
+                deliver(message, data)
+            except Exception as exc:  # noqa: BLE001 - DeliveryError, a transform's error
+                attempts = message.attempts + 1
+                give_up = sink.max_retry_count is not None and attempts >= sink.max_retry_count
+                record_failure(conn, schema, message, f"{type(exc).__name__}: {exc}" if not isinstance(
+                    exc, DeliveryError) else str(exc), give_up, backoff_seconds(attempts))
+                with lock:
+                    if give_up:
+                        report.discarded += 1
+                    else:
+                        report.failed += 1
+                        if len(report.errors) < 10:
+                            report.errors.append(f"{group}: {exc}")
+                if not give_up:
+                    return  # the group waits for its next attempt
+                continue
+            remove(conn, schema, message)
+            with lock:
+                report.delivered += 1
+
+    with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as guard:
+        got = guard.execute("SELECT pg_try_advisory_lock(hashtext('sequin-retry:' || %s || ':' || %s))",
+                            (schema, sink.name)).fetchone()
+        if not got or not got[0]:
+            report.skipped = "another retry of this sink is running"
+            return report
+        try:
+            groups = due_groups(guard, schema, sink.name)
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"retry-{sink.name}") as pool:
+                list(pool.map(retry_group, groups))
+            counted = guard.execute(sql.SQL("SELECT count(*) FROM {}.buffered_messages WHERE sink = %s"
+                                            " AND state = 'parked'").format(_ident(schema)), (sink.name,)).fetchone()
+            report.still_parked = int(counted[0]) if counted else 0
+        finally:
+            guard.execute("SELECT pg_advisory_unlock(hashtext('sequin-retry:' || %s || ':' || %s))",
+                          (schema, sink.name))
+            for conn in connections:
+                conn.close()
+    return report
