@@ -80,6 +80,16 @@ def test_env_substitution_and_conn_id(tmp_path: Path) -> None:
         (GOOD + "    initial_backfill: yes please\n", "sinks[0].initial_backfill", "expected true"),
         (GOOD + "    initial_backfill: {table: public.orders, max_query_ms: 0}\n",
          "sinks[0].initial_backfill.max_query_ms", "must be"),
+        (GOOD.replace("{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}", "{type: webhook}"),
+         "sinks[0].destination.url", "is required"),
+        (GOOD.replace("{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
+                      "{type: webhook, url: 'ftp://x'}"), "sinks[0].destination.url", "http:// or https://"),
+        (GOOD.replace("{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
+                      "{type: webhook, url: 'http://x', batch_size: 0}"), "sinks[0].destination.batch_size", "must be"),
+        (GOOD.replace("{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
+                      "{type: webhook, url: 'http://x', headers: [a]}"), "sinks[0].destination.headers", "mapping"),
+        (GOOD.replace("{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
+                      "{type: webhook, url: 'http://x', timeout: never}"), "sinks[0].destination.timeout", "duration"),
         ("databases: []\n", "databases", "non-empty list"),
         ("- a\n- b\n", "", "expected a mapping"),
     ],
@@ -92,6 +102,14 @@ def test_bad_config_names_file_path_and_reason(tmp_path: Path, text: str, path: 
     assert err.value.path == path
     assert reason in err.value.reason
     assert str(err.value).startswith(f"{file}: ")
+
+
+def test_webhook_destination_defaults(tmp_path: Path) -> None:
+    text = GOOD.replace("{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
+                        "{type: webhook, url: 'https://h.example/x', headers: {X-A: 1}}")
+    options = load_config(write(tmp_path, text), environ={}).sinks[0].destination.options
+    assert options == {"url": "https://h.example/x", "headers": {"X-A": "1"}, "batch": True, "batch_size": 10,
+                       "timeout": 30.0, "secret": None, "concurrency": 8}
 
 
 def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:

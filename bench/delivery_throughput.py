@@ -1,0 +1,253 @@
+"""Delivery benchmark: the Sequin Stream pull API and the webhook sink, each beside its limit.
+
+    .venv/bin/python bench/delivery_throughput.py [--seconds 5] [--changes 100000]
+
+One run on a fresh embedded cluster:
+  (a) pull API: messages/s received + acked over HTTP (``sequin api`` in its own process) with
+      1, 4 and 16 consumer processes at batch_size 1, 10 and 100;
+  (a') the same receive/ack queries run directly against the store (4 processes, batch 100):
+      the store's limit, without HTTP;
+  (b) webhook sink end to end: changes/s from the first commit to the last message taken by a
+      minimal local HTTP server, through the stream app;
+  (b') that server's own limit: batched POSTs of the same size from 8 threads.
+Prints a Markdown table and writes bench/results/delivery_throughput.json. Not a test: no thresholds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sequin_provider import store, stream_queue  # noqa: E402
+from sequin_provider.config import load_config  # noqa: E402
+from sequin_provider.embedded_postgres import EmbeddedPostgres  # noqa: E402
+from sequin_provider.provisioning import initialize  # noqa: E402
+from sequin_provider.stream_process import StreamAppProcess, wait_for  # noqa: E402
+
+MESSAGE = json.dumps({"record": {"id": 1, "account": 7, "amount": "12.50", "kind": "kind-3"}, "changes": None,
+                      "action": "insert", "metadata": {"table_schema": "public", "table_name": "events"}})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def fill(store_dsn: str, messages: int, groups: int) -> None:
+    """``messages`` visible messages over ``groups`` groups, written as the stream app writes them."""
+    with psycopg.connect(store_dsn) as conn:
+        conn.execute("TRUNCATE sequin.stream_messages")
+        conn.commit()
+        for lo in range(0, messages, 50_000):
+            rows = [("bench", 1000 + i // 10, i % 10, f"g{i % groups}", f"k{i}", MESSAGE)
+                    for i in range(lo, min(lo + 50_000, messages))]
+            store.insert_stream_messages(conn, "sequin", rows)
+        store.advance_visible_lsn(conn, "sequin", ["bench"], 1000 + messages)
+        conn.execute("VACUUM ANALYZE sequin.stream_messages")
+
+
+def http_consumer(args: tuple[str, str, int, float, Any]) -> int:
+    """Receive + ack over HTTP until the deadline; returns messages acked."""
+    url, token, batch, seconds, barrier = args
+    acked = 0
+    with httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {token}"}) as client:
+        barrier.wait()
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            got = client.post("/api/sequin_streams/bench/receive", json={"batch_size": batch}).json()["data"]
+            if not got:
+                continue
+            client.post("/api/sequin_streams/bench/ack", json={"ack_ids": [m["ack_id"] for m in got]})
+            acked += len(got)
+    return acked
+
+
+def sql_consumer(args: tuple[str, str, int, float, Any]) -> int:
+    """The same receive + ack, straight against the store."""
+    store_dsn, _, batch, seconds, barrier = args
+    acked = 0
+    with psycopg.connect(store_dsn) as conn:
+        barrier.wait()
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            got = stream_queue.receive(conn, "sequin", "bench", batch, 30.0, 1_000_000)
+            if got:
+                stream_queue.ack(conn, "sequin", "bench", [d.ack_id for d in got])
+                acked += len(got)
+    return acked
+
+
+def run_consumers(target: Any, where: str, token: str, consumers: int, batch: int, seconds: float) -> float:
+    with mp.Manager() as manager:
+        barrier = manager.Barrier(consumers)
+        with mp.get_context("spawn").Pool(consumers) as pool:
+            started = time.monotonic()
+            counts = pool.map(target, [(where, token, batch, seconds, barrier)] * consumers)
+            elapsed = time.monotonic() - started
+    return sum(counts) / max(min(elapsed, seconds + 0.5), seconds)
+
+
+class CountingHandler(BaseHTTPRequestHandler):
+    """A minimal webhook endpoint: 200 for every POST, counts messages; GET returns the count."""
+
+    count = 0
+    lock = threading.Lock()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        with CountingHandler.lock:
+            CountingHandler.count += len(body["data"]) if isinstance(body, dict) and "data" in body else 1
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_GET(self) -> None:  # noqa: N802
+        data = str(CountingHandler.count).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def serve_counter(port: int) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", port), CountingHandler)
+    server.daemon_threads = True
+    server.serve_forever()
+
+
+def server_limit(url: str, batch: int, seconds: float) -> float:
+    """Batched POSTs from 8 threads for ``seconds``: messages/s the endpoint itself takes."""
+    body = ('{"data":[' + ",".join([MESSAGE] * batch) + "]}").encode()
+    sent = [0] * 8
+
+    def post(n: int) -> None:
+        with httpx.Client(timeout=30) as client:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                client.post(url, content=body, headers={"Content-Type": "application/json"})
+                sent[n] += batch
+
+    threads = [threading.Thread(target=post, args=(n,)) for n in range(8)]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(sent) / (time.monotonic() - started)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=5.0, help="duration of each pull measurement")
+    parser.add_argument("--changes", type=int, default=100_000, help="changes through the webhook sink")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="sequin-bench-"))
+    results: dict[str, Any] = {"seconds": args.seconds, "pull": [], "changes": args.changes}
+    with EmbeddedPostgres(use_env_dsn=False) as pg:
+        dsn, store_dsn = pg.create_database("bench"), pg.create_database("bench_store")
+        hook_port, api_port = free_port(), free_port()
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE events (id bigint PRIMARY KEY, account int NOT NULL, amount numeric(12,2))")
+        config_path = work / "sequin.yaml"
+        config_path.write_text(f"""
+databases:
+  - name: bench
+    dsn: {dsn}
+    slot: {{name: bench_slot}}
+    publication: {{name: bench_pub}}
+store: {{dsn: {store_dsn}}}
+sinks:
+  - name: bench
+    tables: [events]
+    actions: [delete]
+    destination: {{type: sequin_stream, max_ack_pending: 1000000, max_waiting: 100}}
+  - name: hook
+    tables: [events]
+    destination: {{type: webhook, url: "http://127.0.0.1:{hook_port}/hook", batch_size: 100, concurrency: 8}}
+stream: {{checkpoint_location: {work / 'ckpt'}}}
+""")
+        initialize(load_config(config_path))
+        with psycopg.connect(store_dsn) as conn:
+            token = stream_queue.create_token(conn, "sequin", "bench")
+            conn.commit()
+
+        # (a) pull API ------------------------------------------------------------------------
+        api = subprocess.Popen([sys.executable, "-m", "sequin_provider.cli", "--config", str(config_path), "api",
+                                "--port", str(api_port)], stderr=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{api_port}"
+        try:
+            wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 60, what="the API")
+            for consumers in (1, 4, 16):
+                for batch in (1, 10, 100):
+                    fill(store_dsn, 300_000 if batch == 100 else 100_000, 50_000)
+                    rate = run_consumers(http_consumer, url, token, consumers, batch, args.seconds)
+                    results["pull"].append({"consumers": consumers, "batch_size": batch, "rate": rate})
+                    print(f"bench: pull API, {consumers} consumers, batch_size {batch}: {rate:,.0f} messages/s",
+                          flush=True)
+        finally:
+            api.terminate()
+            api.wait(timeout=30)
+        fill(store_dsn, 300_000, 50_000)
+        results["pull_store_limit"] = run_consumers(sql_consumer, store_dsn, token, 4, 100, args.seconds)
+        print(f"bench: store limit (SQL, 4 processes, batch 100): {results['pull_store_limit']:,.0f} messages/s",
+              flush=True)
+
+        # (b) webhook ---------------------------------------------------------------------------
+        server = mp.get_context("spawn").Process(target=serve_counter, args=(hook_port,), daemon=True)
+        server.start()
+        hook_url = f"http://127.0.0.1:{hook_port}"
+        wait_for(lambda: httpx.get(hook_url).status_code == 200, 30, what="the webhook server")
+        results["webhook_server_limit"] = server_limit(f"{hook_url}/hook", 100, args.seconds)
+        print(f"bench: webhook server limit: {results['webhook_server_limit']:,.0f} messages/s", flush=True)
+        app = StreamAppProcess(config_path, work / "app.log").start()
+        try:
+            app.wait_streaming(store_dsn)
+            base = int(httpx.get(hook_url).text)
+            started = time.time()
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                for lo in range(1, args.changes + 1, 500):
+                    conn.execute("INSERT INTO events SELECT g, g % 1000, (g % 10000) / 100.0 FROM generate_series(%s, %s) g",
+                                 (lo, min(lo + 499, args.changes)))
+            wait_for(lambda: int(httpx.get(hook_url).text) >= base + args.changes, 900, interval=0.1,
+                     what="the webhook server to receive every change")
+            results["webhook_e2e"] = args.changes / (time.time() - started)
+            print(f"bench: webhook sink end to end: {results['webhook_e2e']:,.0f} changes/s", flush=True)
+        finally:
+            app.stop()
+            server.terminate()
+
+    table = ["| measurement | messages/s |", "| --- | ---: |"]
+    for row in results["pull"]:
+        table.append(f"| pull API, {row['consumers']} consumers, batch_size {row['batch_size']} | {row['rate']:,.0f} |")
+    table.append(f"| store limit: the same queries over SQL (4 processes, batch 100) | {results['pull_store_limit']:,.0f} |")
+    table.append(f"| webhook sink end to end (stream app -> local server, batch 100) | {results['webhook_e2e']:,.0f} |")
+    table.append(f"| webhook server limit (8 threads posting batches of 100) | {results['webhook_server_limit']:,.0f} |")
+    print("\n".join(table))
+    out = ROOT / "bench" / "results" / "delivery_throughput.json"
+    out.write_text(json.dumps(results, indent=2))
+    print(f"written {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
