@@ -2,7 +2,8 @@
 
 Starts (or reuses) a cluster in ./var/pg, creates a small shop schema, provisions capture, runs
 the Spark stream app, commits a burst of inserts/updates/deletes, prints the messages that
-reached the Sequin Stream sinks and a summary line, then stops everything it started.
+reached the Sequin Stream sinks, drains one of them through the HTTP pull API as a consumer would,
+prints a summary line, then stops everything it started.
 """
 
 from __future__ import annotations
@@ -98,6 +99,42 @@ def describe(message: dict[str, object]) -> str:
     return f"  {position:>16}  {message.get('action', 'row'):<6} {meta['table_name']:<12} key={key:<6} {detail}"  # type: ignore[index]
 
 
+def pull_over_http(config_path: object, dsn: str, sink: str) -> list[dict[str, object]]:
+    """Serve the pull API on a free loopback port and drain ``sink`` with receive + ack, as a client would."""
+    import socket
+    import threading
+
+    import httpx
+    import uvicorn
+
+    from sequin_provider import stream_queue
+    from sequin_provider.stream_api import create_app
+
+    with psycopg.connect(dsn) as conn:
+        token = stream_queue.create_token(conn, "sequin", f"demo-{int(time.time())}")
+        conn.commit()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(load_config(config_path)), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    got: list[dict[str, object]] = []
+    try:
+        wait_for(lambda: server.started, 30, what="the pull API")
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {token}"}) as client:
+            while True:
+                batch = client.post(f"/api/sequin_streams/{sink}/receive", json={"batch_size": 100}).json()["data"]
+                if not batch:
+                    return got
+                got.extend(m["data"] for m in batch)
+                client.post(f"/api/sequin_streams/{sink}/ack", json={"ack_ids": [m["ack_id"] for m in batch]})
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
 def main() -> int:
     """Run the demo; exit code 0 when every committed change reached the sink."""
     VAR.mkdir(exist_ok=True)
@@ -138,7 +175,11 @@ def main() -> int:
             print(f"\nsink big_orders (filter: total >= 100, inserts and updates; {len(big)} messages):")
             for message in big:
                 print(describe(message))
-            ok = len(messages) == committed
+            pulled = pull_over_http(config_path, dsn, "big_orders")
+            summary = ", ".join(f"{m['action']} #{m['record']['id']}" for m in pulled)  # type: ignore[index]
+            print(f"\ndemo: a consumer pulled {len(pulled)} big_orders messages over the HTTP API (receive + ack):"
+                  f" {summary}")
+            ok = len(messages) == committed and len(pulled) == len(big)
             print(f"\ndemo: {committed} changes committed -> {len(messages)} messages in shop_changes, {len(big)} in "
                   f"big_orders; first burst to last message {elapsed:.2f}s; slot lag "
                   f"{lag.lag_bytes if lag else '?'} bytes; {'OK' if ok else 'MISMATCH'}")

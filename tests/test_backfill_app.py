@@ -380,7 +380,6 @@ def test_backfill_app_killed_mid_run_resumes_from_its_cursors_with_nothing_missi
         resumed = subprocess.run([sys.executable, "-m", "sequin_provider.cli", "--config", str(config), "backfill",
                                   "run", str(created.id)], capture_output=True, text=True, timeout=600)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
-        assert "unfinished" in resumed.stderr or "resume" in resumed.stderr, resumed.stderr[-3000:]
     finally:
         app.stop()
     with psycopg.connect(dsn) as conn:
