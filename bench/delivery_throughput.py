@@ -50,6 +50,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def answers(url: str) -> bool:
+    """Whether an HTTP server answers 200 at ``url`` yet."""
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def fill(store_dsn: str, messages: int, groups: int) -> None:
     """``messages`` visible messages over ``groups`` groups, written as the stream app writes them."""
     with psycopg.connect(store_dsn) as conn:
@@ -196,7 +204,7 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
                                 "--port", str(api_port)], stderr=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{api_port}"
         try:
-            wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 60, what="the API")
+            wait_for(lambda: answers(f"{url}/health"), 60, what="the API")
             for consumers in (1, 4, 16):
                 for batch in (1, 10, 100):
                     fill(store_dsn, 300_000 if batch == 100 else 100_000, 50_000)
@@ -216,7 +224,7 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
         server = mp.get_context("spawn").Process(target=serve_counter, args=(hook_port,), daemon=True)
         server.start()
         hook_url = f"http://127.0.0.1:{hook_port}"
-        wait_for(lambda: httpx.get(hook_url).status_code == 200, 30, what="the webhook server")
+        wait_for(lambda: answers(hook_url), 30, what="the webhook server")
         results["webhook_server_limit"] = server_limit(f"{hook_url}/hook", 100, args.seconds)
         print(f"bench: webhook server limit: {results['webhook_server_limit']:,.0f} messages/s", flush=True)
         app = StreamAppProcess(config_path, work / "app.log").start()
