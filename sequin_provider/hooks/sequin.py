@@ -1,0 +1,231 @@
+"""``SequinHook``: the source Postgres and the Sequin store as seen from Airflow (DESIGN §10).
+
+The ``sequin`` connection holds the *source* database (host, port, login, password, schema = the
+database name) and, in its extras, ``store_dsn`` (a separate store database; default: the source),
+``store_schema`` (default ``sequin``) and ``config_path`` (the ``sequin.yaml`` the apps run with).
+Other extras that libpq understands (``sslmode``, ``connect_timeout``, ...) are passed through.
+
+The hook is lazy, like the HTTP and dbt Cloud hooks: constructing it does no I/O (it is built at
+DAG parse time inside operators); the connection is looked up on first use. Every query opens a
+short psycopg 3 connection and closes it. The ``a*`` methods are the same queries for the
+triggerer's event loop: the connection is looked up with ``aget_connection`` and the blocking
+psycopg calls run in a worker thread (``asyncio.to_thread``), so the loop never blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, Mapping
+
+import psycopg
+from psycopg.conninfo import make_conninfo
+
+from airflow.sdk import BaseHook
+from sequin_provider import backfill as backfill_module
+from sequin_provider import buffer, replication, store
+
+if TYPE_CHECKING:
+    from airflow.sdk import Connection
+
+    from sequin_provider.config import SequinConfig
+
+DEFAULT_STORE_SCHEMA = "sequin"
+DEFAULT_CONNECT_TIMEOUT = 10
+LIBPQ_EXTRAS = ("sslmode", "sslrootcert", "sslcert", "sslkey", "sslpassword", "connect_timeout",
+                "application_name", "options", "target_session_attrs", "keepalives", "keepalives_idle")
+"""Connection extras handed to libpq as they are; the Sequin extras are not."""
+
+
+@dataclass(frozen=True)
+class SequinConnectionSettings:
+    """What a ``sequin`` connection resolves to: where the source and the store are."""
+
+    source_dsn: str = field(repr=False)
+    store_dsn: str = field(repr=False)
+    store_schema: str = DEFAULT_STORE_SCHEMA
+    config_path: str | None = None
+
+    @classmethod
+    def from_connection(cls, conn: Connection) -> SequinConnectionSettings:
+        """Read an Airflow connection (plain extras, or the ``extra__sequin__<name>`` form of old UIs)."""
+        extras = conn.extra_dejson
+
+        def extra(name: str) -> Any:
+            value = extras.get(name, extras.get(f"extra__sequin__{name}"))
+            return None if value in ("", None) else value
+
+        params: dict[str, Any] = {"host": conn.host or None, "port": conn.port or None, "user": conn.login or None,
+                                  "password": conn.password or None, "dbname": conn.schema or None,
+                                  "connect_timeout": DEFAULT_CONNECT_TIMEOUT}
+        params.update({name: extras[name] for name in LIBPQ_EXTRAS if extras.get(name) not in ("", None)})
+        source_dsn = make_conninfo("", **{k: v for k, v in params.items() if v is not None})
+        return cls(source_dsn=source_dsn, store_dsn=str(extra("store_dsn") or source_dsn),
+                   store_schema=str(extra("store_schema") or DEFAULT_STORE_SCHEMA),
+                   config_path=None if extra("config_path") is None else str(extra("config_path")))
+
+
+# -- the queries, on DSNs (shared by the sync methods and, in a thread, by the async ones) ------
+
+def _connect(dsn: str) -> psycopg.Connection[Any]:
+    return psycopg.connect(dsn, autocommit=True)
+
+
+def query_slot_info(dsn: str, slot: str) -> replication.SlotInfo | None:
+    """State of replication slot ``slot`` on the source, or None if it does not exist."""
+    with _connect(dsn) as conn:
+        return replication.slot_info(conn, slot)
+
+
+def query_heartbeat_at(dsn: str, schema: str, database: str) -> datetime | None:
+    """When the stream app of ``database`` last recorded a batch (``stream_status.heartbeat_at``)."""
+    with _connect(dsn) as conn:
+        rows = [r for r in store.read_status(conn, schema) if r["database"] == database]
+    return rows[0]["heartbeat_at"] if rows else None
+
+
+def query_buffer_counts(dsn: str, schema: str) -> dict[str, dict[str, int]]:
+    """``{sink: {"parked": n, "discarded": n}}`` of the buffer of parked messages."""
+    with _connect(dsn) as conn:
+        return buffer.buffer_counts(conn, schema)
+
+
+def query_backfill(dsn: str, schema: str, backfill_id: int) -> store.Backfill:
+    """One backfill row (``store.BackfillError`` if there is none)."""
+    with _connect(dsn) as conn:
+        return store.get_backfill(conn, schema, backfill_id)
+
+
+def age_seconds(stamp: datetime | None, now: datetime | None = None) -> float | None:
+    """Seconds since ``stamp`` (None stays None)."""
+    if stamp is None:
+        return None
+    if stamp.tzinfo is None:
+        stamp = stamp.replace(tzinfo=timezone.utc)
+    return ((now or datetime.now(timezone.utc)) - stamp).total_seconds()
+
+
+def select_sink(counts: Mapping[str, dict[str, int]], sink: str | None) -> dict[str, dict[str, int]]:
+    """All sinks' counts, or only ``sink``'s (zeros when it has nothing in the buffer)."""
+    if sink is None:
+        return dict(counts)
+    return {sink: dict(counts.get(sink, {"parked": 0, "discarded": 0}))}
+
+
+class SequinHook(BaseHook):
+    """Reads replication, stream and backfill state of a Sequin deployment.
+
+    :param sequin_conn_id: the ``sequin`` connection (source Postgres + store extras).
+    """
+
+    conn_name_attr = "sequin_conn_id"
+    default_conn_name = "sequin_default"
+    conn_type = "sequin"
+    hook_name = "Sequin"
+
+    def __init__(self, sequin_conn_id: str = default_conn_name, logger_name: str | None = None) -> None:
+        super().__init__(logger_name=logger_name)
+        self.sequin_conn_id = sequin_conn_id
+        self._settings: SequinConnectionSettings | None = None
+
+    # -- connection --------------------------------------------------------------------------
+
+    @property
+    def settings(self) -> SequinConnectionSettings:
+        """The resolved connection (looked up once, on first use)."""
+        if self._settings is None:
+            self._settings = SequinConnectionSettings.from_connection(self.get_connection(self.sequin_conn_id))
+        return self._settings
+
+    async def aget_settings(self) -> SequinConnectionSettings:
+        """``settings`` for the event loop (async connection lookup)."""
+        if self._settings is None:
+            conn = await self.aget_connection(self.sequin_conn_id)
+            self._settings = SequinConnectionSettings.from_connection(conn)
+        return self._settings
+
+    def get_conn(self) -> psycopg.Connection[Any]:
+        """A new psycopg connection to the source database (the caller closes it)."""
+        return psycopg.connect(self.settings.source_dsn)
+
+    def get_store_conn(self) -> psycopg.Connection[Any]:
+        """A new psycopg connection to the store database (the caller closes it)."""
+        return psycopg.connect(self.settings.store_dsn)
+
+    def load_config(self) -> SequinConfig:
+        """The ``sequin.yaml`` named by the ``config_path`` extra (else ``SEQUIN_CONFIG`` / ./sequin.yaml)."""
+        from sequin_provider.config import load_config
+
+        return load_config(self.settings.config_path)
+
+    def test_connection(self) -> tuple[bool, str]:
+        """For the UI's Test button: can we reach the source and the store, and is the store migrated?"""
+        try:
+            with _connect(self.settings.source_dsn) as conn:
+                version = replication.server_version(conn)
+            with _connect(self.settings.store_dsn) as conn:
+                schema_version = store.schema_version(conn, self.settings.store_schema)
+        except Exception as exc:  # noqa: BLE001 - reported to the UI
+            return False, str(exc)
+        if not schema_version:
+            return True, f"source reachable (server {version}); store schema {self.settings.store_schema!r} not initialised"
+        return True, f"source reachable (server {version}); store schema version {schema_version}"
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def slot(self, slot: str) -> replication.SlotInfo | None:
+        """State of a replication slot of the source, or None if it does not exist."""
+        return query_slot_info(self.settings.source_dsn, slot)
+
+    def slot_lag_bytes(self, slot: str) -> int | None:
+        """WAL bytes between the server's current position and what the slot's consumer confirmed
+        (None if the slot does not exist or has no confirmed position)."""
+        info = self.slot(slot)
+        return None if info is None else info.lag_bytes
+
+    def heartbeat_age_seconds(self, database: str) -> float | None:
+        """Seconds since the stream app of ``database`` last recorded a batch (None: never)."""
+        s = self.settings
+        return age_seconds(query_heartbeat_at(s.store_dsn, s.store_schema, database))
+
+    def parked_counts(self, sink: str | None = None) -> dict[str, dict[str, int]]:
+        """``{sink: {"parked": n, "discarded": n}}`` for every sink with buffered messages, or for ``sink``."""
+        s = self.settings
+        return select_sink(query_buffer_counts(s.store_dsn, s.store_schema), sink)
+
+    def backfill(self, backfill_id: int) -> store.Backfill:
+        """A backfill by id (``store.BackfillError`` if there is none)."""
+        s = self.settings
+        return query_backfill(s.store_dsn, s.store_schema, int(backfill_id))
+
+    def backfill_progress(self, backfill_id: int) -> str:
+        """One line: state, rows done/total (percent), rows/s, ETA, error."""
+        return backfill_module.progress_line(self.backfill(backfill_id))
+
+    # -- the same, for the triggerer's event loop --------------------------------------------
+
+    async def aslot(self, slot: str) -> replication.SlotInfo | None:
+        """Async ``slot``."""
+        s = await self.aget_settings()
+        return await asyncio.to_thread(query_slot_info, s.source_dsn, slot)
+
+    async def aslot_lag_bytes(self, slot: str) -> int | None:
+        """Async ``slot_lag_bytes``."""
+        info = await self.aslot(slot)
+        return None if info is None else info.lag_bytes
+
+    async def aheartbeat_age_seconds(self, database: str) -> float | None:
+        """Async ``heartbeat_age_seconds``."""
+        s = await self.aget_settings()
+        return age_seconds(await asyncio.to_thread(query_heartbeat_at, s.store_dsn, s.store_schema, database))
+
+    async def aparked_counts(self, sink: str | None = None) -> dict[str, dict[str, int]]:
+        """Async ``parked_counts``."""
+        s = await self.aget_settings()
+        return select_sink(await asyncio.to_thread(query_buffer_counts, s.store_dsn, s.store_schema), sink)
+
+    async def abackfill(self, backfill_id: int) -> store.Backfill:
+        """Async ``backfill``."""
+        s = await self.aget_settings()
+        return await asyncio.to_thread(query_backfill, s.store_dsn, s.store_schema, int(backfill_id))

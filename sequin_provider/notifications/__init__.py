@@ -1,0 +1,1 @@
+"""Notifiers of the Sequin provider."""

@@ -1,0 +1,1 @@
+"""Sensors of the Sequin provider (deferrable by default)."""

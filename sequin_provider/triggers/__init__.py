@@ -1,0 +1,1 @@
+"""Deferrable triggers of the Sequin provider (run in the Airflow triggerer)."""
