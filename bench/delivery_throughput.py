@@ -235,7 +235,7 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
             started = time.time()
             with psycopg.connect(dsn, autocommit=True) as conn:
                 for lo in range(1, args.changes + 1, 500):
-                    conn.execute("INSERT INTO events SELECT g, g %% 1000, (g %% 10000) / 100.0 FROM generate_series(%s, %s) g",
+                    conn.execute("INSERT INTO events SELECT g, g %% 1000, (g %% 10000) / 100.0 FROM generate_series(%s::bigint, %s::bigint) g",
                                  (lo, min(lo + 499, args.changes)))
             wait_for(lambda: int(httpx.get(hook_url).text) >= base + args.changes, 900, interval=0.1,
                      what="the webhook server to receive every change")
