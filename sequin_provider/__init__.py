@@ -24,6 +24,9 @@ def get_provider_info() -> dict[str, object]:
         "hooks": [
             {"integration-name": INTEGRATION, "python-modules": ["sequin_provider.hooks.sequin"]},
         ],
+        "operators": [
+            {"integration-name": INTEGRATION, "python-modules": ["sequin_provider.operators.sequin"]},
+        ],
         "sensors": [
             {"integration-name": INTEGRATION, "python-modules": ["sequin_provider.sensors.sequin"]},
         ],

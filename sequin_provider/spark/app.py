@@ -21,6 +21,12 @@ from sequin_provider.replication import ReplicationError
 log = logging.getLogger("sequin.stream")
 
 
+def _under_spark_submit() -> bool:
+    """Whether spark-submit started this Python driver (its JVM hands the gateway over in the
+    environment); its --master and --conf then rule and must not be overridden here."""
+    return bool(os.environ.get("PYSPARK_GATEWAY_PORT")) or "spark.master" in os.environ.get("SPARK_SUBMIT_OPTS", "")
+
+
 def spark_session(app_name: str, master: str | None = None) -> Any:
     """A SparkSession tuned for the stream app (small shuffles, quiet logs)."""
     from pyspark.sql import SparkSession
@@ -30,9 +36,10 @@ def spark_session(app_name: str, master: str | None = None) -> Any:
     builder = SparkSession.builder.appName(app_name)
     if master:
         builder = builder.master(master)
-    elif "spark.master" not in os.environ.get("SPARK_SUBMIT_OPTS", "") and not os.environ.get("SPARK_MASTER"):
+    elif not _under_spark_submit() and not os.environ.get("SPARK_MASTER"):
         builder = builder.config("spark.master", os.environ.get("SEQUIN_SPARK_MASTER", "local[2]"))
     # In local mode the driver JVM also runs the executors, which hold whole micro-batches.
+    # (Under spark-submit the driver JVM already runs: its --driver-memory is what counts.)
     memory = os.environ.get("SEQUIN_SPARK_DRIVER_MEMORY", "4g")
     builder = (builder.config("spark.driver.memory", memory)
                .config("spark.driver.extraJavaOptions", os.environ.get("SEQUIN_SPARK_JAVA_OPTIONS", "-XX:+UseParallelGC"))

@@ -1,0 +1,1 @@
+"""Operators of the Sequin provider: backfills, the replication stream supervisor, buffer retry."""

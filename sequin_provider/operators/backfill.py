@@ -1,0 +1,270 @@
+"""``SequinBackfillOperator``: validate and record a backfill, run ``spark_apps/backfill.py`` through
+``SparkSubmitHook``, and wait for the backfill to complete (DESIGN §7, §10).
+
+The backfill's state in the store is the truth, not spark-submit's exit code: after the job returns
+the operator reads it. ``completed`` returns the backfill id (XCom); ``failed``/``cancelled`` fail the
+task with the backfill's error. Still active after spark-submit returned *successfully* means the
+driver runs elsewhere (cluster deploy mode, fire-and-forget submission): the operator then waits on
+the store, deferred to ``BackfillCompletedTrigger`` by default. Still active after spark-submit
+*failed* means nobody is running it: the backfill is marked failed with the app's error, so that a
+retry of the task can start a new one instead of finding the sink's table blocked.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Sequence
+
+import psycopg
+
+from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
+from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from sequin_provider import store
+from sequin_provider.backfill import DEFAULT_MAX_QUERY_MS, create_backfill, progress_line
+from sequin_provider.hooks.sequin import SequinHook
+from sequin_provider.operators.common import load_sequin_config, optional_text, warn_if_elsewhere
+from sequin_provider.operators.spark_submit import SparkSubmitRun, default_application, resolve_target, submit_env
+from sequin_provider.store import BackfillError
+from sequin_provider.triggers.sequin import BACKFILL_FAILED_STATES, BackfillCompletedTrigger
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from airflow.sdk import Context
+    from sequin_provider.config import SequinConfig
+
+KINDS = ("full", "partial")
+PROGRESS_LOG_INTERVAL = 30.0
+
+
+class SequinBackfillOperator(BaseOperator):
+    """Backfill ``table`` into ``sink``: every row (``kind="full"``), or rows with ``sort_column >=
+    start_position`` (``kind="partial"``), as ``read`` messages, without racing the stream.
+
+    The stream app of the sink's database must be running (it places the reads).
+
+    :param sink: a sink of ``sequin.yaml``.
+    :param table: one of the sink's tables (``schema.table``; ``public`` if no schema).
+    :param kind: ``full`` or ``partial``; None: partial if ``sort_column`` is given.
+    :param sort_column: partial backfills: the column to order and start by.
+    :param start_position: partial backfills: the first value of ``sort_column`` (cast by Postgres).
+    :param max_query_ms: time budget of one page query, 1-600000.
+    :param sequin_conn_id: the ``sequin`` connection (source, store, config path).
+    :param spark_conn_id: the Spark connection (master ``local[*]``, ``spark://...``, ``yarn``, ...).
+    :param config_path: the ``sequin.yaml`` (default: the connection's ``config_path`` extra, else
+        ``SEQUIN_CONFIG``, else ``./sequin.yaml``); the Spark app reads the same file, and spark-submit
+        runs in its folder (relative paths in it resolve there).
+    :param application: the app to submit (default ``spark_apps/backfill.py``).
+    :param ranges: key ranges read in parallel (default: Spark's parallelism).
+    :param max_page_rows: page size ceiling of the app.
+    :param window_timeout: seconds the app waits for the stream app to take a page.
+    :param spark_conf: extra ``--conf`` of spark-submit.
+    :param env_vars: extra environment of spark-submit (override the Python defaults).
+    :param driver_memory: spark-submit ``--driver-memory`` (local mode: executors live in the driver).
+    :param deferrable: wait for a detached backfill in the triggerer (default) instead of a worker.
+    :param poll_interval: seconds between two checks of the store while waiting.
+    :param wait_timeout: seconds to wait for a detached backfill (None: no limit); the backfill is
+        cancelled when it passes.
+    """
+
+    template_fields: Sequence[str] = ("sink", "table", "kind", "sort_column", "start_position", "max_query_ms",
+                                      "sequin_conn_id", "spark_conn_id", "config_path", "application")
+    ui_color = "#d6eaf8"
+
+    def __init__(self, *, sink: str, table: str, kind: str | None = None, sort_column: str | None = None,
+                 start_position: Any = None, max_query_ms: int | str = DEFAULT_MAX_QUERY_MS,
+                 sequin_conn_id: str = SequinHook.default_conn_name, spark_conn_id: str = "spark_default",
+                 config_path: str | None = None, application: str | None = None, ranges: int | None = None,
+                 max_page_rows: int | None = None, window_timeout: float | None = None,
+                 spark_conf: dict[str, Any] | None = None, env_vars: dict[str, Any] | None = None,
+                 driver_memory: str | None = "2g", deferrable: bool = True, poll_interval: float = 10.0,
+                 wait_timeout: float | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.sink = sink
+        self.table = table
+        self.kind = kind
+        self.sort_column = sort_column
+        self.start_position = start_position
+        self.max_query_ms = max_query_ms
+        self.sequin_conn_id = sequin_conn_id
+        self.spark_conn_id = spark_conn_id
+        self.config_path = config_path
+        self.application = application
+        self.ranges = ranges
+        self.max_page_rows = max_page_rows
+        self.window_timeout = window_timeout
+        self.spark_conf = spark_conf
+        self.env_vars = env_vars
+        self.driver_memory = driver_memory
+        self.deferrable = deferrable
+        self.poll_interval = poll_interval
+        self.wait_timeout = wait_timeout
+        self.backfill_id: int | None = None
+        self._run: SparkSubmitRun | None = None
+
+    @cached_property
+    def hook(self) -> SequinHook:
+        """The ``sequin`` hook (built on first use, after templates are rendered)."""
+        return SequinHook(self.sequin_conn_id)
+
+    # -- the request ---------------------------------------------------------------------------
+
+    def request(self) -> dict[str, Any]:
+        """The rendered parameters, checked: ``AirflowFailException`` names what is wrong."""
+        sink, table = optional_text(self.sink), optional_text(self.table)
+        sort_column, start_position = optional_text(self.sort_column), optional_text(self.start_position)
+        kind = optional_text(self.kind) or ("partial" if sort_column else "full")
+        if not sink or not table:
+            raise AirflowFailException("a backfill needs a sink and a table")
+        if kind not in KINDS:
+            raise AirflowFailException(f"kind must be 'full' or 'partial', got {kind!r}")
+        if kind == "full" and (sort_column or start_position):
+            raise AirflowFailException("a full backfill takes no sort column or start position (use kind='partial')")
+        if kind == "partial" and not (sort_column and start_position):
+            raise AirflowFailException("a partial backfill needs a sort column and a start position")
+        try:
+            max_query_ms = int(str(self.max_query_ms).strip())
+        except ValueError:
+            raise AirflowFailException(f"max_query_ms must be an integer, got {self.max_query_ms!r}") from None
+        try:
+            store.check_max_query_ms(max_query_ms)
+        except BackfillError as exc:
+            raise AirflowFailException(str(exc)) from None
+        return {"sink": sink, "table": table, "sort_column": sort_column, "start_position": start_position,
+                "max_query_ms": max_query_ms}
+
+    def create(self, config: SequinConfig, request: dict[str, Any]) -> store.Backfill:
+        """Validate against the source catalog and record the backfill (nothing recorded if invalid)."""
+        settings = self.hook.settings
+        sink = next((s for s in config.sinks if s.name == request["sink"]), None)
+        if sink is not None:
+            warn_if_elsewhere(self.log, "source", settings.source_dsn, config.database(sink.database).dsn)
+            warn_if_elsewhere(self.log, "store", settings.store_dsn, config.store_dsn(sink.database))
+        try:
+            with psycopg.connect(settings.source_dsn, autocommit=True) as source, \
+                    psycopg.connect(settings.store_dsn) as conn:
+                store.migrate(conn, config.store.schema)
+                conn.commit()
+                return create_backfill(source, conn, config, request["sink"], request["table"],
+                                       request["sort_column"], request["start_position"], request["max_query_ms"])
+        except BackfillError as exc:
+            raise AirflowFailException(str(exc)) from None
+        except psycopg.OperationalError as exc:
+            raise AirflowException(f"cannot reach the source or the store: {str(exc).strip()}") from None
+
+    # -- running it ----------------------------------------------------------------------------
+
+    def execute(self, context: Context) -> int:
+        """Create the backfill, run the Spark app, then judge by the backfill's state."""
+        request = self.request()
+        config, path = load_sequin_config(self.hook, self.config_path)
+        backfill = self.create(config, request)
+        self.backfill_id = backfill.id
+        where = f" from {backfill.sort_column} >= {backfill.start_position!r}" if backfill.sort_column else ""
+        self.log.info("backfill %d: %s backfill of %s.%s for sink %r%s, about %s rows", backfill.id, backfill.kind,
+                      backfill.table_schema, backfill.table_name, backfill.sink, where,
+                      backfill.rows_initial if backfill.rows_initial is not None else "?")
+        try:
+            self._run = self.submit(path, backfill.id)
+        except Exception as exc:
+            self._transition("failed", f"the backfill app could not be submitted: {exc}")
+            raise
+        last_log = time.monotonic()
+        while not self._run.wait(1.0):
+            if time.monotonic() - last_log >= PROGRESS_LOG_INTERVAL:
+                last_log = time.monotonic()
+                self._log_progress()
+        return self.after_run(self._run)
+
+    def submit(self, config_path: Path, backfill_id: int) -> SparkSubmitRun:
+        """Start ``spark_apps/backfill.py`` for ``backfill_id`` through ``SparkSubmitHook``."""
+        target = resolve_target(self.spark_conn_id)
+        args = ["--config", str(config_path), "--backfill-id", str(backfill_id), "--master", target.master]
+        for flag, value in (("--ranges", self.ranges), ("--max-page-rows", self.max_page_rows),
+                            ("--window-timeout", self.window_timeout)):
+            if value is not None:
+                args += [flag, str(value)]
+        hook = SparkSubmitHook(conf=self.spark_conf, conn_id=self.spark_conn_id, application_args=args,
+                               env_vars=submit_env(target, self.env_vars), name=f"sequin-backfill-{backfill_id}",
+                               driver_memory=None if target.is_cluster else self.driver_memory)
+        application = self.application or default_application("backfill.py")
+        return SparkSubmitRun(hook, application, cwd=str(config_path.parent)).start()
+
+    def after_run(self, run: SparkSubmitRun) -> int:
+        """spark-submit returned: completed -> id; failed/cancelled -> fail; still active -> wait or fail."""
+        assert self.backfill_id is not None
+        backfill = self.hook.backfill(self.backfill_id)
+        self.log.info("backfill %d: %s", backfill.id, progress_line(backfill))
+        if backfill.state == "completed":
+            return backfill.id
+        if backfill.state in BACKFILL_FAILED_STATES:
+            raise AirflowException(f"backfill {backfill.id} {backfill.state}: {backfill.error or 'no error recorded'}")
+        if not run.succeeded:
+            reason = f"the backfill app stopped before the backfill finished ({run.failure()})"
+            self._transition("failed", reason)
+            raise AirflowException(f"backfill {backfill.id} failed: {reason}")
+        # spark-submit returned at once while the app runs elsewhere (cluster deploy mode)
+        self.log.info("backfill %d is %s after spark-submit returned: waiting for it in the store", backfill.id,
+                      backfill.state)
+        end_time = None if self.wait_timeout is None else time.time() + float(self.wait_timeout)
+        trigger = BackfillCompletedTrigger(backfill_id=backfill.id, sequin_conn_id=self.sequin_conn_id,
+                                           poke_interval=self.poll_interval, end_time=end_time)
+        if self.deferrable:
+            self.defer(trigger=trigger, method_name="execute_complete",
+                       timeout=None if self.wait_timeout is None else timedelta(seconds=float(self.wait_timeout)))
+        return self.execute_complete({}, self._wait_in_worker(trigger))
+
+    def _wait_in_worker(self, trigger: BackfillCompletedTrigger) -> dict[str, Any]:
+        """The trigger's loop, run here (``deferrable=False``)."""
+        while True:
+            try:
+                observation = trigger.evaluate(trigger.measure(self.hook))
+            except Exception as exc:  # noqa: BLE001 - SequinConditionError: failed/cancelled
+                return {**getattr(exc, "payload", {}), "status": "error", "message": str(exc)}
+            if observation.done:
+                return observation.event("success")
+            if trigger.end_time is not None and time.time() >= trigger.end_time:
+                return observation.event("timeout")
+            self.log.info("%s", observation.message)
+            time.sleep(self.poll_interval)
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> int:
+        """Resume from ``BackfillCompletedTrigger``: the backfill id, or fail with its error."""
+        backfill_id = int(event.get("backfill_id") or self.backfill_id or 0)
+        self.backfill_id = backfill_id or self.backfill_id
+        status, message = event.get("status"), str(event.get("message") or event)
+        if status == "success":
+            self.log.info("%s", message)
+            return backfill_id
+        if status == "timeout" and self.backfill_id is not None:
+            self._transition("cancelled", f"the task stopped waiting: {message}")
+        raise AirflowException(message)
+
+    # -- stopping ------------------------------------------------------------------------------
+
+    def on_kill(self) -> None:
+        """Cancel the backfill (its tasks stop at their next page) and kill the Spark job."""
+        if self.backfill_id is not None:
+            self._transition("cancelled", "the Airflow task was killed")
+        if self._run is not None:
+            self._run.kill()
+
+    def _transition(self, state: str, reason: str) -> None:
+        """Best effort: move the backfill to a final state (it may already be in one)."""
+        assert self.backfill_id is not None
+        try:
+            settings = self.hook.settings  # its store schema is the config's (load_sequin_config)
+            with psycopg.connect(settings.store_dsn, connect_timeout=10) as conn:
+                store.transition_backfill(conn, settings.store_schema, self.backfill_id, state, reason)
+            self.log.info("backfill %d: %s (%s)", self.backfill_id, state, reason)
+        except (BackfillError, psycopg.Error) as exc:
+            self.log.warning("backfill %d not marked %s: %s", self.backfill_id, state, exc)
+
+    def _log_progress(self) -> None:
+        try:
+            self.log.info("backfill %d: %s", self.backfill_id, self.hook.backfill_progress(int(self.backfill_id or 0)))
+        except Exception as exc:  # noqa: BLE001 - progress is informational
+            self.log.warning("backfill progress unavailable: %s", exc)

@@ -1,0 +1,9 @@
+"""The Sequin operators under one import path, like ``hooks.sequin``, ``sensors.sequin`` and ``triggers.sequin``."""
+
+from __future__ import annotations
+
+from sequin_provider.operators.backfill import SequinBackfillOperator
+from sequin_provider.operators.buffer import SequinBufferRetryOperator
+from sequin_provider.operators.replication import SequinReplicationOperator
+
+__all__ = ["SequinBackfillOperator", "SequinBufferRetryOperator", "SequinReplicationOperator"]

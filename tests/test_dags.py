@@ -1,0 +1,281 @@
+"""The DAGs: they import cleanly without I/O, have the documented ids, schedules and params, and
+``sequin_backfill`` runs end to end under ``dag.test()`` (real Postgres, the stream app, Spark).
+
+``dag.test()`` needs a migrated metadata database and reads Airflow's configuration when Airflow
+is first imported; this test process has long imported it with the default ``AIRFLOW_HOME``. So
+``dag.test()`` runs in a fresh interpreter with ``AIRFLOW_HOME`` (and a SQLite metadata database
+migrated once per session) in a temporary folder; the connections reach it as
+``AIRFLOW_CONN_*`` environment variables, set with ``monkeypatch``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import psycopg
+import pytest
+
+from sequin_provider import store
+from sequin_provider.embedded_postgres import EmbeddedPostgres
+from sequin_provider.operators.backfill import SequinBackfillOperator
+from sequin_provider.operators.buffer import SequinBufferRetryOperator
+from sequin_provider.operators.replication import SequinReplicationOperator
+from sequin_provider.sensors.sequin import ParkedMessagesSensor, ReplicationSlotLagSensor, StreamHeartbeatSensor
+from tests.conftest import StreamApp, execute, sink_messages, write_config
+from tests.test_operators import sequin_connection
+
+ROOT = Path(__file__).resolve().parent.parent
+DAGS = ROOT / "dags"
+DAG_IDS = {"sequin_backfill", "sequin_replay", "sequin_replication", "sequin_monitoring", "sequin_buffer_retry"}
+
+RUNNER = """
+import json, sys
+from airflow.dag_processing.dagbag import DagBag
+from airflow.models.xcom import XComModel
+from airflow.utils.session import create_session
+
+bag = DagBag(dag_folder=sys.argv[1])
+assert not bag.import_errors, bag.import_errors
+run = bag.dags[sys.argv[2]].test(run_conf=json.loads(sys.argv[3]))
+tasks = {}
+with create_session() as session:
+    for ti in run.get_task_instances(session=session):
+        xcom = session.query(XComModel.value).filter_by(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id,
+                                                        key="return_value").scalar()
+        tasks[ti.task_id] = {"state": str(ti.state), "xcom": xcom}
+print("DAG-TEST-RESULT " + json.dumps({"state": str(run.state), "tasks": tasks}, default=str))
+"""
+
+
+def dagbag() -> Any:
+    from airflow.dag_processing.dagbag import DagBag
+
+    return DagBag(dag_folder=str(DAGS))
+
+
+def test_dags_folder_imports_the_five_dags_with_their_schedules() -> None:
+    bag = dagbag()
+    assert bag.import_errors == {}
+    assert set(bag.dag_ids) == DAG_IDS
+    schedules = {dag_id: bag.dags[dag_id].schedule for dag_id in DAG_IDS}
+    assert schedules == {"sequin_backfill": None, "sequin_replay": "@daily", "sequin_replication": "@continuous",
+                         "sequin_monitoring": "*/5 * * * *", "sequin_buffer_retry": "* * * * *"}
+    for dag_id in DAG_IDS - {"sequin_backfill"}:
+        assert bag.dags[dag_id].max_active_runs == 1 and not bag.dags[dag_id].catchup, dag_id
+
+
+def test_backfill_dag_form() -> None:
+    dag = dagbag().dags["sequin_backfill"]
+    params = {name: dag.params.get_param(name) for name in dag.params}
+    assert list(params) == ["sink", "table", "kind", "sort_column", "start_position", "max_query_ms"]
+    assert params["sink"].schema["type"] == params["table"].schema["type"] == "string"
+    assert not params["sink"].has_value and not params["table"].has_value  # required in the form
+    assert params["kind"].value == "full" and params["kind"].schema["enum"] == ["full", "partial"]
+    assert params["sort_column"].value is None and params["start_position"].value is None
+    assert (params["max_query_ms"].value, params["max_query_ms"].schema["minimum"],
+            params["max_query_ms"].schema["maximum"]) == (5000, 1, 600000)
+    with pytest.raises(Exception, match="600001"):
+        params["max_query_ms"].resolve(600001)
+    with pytest.raises(Exception, match="sideways"):
+        params["kind"].resolve("sideways")
+    (task,) = dag.tasks
+    assert isinstance(task, SequinBackfillOperator) and task.deferrable
+    assert dag.render_template_as_native_obj  # unset form fields reach the operator as None
+
+
+def test_scheduled_dags_use_the_provider_operators_and_sensors() -> None:
+    bag = dagbag()
+    (replay,) = bag.dags["sequin_replay"].tasks
+    assert isinstance(replay, SequinBackfillOperator) and replay.kind == "partial"
+    assert "data_interval_start" in replay.start_position
+    (supervisor,) = bag.dags["sequin_replication"].tasks
+    assert isinstance(supervisor, SequinReplicationOperator) and supervisor.on_failure_callback
+    (retry,) = bag.dags["sequin_buffer_retry"].tasks
+    assert isinstance(retry, SequinBufferRetryOperator)
+    sensors = {t.task_id: t for t in bag.dags["sequin_monitoring"].tasks}
+    assert {type(t) for t in sensors.values()} == {ReplicationSlotLagSensor, StreamHeartbeatSensor,
+                                                   ParkedMessagesSensor}
+    for sensor in sensors.values():
+        assert sensor.deferrable and sensor.fire_when == "within" and not sensor.soft_fail
+        assert sensor.timeout < 300 and sensor.on_failure_callback  # judged and alerted within the 5-minute slot
+
+
+class Variables:
+    """``var.value`` of a template context, with the given Variables set."""
+
+    def __init__(self, **values: str) -> None:
+        self.values = values
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.values.get(name, default)
+
+
+def render(dag: Any, task: Any, **context: Any) -> Any:
+    """Render ``task``'s templates as a run of ``dag`` would (params, Variables, data interval)."""
+    full = {"params": {name: dag.params[name] for name in dag.params}, "var": {"value": Variables()},
+            "data_interval_start": None, **context}
+    task.render_template_fields(full, jinja_env=dag.get_template_env())
+    return task
+
+
+def test_replay_renders_a_partial_backfill_from_the_data_interval() -> None:
+    from datetime import datetime, timezone
+
+    dag = dagbag().dags["sequin_replay"]
+    (task,) = dag.tasks
+    render(dag, task, var={"value": Variables(sequin_replay_sink="kv_sink")},
+           data_interval_start=datetime(2025, 3, 1, tzinfo=timezone.utc))
+    assert task.request() == {"sink": "kv_sink", "table": "public.orders", "sort_column": "updated_at",
+                              "start_position": "2025-03-01T00:00:00+00:00", "max_query_ms": 5000}
+    (manual,) = dagbag().dags["sequin_replay"].tasks  # no data interval, no start position: a clear error
+    with pytest.raises(Exception, match="a partial backfill needs a sort column and a start position"):
+        render(dag, manual, params={"sink": "s", "table": "t", "sort_column": "at", "start_position": None}).request()
+
+
+def test_monitoring_thresholds_render_into_the_triggers() -> None:
+    dag = dagbag().dags["sequin_monitoring"]
+    sensors = {t.task_id: render(dag, t, var={"value": Variables(sequin_max_parked="5")}) for t in dag.tasks}
+    lag = sensors["slot_lag"].build_trigger(None)
+    assert (lag.slot, lag.threshold_bytes, lag.fire_when) == ("sequin_slot", 1 << 30, "within")
+    heartbeat = sensors["stream_heartbeat"].build_trigger(None)
+    assert (heartbeat.database, heartbeat.max_age_seconds) == ("app", 120.0)
+    assert sensors["parked_messages"].build_trigger(None).threshold == 5
+
+
+def test_dag_files_do_no_io_at_parse_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Parsing must not touch Postgres, the network, the config file, connections or Variables."""
+    def forbidden(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"I/O at DAG parse time: {args!r}")
+
+    import sequin_provider.config
+    from airflow.sdk import BaseHook, Variable
+
+    monkeypatch.setattr(psycopg, "connect", forbidden)
+    monkeypatch.setattr(socket.socket, "connect", forbidden)
+    monkeypatch.setattr(sequin_provider.config, "load_config", forbidden)
+    monkeypatch.setattr(BaseHook, "get_connection", classmethod(forbidden))
+    monkeypatch.setattr(Variable, "get", staticmethod(forbidden))
+    monkeypatch.setenv("SEQUIN_CONFIG", str(tmp_path / "missing.yaml"))
+    bag = dagbag()
+    assert bag.import_errors == {} and set(bag.dag_ids) == DAG_IDS
+
+
+# -- dag.test() --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def airflow_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """``AIRFLOW_HOME`` in a temporary folder with a migrated SQLite metadata database."""
+    home = tmp_path_factory.mktemp("airflow_home")
+    env = {"AIRFLOW_HOME": str(home), "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
+           "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+           "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    done = subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return env
+
+
+def dag_test(airflow_env: dict[str, str], dag_id: str, conf: dict[str, Any], log: Path) -> dict[str, Any]:
+    """Run ``dag.test(run_conf=conf)`` in a fresh interpreter; returns the run's and tasks' states and XComs."""
+    done = subprocess.run([sys.executable, "-c", RUNNER, str(DAGS), dag_id, json.dumps(conf)],
+                          env={**os.environ, **airflow_env}, capture_output=True, text=True, timeout=1200,
+                          cwd=str(log.parent))
+    log.write_text(done.stdout + done.stderr)
+    results = [line for line in done.stdout.splitlines() if line.startswith("DAG-TEST-RESULT ")]
+    assert done.returncode == 0 and results, f"dag.test failed (log {log}):\n{(done.stdout + done.stderr)[-6000:]}"
+    return json.loads(results[-1].split(" ", 1)[1])  # type: ignore[no-any-return]
+
+
+CONFIG = """
+databases:
+  - name: app
+    dsn: {dsn}
+    slot: {{name: slot_dagtest}}
+    publication: {{name: pub_dagtest}}
+    heartbeat_interval: 1s
+sinks:
+  - {{name: items_sink, tables: [items], destination: {{type: sequin_stream}}}}
+  - {{name: events_sink, tables: [events], destination: {{type: sequin_stream}}}}
+stream:
+  checkpoint_location: {ckpt}
+"""
+
+
+@pytest.fixture(scope="module")
+def streaming_db(pg: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A database with two tables and the stream app running for it."""
+    dsn = pg.create_database("dag_test")
+    execute(dsn, "CREATE TABLE items (id int PRIMARY KEY, name text)",
+            "INSERT INTO items SELECT g, 'item ' || g FROM generate_series(1, 3000) g",
+            "CREATE TABLE events (id int PRIMARY KEY, at timestamptz)",
+            "INSERT INTO events SELECT g, timestamptz '2025-01-01 00:00:00+00' + g * interval '1 hour'"
+            " FROM generate_series(1, 200) g", "ANALYZE")
+    tmp = tmp_path_factory.mktemp("dag_test")
+    config = write_config(tmp / "sequin.yaml", CONFIG.format(dsn=dsn, ckpt=tmp / "ckpt"))
+    app = StreamApp(config, tmp / "stream-app.log").start()
+    try:
+        app.wait_streaming(dsn)
+        yield dsn, config
+    finally:
+        app.stop()
+
+
+@pytest.fixture
+def connections(streaming_db: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> tuple[str, Path]:
+    dsn, config = streaming_db
+    monkeypatch.setenv("AIRFLOW_CONN_SEQUIN_DEFAULT", sequin_connection(dsn, config_path=str(config)))
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": "local[2]"}))
+    return dsn, config
+
+
+def backfill(dsn: str, backfill_id: int) -> store.Backfill:
+    with psycopg.connect(dsn) as conn:
+        return store.get_backfill(conn, "sequin", backfill_id)
+
+
+def test_dag_test_full_backfill_delivers_every_row_as_a_read(airflow_env: dict[str, str],
+                                                             connections: tuple[str, Path], tmp_path: Path) -> None:
+    dsn, _ = connections
+    result = dag_test(airflow_env, "sequin_backfill", {"sink": "items_sink", "table": "items"}, tmp_path / "dag.log")
+    assert result["state"] == "success", result
+    task = result["tasks"]["backfill"]
+    assert task["state"] == "success"
+    final = backfill(dsn, int(task["xcom"]))
+    assert (final.state, final.kind, final.rows_processed, final.max_query_ms) == ("completed", "full", 3000, 5000)
+    reads = [m for m in sink_messages(dsn, "items_sink") if m["action"] == "read"]
+    assert sorted(m["record"]["id"] for m in reads) == list(range(1, 3001))
+    assert all(m["changes"] is None and m["record"]["name"] == f"item {m['record']['id']}" for m in reads)
+    assert reads[0]["metadata"]["idempotency_key"].startswith(f"backfill:{final.id}:")
+
+
+def test_dag_test_partial_backfill_from_the_form(airflow_env: dict[str, str], connections: tuple[str, Path],
+                                                 tmp_path: Path) -> None:
+    dsn, _ = connections
+    conf = {"sink": "events_sink", "table": "public.events", "kind": "partial", "sort_column": "at",
+            "start_position": "2025-01-08 00:00:00+00", "max_query_ms": 2000}
+    result = dag_test(airflow_env, "sequin_backfill", conf, tmp_path / "dag.log")
+    assert result["state"] == "success", result
+    final = backfill(dsn, int(result["tasks"]["backfill"]["xcom"]))
+    assert (final.state, final.kind, final.sort_column, final.max_query_ms) == ("completed", "partial", "at", 2000)
+    reads = [m for m in sink_messages(dsn, "events_sink") if m["action"] == "read"]
+    assert [m["record"]["id"] for m in reads] == list(range(168, 201))  # 2025-01-08 00:00 is id 168, in order
+
+
+def test_dag_test_bad_input_fails_the_run_and_records_nothing(airflow_env: dict[str, str],
+                                                             connections: tuple[str, Path], tmp_path: Path) -> None:
+    dsn, _ = connections
+    with psycopg.connect(dsn) as conn:
+        before = len(store.list_backfills(conn, "sequin"))
+    log = tmp_path / "dag.log"
+    result = dag_test(airflow_env, "sequin_backfill", {"sink": "nope", "table": "items"}, log)
+    assert result["state"] == "failed" and result["tasks"]["backfill"]["state"] == "failed"
+    assert "unknown sink 'nope' (configured sinks: items_sink, events_sink)" in log.read_text()
+    with psycopg.connect(dsn) as conn:
+        assert len(store.list_backfills(conn, "sequin")) == before
