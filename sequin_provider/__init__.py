@@ -34,6 +34,7 @@ def get_provider_info() -> dict[str, object]:
             {"integration-name": INTEGRATION, "python-modules": ["sequin_provider.triggers.sequin"]},
         ],
         "notifications": ["sequin_provider.notifications.sequin.SequinNotifier"],
+        "plugins": [{"name": "sequin", "plugin-class": "sequin_provider.plugins.sequin.SequinPlugin"}],
         "connection-types": [
             {
                 "hook-class-name": "sequin_provider.hooks.sequin.SequinHook",

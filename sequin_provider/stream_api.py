@@ -135,8 +135,15 @@ class StreamService:
         self._listeners: list[threading.Thread] = []
 
     # lifecycle ---------------------------------------------------------------------------------
+    def ensure_open(self) -> None:
+        """Open on first use when no lifespan ran (an app mounted inside another, e.g. Airflow's)."""
+        if self._loop is None:
+            self.open()
+
     def open(self) -> None:
         """Open the pools and start one LISTEN thread per store (call inside the event loop)."""
+        if self._loop is not None:
+            return
         self._loop = asyncio.get_running_loop()
         for pool in self.pools.values():
             pool.open(wait=False)
@@ -320,6 +327,7 @@ def create_app(config: SequinConfig, service: StreamService | None = None) -> Fa
         return JSONResponse({"code": "bad_request", "summary": _validation_summary(exc)}, 400)
 
     async def authorized(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]) -> None:
+        service.ensure_open()
         if credentials is None or credentials.scheme.lower() != "bearer" or not credentials.credentials:
             raise ApiError(401, "unauthorized", "missing bearer token (Authorization: Bearer <token>)")
         await run_in_threadpool(service.authorize, credentials.credentials)

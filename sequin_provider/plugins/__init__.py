@@ -1,0 +1,1 @@
+"""Airflow plugins of the Sequin provider."""
