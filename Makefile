@@ -9,7 +9,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export PYSPARK_PYTHON := $(CURDIR)/$(PY)
 export PYSPARK_DRIVER_PYTHON := $(CURDIR)/$(PY)
 
-.PHONY: venv demo test bench clean lock
+.PHONY: venv demo up test bench clean lock
 
 venv: $(STAMP)
 
@@ -24,12 +24,17 @@ $(STAMP): pyproject.toml requirements.lock
 demo: $(STAMP)
 	$(PY) -m sequin_provider.demo
 
+# Embedded Postgres + airflow standalone with this provider and dags/, at http://localhost:8080.
+up: $(STAMP)
+	$(PY) -m sequin_provider.up
+
 test: $(STAMP)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/stream_throughput.py
 	$(PY) bench/backfill_throughput.py
+	$(PY) bench/delivery_throughput.py
 
 # Refresh requirements.lock from the current venv (after changing pyproject.toml pins).
 lock:

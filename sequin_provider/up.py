@@ -1,0 +1,88 @@
+"""``make up``: an embedded Postgres with the demo shop schema, and ``airflow standalone`` with this
+provider, its DAGs and connections, ready at http://localhost:8080. Ctrl-C stops all of it.
+
+Airflow runs with SQLite and the LocalExecutor (small parallelism) under ``var/airflow``; the DAGs
+folder is ``dags/``; ``sequin_default`` and ``spark_default`` (``local[2]``) come from the environment,
+so nothing is configured by hand. Log in as ``admin``; Airflow generates the password into
+``var/airflow/simple_auth_manager_passwords.json.generated`` and prints it at its first start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import psycopg
+
+from sequin_provider.config import load_config
+from sequin_provider.demo import CONFIG, SCHEMA, VAR
+from sequin_provider.embedded_postgres import EmbeddedPostgres
+from sequin_provider.provisioning import initialize
+from sequin_provider.stream_process import ROOT
+
+
+def airflow_env(dsn: str, config_path: str) -> dict[str, str]:
+    """The environment of ``airflow standalone`` and of every process it starts."""
+    params = psycopg.conninfo.conninfo_to_dict(dsn)
+    venv_bin = os.path.dirname(sys.executable)
+    return {
+        **os.environ,
+        "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYSPARK_PYTHON": sys.executable,
+        "AIRFLOW_HOME": str(VAR / "airflow"),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+        "AIRFLOW__CORE__PARALLELISM": "4",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
+        "AIRFLOW_CONN_SEQUIN_DEFAULT": json.dumps({
+            "conn_type": "sequin", "host": params.get("host"), "port": int(params.get("port") or 5432),
+            "login": params.get("user"), "password": params.get("password"), "schema": params.get("dbname"),
+            "extra": {"config_path": config_path}}),
+        "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark", "host": "local[2]"}),
+        "SEQUIN_CONFIG": config_path,
+        "SEQUIN_DATABASE": "shop",
+        "SEQUIN_SLOT": "sequin_demo_slot",
+    }
+
+
+def main() -> int:
+    """Start everything, then wait for Ctrl-C."""
+    VAR.mkdir(exist_ok=True)
+    with EmbeddedPostgres(data_dir=VAR / "pg", use_env_dsn=False) as pg:
+        dsn = pg.dsn("shop")
+        with psycopg.connect(pg.dsn("postgres"), autocommit=True) as conn:
+            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = 'shop'").fetchone()
+        if not exists:
+            dsn = pg.create_database("shop")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            if conn.execute("SELECT to_regclass('public.customers')").fetchone()[0] is None:  # type: ignore[index]
+                for statement in SCHEMA:
+                    conn.execute(statement)
+        config_path = VAR / "sequin.yaml"
+        config_path.write_text(CONFIG.format(dsn=dsn, checkpoint=VAR / "checkpoints-up"))
+        report = initialize(load_config(config_path))
+        print(f"up: Postgres at {dsn}; sequin init: {'; '.join(report.created) or 'already initialised'}")
+        print("up: starting airflow standalone (var/airflow) - http://localhost:8080, user admin, password in"
+              " var/airflow/simple_auth_manager_passwords.json.generated; Ctrl-C stops everything", flush=True)
+        airflow = subprocess.Popen(["airflow", "standalone"], env=airflow_env(dsn, str(config_path)),
+                                   start_new_session=True)
+        try:
+            return airflow.wait()
+        except KeyboardInterrupt:
+            print("\nup: stopping Airflow (it stops cleanly on SIGINT) ...", flush=True)
+            airflow.send_signal(signal.SIGINT)
+            try:
+                airflow.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(airflow.pid, signal.SIGKILL)
+            return 0
+        finally:
+            print("up: stopping Postgres", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
