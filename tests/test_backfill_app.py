@@ -308,7 +308,11 @@ def test_stream_app_killed_mid_backfill_then_restarted_completes_with_nothing_mi
           checkpoint_location: {ckpt}
         """.format(dsn=dsn, db=db, ckpt=tmp_path / "ckpt"))
     app = StreamApp(config, tmp_path / "app.log").start()
-    app.wait_streaming(dsn)
+    try:
+        app.wait_streaming(dsn)
+    except BaseException:
+        app.stop()  # never leave an app running behind a failed test
+        raise
     created = backfill(dsn, config, "big_sink", "big")
     result: dict[str, Backfill] = {}
     runner = threading.Thread(target=lambda: result.update(final=run(spark, config, created.id, max_page_rows=10_000)))
