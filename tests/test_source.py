@@ -71,7 +71,10 @@ def test_offsets_spool_replays_and_acknowledgement(tmp_path: Path, dsn: str, dbn
     other.commit(end)
     with psycopg.connect(dsn) as conn:
         info = slot_info(conn, slot)
-    assert info is not None and info.confirmed_flush_lsn == end["lsn"] and not info.active
+    # at least to the end of the batch; an idle reader may also confirm a server keepalive's position
+    # beyond it (WAL of other databases of the cluster: nothing of this slot's lies in between)
+    assert info is not None and info.confirmed_flush_lsn is not None and not info.active
+    assert info.confirmed_flush_lsn >= end["lsn"]
 
 
 def test_commit_removes_spooled_batches_up_to_the_offset(tmp_path: Path, dsn: str, dbname: str) -> None:
