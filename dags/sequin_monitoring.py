@@ -12,7 +12,9 @@ Thresholds and names: Airflow Variables read at run time (``sequin_slot``, ``seq
 params, whose defaults come from the DAG processor's environment (``SEQUIN_SLOT`` = ``sequin_slot``,
 ``SEQUIN_DATABASE`` = ``app``, ``SEQUIN_MAX_LAG_BYTES`` = 1 GiB, ``SEQUIN_MAX_HEARTBEAT_AGE`` = 120 s,
 ``SEQUIN_MAX_PARKED`` = 0). Webhook: ``SEQUIN_ALERT_WEBHOOK_URL``, else the Variable
-``sequin_alert_webhook_url``.
+``sequin_alert_webhook_url``. How long an unhealthy state may last before the alert:
+``SEQUIN_CHECK_TIMEOUT`` (seconds, default 240), checked every ``SEQUIN_CHECK_POKE_INTERVAL``
+(default 30).
 """
 
 from __future__ import annotations
@@ -21,16 +23,12 @@ import os
 from datetime import datetime, timedelta, timezone
 
 from airflow.sdk import Param, dag
-from sequin_provider.notifications.sequin import SequinNotifier
+from sequin_provider.notifications.sequin import alert_from_environment
 from sequin_provider.sensors.sequin import ParkedMessagesSensor, ReplicationSlotLagSensor, StreamHeartbeatSensor
 
-CHECK = {"deferrable": True, "fire_when": "within", "poke_interval": 30, "timeout": 240, "retries": 0}
-
-
-def alert(title: str) -> SequinNotifier:
-    """A failure alert to the webhook of ``SEQUIN_ALERT_WEBHOOK_URL`` or the ``sequin_alert_webhook_url`` Variable."""
-    url = os.environ.get("SEQUIN_ALERT_WEBHOOK_URL") or "{{ var.value.get('sequin_alert_webhook_url', '') }}"
-    return SequinNotifier(url=url, title=title)
+CHECK = {"deferrable": True, "fire_when": "within", "retries": 0,
+         "poke_interval": float(os.environ.get("SEQUIN_CHECK_POKE_INTERVAL", "30")),
+         "timeout": float(os.environ.get("SEQUIN_CHECK_TIMEOUT", "240"))}
 
 
 @dag(
@@ -56,20 +54,20 @@ def sequin_monitoring() -> None:
         task_id="slot_lag",
         slot="{{ var.value.get('sequin_slot', params.slot) }}",
         threshold_bytes="{{ var.value.get('sequin_max_lag_bytes', params.max_lag_bytes) }}",
-        on_failure_callback=alert("Sequin: replication slot lagging"),
+        on_failure_callback=alert_from_environment("Sequin: replication slot lagging"),
         **CHECK,
     )
     StreamHeartbeatSensor(
         task_id="stream_heartbeat",
         database="{{ var.value.get('sequin_database', params.database) }}",
         max_age_seconds="{{ var.value.get('sequin_max_heartbeat_age', params.max_heartbeat_age) }}",
-        on_failure_callback=alert("Sequin: stream app heartbeat stale"),
+        on_failure_callback=alert_from_environment("Sequin: stream app heartbeat stale"),
         **CHECK,
     )
     ParkedMessagesSensor(
         task_id="parked_messages",
         threshold="{{ var.value.get('sequin_max_parked', params.max_parked) }}",
-        on_failure_callback=alert("Sequin: messages parked"),
+        on_failure_callback=alert_from_environment("Sequin: messages parked"),
         **CHECK,
     )
 

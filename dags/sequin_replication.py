@@ -7,7 +7,11 @@ An advisory lock in the store keeps a second supervisor of the same database fro
 
 Settings from the DAG processor's environment (read at parse time; no I/O): ``SEQUIN_DATABASE``
 (default: the config's only database), ``SEQUIN_STALL_TIMEOUT`` (seconds, default 300),
-``SEQUIN_ALERT_WEBHOOK_URL`` (else the Variable ``sequin_alert_webhook_url``, read at run time).
+``SEQUIN_MAX_RESTARTS`` (consecutive restarts before the task fails, default 5),
+``SEQUIN_RESTART_BACKOFF`` (seconds before the first restart, doubling, default 10),
+``SEQUIN_SUPERVISOR_RETRIES`` (Airflow retries of the failed task, default 3; the alert is sent
+when the last one fails), ``SEQUIN_ALERT_WEBHOOK_URL`` (else the Variable
+``sequin_alert_webhook_url``, read at run time).
 Connections: ``sequin_default`` (store, ``config_path``) and ``spark_default`` (the master).
 """
 
@@ -17,14 +21,8 @@ import os
 from datetime import datetime, timedelta, timezone
 
 from airflow.sdk import dag
-from sequin_provider.notifications.sequin import SequinNotifier
+from sequin_provider.notifications.sequin import alert_from_environment
 from sequin_provider.operators.replication import SequinReplicationOperator
-
-
-def alert(title: str) -> SequinNotifier:
-    """A failure alert to the webhook of ``SEQUIN_ALERT_WEBHOOK_URL`` or the ``sequin_alert_webhook_url`` Variable."""
-    url = os.environ.get("SEQUIN_ALERT_WEBHOOK_URL") or "{{ var.value.get('sequin_alert_webhook_url', '') }}"
-    return SequinNotifier(url=url, title=title)
 
 
 @dag(
@@ -36,11 +34,11 @@ def alert(title: str) -> SequinNotifier:
     tags=["sequin"],
     doc_md=__doc__,
     default_args={
-        "retries": 3,
+        "retries": int(os.environ.get("SEQUIN_SUPERVISOR_RETRIES", "3")),
         "retry_delay": timedelta(minutes=1),
         "retry_exponential_backoff": True,
         "max_retry_delay": timedelta(minutes=30),
-        "on_failure_callback": alert("Sequin stream app down"),
+        "on_failure_callback": alert_from_environment("Sequin stream app down"),
     },
 )
 def sequin_replication() -> None:
@@ -48,6 +46,8 @@ def sequin_replication() -> None:
         task_id="supervise_stream",
         database=os.environ.get("SEQUIN_DATABASE") or None,
         stall_timeout=float(os.environ.get("SEQUIN_STALL_TIMEOUT", "300")),
+        max_restarts=int(os.environ.get("SEQUIN_MAX_RESTARTS", "5")),
+        restart_backoff=float(os.environ.get("SEQUIN_RESTART_BACKOFF", "10")),
     )
 
 

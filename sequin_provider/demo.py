@@ -13,13 +13,13 @@ import shutil
 import sys
 import time
 from decimal import Decimal
+from pathlib import Path
 
 import psycopg
 
-from sequin_provider import store
 from sequin_provider.config import load_config
+from sequin_provider.demo_airflow import run_airflow_demo, sink_messages
 from sequin_provider.embedded_postgres import EmbeddedPostgres
-from sequin_provider.messages import parse_message
 from sequin_provider.provisioning import initialize
 from sequin_provider.replication import slot_info
 from sequin_provider.stream_process import ROOT, StreamAppProcess, wait_for
@@ -135,8 +135,44 @@ def pull_over_http(config_path: object, dsn: str, sink: str) -> list[dict[str, o
         thread.join(timeout=10)
 
 
-def main() -> int:
-    """Run the demo; exit code 0 when every committed change reached the sink."""
+def stream_demo(dsn: str, config_path: Path, app: StreamAppProcess) -> bool:
+    """Commit a burst while the stream app runs, show what reached the sinks and pull one over HTTP."""
+    print("demo: starting the Spark stream app (log: var/stream-app.log) ...")
+    app.wait_streaming(dsn)
+    started = time.monotonic()
+    committed = burst(dsn)
+    print(f"demo: committed {committed} row changes in 5 transactions; waiting for the sink ...")
+
+    def delivered() -> list[dict[str, object]] | None:
+        app.check_alive()
+        got = sink_messages(dsn, "shop_changes")
+        return got if len(got) >= committed else None
+
+    messages = wait_for(delivered, 180, what="the burst to reach the sink")
+    elapsed = time.monotonic() - started
+    big = sink_messages(dsn, "big_orders")
+    with psycopg.connect(dsn) as conn:
+        lag = slot_info(conn, "sequin_demo_slot")
+    print(f"\nsink shop_changes ({len(messages)} messages, position order):")
+    for message in messages:
+        print(describe(message))
+    print(f"\nsink big_orders (filter: total >= 100, inserts and updates; {len(big)} messages):")
+    for message in big:
+        print(describe(message))
+    pulled = pull_over_http(config_path, dsn, "big_orders")
+    summary = ", ".join(f"{m['action']} #{m['record']['id']}" for m in pulled)  # type: ignore[index]
+    print(f"\ndemo: a consumer pulled {len(pulled)} big_orders messages over the HTTP API (receive + ack):"
+          f" {summary}")
+    ok = len(messages) == committed and len(pulled) == len(big)
+    print(f"\ndemo: {committed} changes committed -> {len(messages)} messages in shop_changes, {len(big)} in "
+          f"big_orders; first burst to last message {elapsed:.2f}s; slot lag "
+          f"{lag.lag_bytes if lag else '?'} bytes; {'OK' if ok else 'MISMATCH'}")
+    return ok
+
+
+def main(with_airflow: bool = True) -> int:
+    """Run the demo; exit code 0 when every committed change reached the sink (and, ``with_airflow``,
+    when the same pipeline ran as Airflow DAG runs triggered over the REST API)."""
     VAR.mkdir(exist_ok=True)
     print("demo: starting embedded Postgres under ./var/pg (wal_level=logical)")
     with EmbeddedPostgres(data_dir=VAR / "pg", use_env_dsn=False) as pg:
@@ -152,42 +188,15 @@ def main() -> int:
         print(f"demo: sequin init created {'; '.join(report.created)}")
         app = StreamAppProcess(config_path, VAR / "stream-app.log").start()
         try:
-            print("demo: starting the Spark stream app (log: var/stream-app.log) ...")
-            app.wait_streaming(dsn)
-            started = time.monotonic()
-            committed = burst(dsn)
-            print(f"demo: committed {committed} row changes in 5 transactions; waiting for the sink ...")
-
-            def delivered() -> list[dict[str, object]] | None:
-                app.check_alive()
-                with psycopg.connect(dsn) as conn:
-                    got = [parse_message(m.data) for m in store.stream_messages(conn, "sequin", "shop_changes", visible_only=True)]
-                return got if len(got) >= committed else None
-
-            messages = wait_for(delivered, 180, what="the burst to reach the sink")
-            elapsed = time.monotonic() - started
-            with psycopg.connect(dsn) as conn:
-                big = [parse_message(m.data) for m in store.stream_messages(conn, "sequin", "big_orders", visible_only=True)]
-                lag = slot_info(conn, "sequin_demo_slot")
-            print(f"\nsink shop_changes ({len(messages)} messages, position order):")
-            for message in messages:
-                print(describe(message))
-            print(f"\nsink big_orders (filter: total >= 100, inserts and updates; {len(big)} messages):")
-            for message in big:
-                print(describe(message))
-            pulled = pull_over_http(config_path, dsn, "big_orders")
-            summary = ", ".join(f"{m['action']} #{m['record']['id']}" for m in pulled)  # type: ignore[index]
-            print(f"\ndemo: a consumer pulled {len(pulled)} big_orders messages over the HTTP API (receive + ack):"
-                  f" {summary}")
-            ok = len(messages) == committed and len(pulled) == len(big)
-            print(f"\ndemo: {committed} changes committed -> {len(messages)} messages in shop_changes, {len(big)} in "
-                  f"big_orders; first burst to last message {elapsed:.2f}s; slot lag "
-                  f"{lag.lag_bytes if lag else '?'} bytes; {'OK' if ok else 'MISMATCH'}")
-            return 0 if ok else 1
+            ok = stream_demo(dsn, config_path, app)
         finally:
             code = app.stop()
-            print(f"demo: stream app stopped (exit {code}); stopping Postgres")
+            print(f"demo: stream app stopped (exit {code})")
+        if ok and with_airflow:
+            ok = run_airflow_demo(VAR, dsn, config_path, database="shop", slot="sequin_demo_slot")
+        print("demo: stopping Postgres")
+        return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(with_airflow="--no-airflow" not in sys.argv[1:]))

@@ -9,44 +9,15 @@ so nothing is configured by hand. Log in as ``admin``; Airflow generates the pas
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
 import sys
 
 import psycopg
 
+from sequin_provider.airflow_standalone import AirflowStandalone, airflow_env
 from sequin_provider.config import load_config
 from sequin_provider.demo import CONFIG, SCHEMA, VAR
 from sequin_provider.embedded_postgres import EmbeddedPostgres
 from sequin_provider.provisioning import initialize
-from sequin_provider.stream_process import ROOT
-
-
-def airflow_env(dsn: str, config_path: str) -> dict[str, str]:
-    """The environment of ``airflow standalone`` and of every process it starts."""
-    params = psycopg.conninfo.conninfo_to_dict(dsn)
-    venv_bin = os.path.dirname(sys.executable)
-    return {
-        **os.environ,
-        "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",
-        "PYSPARK_PYTHON": sys.executable,
-        "AIRFLOW_HOME": str(VAR / "airflow"),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
-        "AIRFLOW__CORE__PARALLELISM": "4",
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
-        "AIRFLOW_CONN_SEQUIN_DEFAULT": json.dumps({
-            "conn_type": "sequin", "host": params.get("host"), "port": int(params.get("port") or 5432),
-            "login": params.get("user"), "password": params.get("password"), "schema": params.get("dbname"),
-            "extra": {"config_path": config_path}}),
-        "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark", "host": "local[2]"}),
-        "SEQUIN_CONFIG": config_path,
-        "SEQUIN_DATABASE": "shop",
-        "SEQUIN_SLOT": "sequin_demo_slot",
-    }
 
 
 def main() -> int:
@@ -68,17 +39,13 @@ def main() -> int:
         print(f"up: Postgres at {dsn}; sequin init: {'; '.join(report.created) or 'already initialised'}")
         print("up: starting airflow standalone (var/airflow) - http://localhost:8080, user admin, password in"
               " var/airflow/simple_auth_manager_passwords.json.generated; Ctrl-C stops everything", flush=True)
-        airflow = subprocess.Popen(["airflow", "standalone"], env=airflow_env(dsn, str(config_path)),
-                                   start_new_session=True)
+        env = airflow_env(VAR / "airflow", dsn, config_path, database="shop", slot="sequin_demo_slot")
+        airflow = AirflowStandalone(VAR / "airflow", env).start()
         try:
             return airflow.wait()
         except KeyboardInterrupt:
             print("\nup: stopping Airflow (it stops cleanly on SIGINT) ...", flush=True)
-            airflow.send_signal(signal.SIGINT)
-            try:
-                airflow.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                os.killpg(airflow.pid, signal.SIGKILL)
+            airflow.stop()
             return 0
         finally:
             print("up: stopping Postgres", flush=True)

@@ -28,6 +28,7 @@ from sequin_provider.operators.buffer import SequinBufferRetryOperator
 from sequin_provider.operators.replication import SequinReplicationOperator
 from sequin_provider.sensors.sequin import ParkedMessagesSensor, ReplicationSlotLagSensor, StreamHeartbeatSensor
 from tests.conftest import StreamApp, execute, sink_messages, write_config
+from tests.test_notifications import Webhook
 from tests.test_operators import sequin_connection
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -279,3 +280,66 @@ def test_dag_test_bad_input_fails_the_run_and_records_nothing(airflow_env: dict[
     assert "unknown sink 'nope' (configured sinks: items_sink, events_sink)" in log.read_text()
     with psycopg.connect(dsn) as conn:
         assert len(store.list_backfills(conn, "sequin")) == before
+
+
+def test_dag_test_monitoring_alerts_on_a_lagging_slot_and_only_then(airflow_env: dict[str, str],
+                                                                    connections: tuple[str, Path], tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slot nobody reads falls behind: ``slot_lag`` fails and its alert reaches the webhook; the
+    healthy slot of the running stream app raises no alert at all."""
+    dsn, _ = connections
+    monkeypatch.setenv("SEQUIN_CHECK_TIMEOUT", "8")  # how long unhealthy may last before the alert
+    monkeypatch.setenv("SEQUIN_CHECK_POKE_INTERVAL", "1")
+    execute(dsn, "SELECT pg_create_logical_replication_slot('lagging_slot', 'pgoutput')",
+            "CREATE TABLE ballast (id int PRIMARY KEY, pad text)",
+            "INSERT INTO ballast SELECT g, repeat('x', 200) FROM generate_series(1, 2000) g")  # ~0.5 MB of WAL
+    checks = {"database": "app", "max_heartbeat_age": 60, "max_parked": 0}
+    try:
+        with Webhook() as hook:
+            monkeypatch.setenv("SEQUIN_ALERT_WEBHOOK_URL", f"{hook.url}/alerts")
+            healthy = dag_test(airflow_env, "sequin_monitoring",
+                               {**checks, "slot": "slot_dagtest", "max_lag_bytes": 64 << 20}, tmp_path / "ok.log")
+            assert healthy["state"] == "success", healthy
+            assert {t: v["state"] for t, v in healthy["tasks"].items()} == {
+                "slot_lag": "success", "stream_heartbeat": "success", "parked_messages": "success"}
+            assert hook.received == []  # healthy: nobody is paged
+
+            lagging = dag_test(airflow_env, "sequin_monitoring",
+                               {**checks, "slot": "lagging_slot", "max_lag_bytes": 100_000}, tmp_path / "lag.log")
+            alerts = list(hook.received)
+    finally:
+        execute(dsn, "SELECT pg_drop_replication_slot('lagging_slot')")
+    assert lagging["state"] == "failed", lagging
+    assert {t: v["state"] for t, v in lagging["tasks"].items()} == {
+        "slot_lag": "failed", "stream_heartbeat": "success", "parked_messages": "success"}
+    assert [(a["path"], a["json"]["title"]) for a in alerts] == [("/alerts", "Sequin: replication slot lagging")]
+    alert = alerts[0]["json"]
+    assert (alert["dag_id"], alert["task_id"], alert["state"]) == ("sequin_monitoring", "slot_lag", "failed")
+    assert "lagging_slot" in alert["message"] and "100000" in alert["message"], alert
+
+
+def test_dag_test_supervisor_that_gives_up_fails_and_alerts(airflow_env: dict[str, str], dsn: str, dbname: str,
+                                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream app that cannot start: the supervisor gives up after its bounded restarts, the task
+    fails and ``sequin_replication``'s failure alert is posted."""
+    execute(dsn, "CREATE TABLE kv (id int PRIMARY KEY, v text)")
+    config = write_config(tmp_path / "sequin.yaml", f"""
+        databases: [{{name: app, dsn: "{dsn}", slot: {{name: slot_{dbname}}}, publication: {{name: pub_{dbname}}}}}]
+        sinks: [{{name: kv_sink, tables: [kv], filter: "record.v ==== 'x'", destination: {{type: sequin_stream}}}}]
+        stream: {{checkpoint_location: "{tmp_path / 'ckpt'}"}}
+        """)  # valid YAML, invalid Spark SQL: the app exits with 2 at every start
+    monkeypatch.setenv("AIRFLOW_CONN_SEQUIN_DEFAULT", sequin_connection(dsn, config_path=str(config)))
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": "local[1]"}))
+    monkeypatch.setenv("SEQUIN_MAX_RESTARTS", "1")
+    monkeypatch.setenv("SEQUIN_RESTART_BACKOFF", "0.2")
+    monkeypatch.setenv("SEQUIN_SUPERVISOR_RETRIES", "0")
+    with Webhook() as hook:
+        monkeypatch.setenv("SEQUIN_ALERT_WEBHOOK_URL", f"{hook.url}/pager")
+        result = dag_test(airflow_env, "sequin_replication", {}, tmp_path / "dag.log")
+        alerts = list(hook.received)
+    assert result["state"] == "failed" and result["tasks"]["supervise_stream"]["state"] == "failed", result
+    assert [a["json"]["title"] for a in alerts] == ["Sequin stream app down"]
+    alert = alerts[0]["json"]
+    assert (alert["dag_id"], alert["task_id"]) == ("sequin_replication", "supervise_stream")
+    assert "giving up after 1 consecutive restarts" in alert["exception"], alert
+    assert "sinks[0].filter: invalid SQL" in alert["exception"], alert

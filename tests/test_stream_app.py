@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import subprocess
 import threading
 import time
 from datetime import datetime, timezone
@@ -422,3 +423,19 @@ def test_invalid_filter_stops_the_app_with_a_clear_error(tmp_path: Path, dsn: st
     assert app.proc is not None
     assert app.proc.wait(180) == 2
     assert "sinks[0].filter: invalid SQL" in app.log_tail()
+
+
+def test_stream_app_stops_when_its_supervisor_dies(tmp_path: Path, dsn: str, dbname: str, stream_app: Any) -> None:
+    """A supervisor killed without stopping the app (a lost worker): the app notices and stops
+    cleanly instead of holding the slot against the next supervisor."""
+    execute(dsn, "CREATE TABLE kv (id int PRIMARY KEY, v int)")
+    supervisor = subprocess.Popen(["sleep", "600"])  # stands in for the Airflow task process
+    app = stream_app(simple_config(tmp_path, dsn, dbname), {"SEQUIN_SUPERVISOR_PID": str(supervisor.pid)})
+    app.wait_streaming(dsn)
+    execute(dsn, "INSERT INTO kv VALUES (1, 1)")
+    wait_for(lambda: len(sink_messages(dsn, "kv")) == 1, 120, what="the insert in the sink")
+    assert app.proc is not None and app.proc.poll() is None  # still running while the supervisor lives
+    supervisor.kill()
+    supervisor.wait()
+    assert app.proc.wait(180) == 0  # stopped as on SIGTERM
+    assert f"the supervisor (pid {supervisor.pid}) is gone: stopping" in app.log_path.read_text(errors="replace")

@@ -8,6 +8,7 @@ The log names the webhook's host only, since webhook URLs often embed a secret t
 
 from __future__ import annotations
 
+import os
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from urllib.parse import urlsplit
@@ -95,6 +96,8 @@ class SequinNotifier(BaseNotifier):
 
     def send(self, payload: dict[str, Any]) -> bool:
         """POST ``payload``; True if the webhook answered 2xx, else log why and return False."""
+        if not self.url:
+            return self._failed(payload, "no webhook URL configured")
         try:
             with httpx.Client(timeout=self.timeout) as client:
                 response = client.post(self.url, json=payload, headers=self.headers)
@@ -104,6 +107,8 @@ class SequinNotifier(BaseNotifier):
 
     async def asend(self, payload: dict[str, Any]) -> bool:
         """Async ``send``."""
+        if not self.url:
+            return self._failed(payload, "no webhook URL configured")
         try:
             async with httpx.AsyncClient(timeout=self.timeout) as client:
                 response = await client.post(self.url, json=payload, headers=self.headers)
@@ -122,3 +127,11 @@ class SequinNotifier(BaseNotifier):
         self.log.error("Could not send notification %r to %s: %s (message: %s)", payload["title"],
                        webhook_host(self.url), reason, payload["message"])
         return False
+
+
+def alert_from_environment(title: str) -> SequinNotifier:
+    """A failure alert for the bundled DAGs: to ``SEQUIN_ALERT_WEBHOOK_URL`` of the DAG processor's
+    environment, else to the Airflow Variable ``sequin_alert_webhook_url`` (read at run time, so
+    parsing the DAG reads nothing). With neither set, the alert is only logged."""
+    url = os.environ.get("SEQUIN_ALERT_WEBHOOK_URL") or "{{ var.value.get('sequin_alert_webhook_url', '') }}"
+    return SequinNotifier(url=url, title=title)

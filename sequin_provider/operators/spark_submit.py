@@ -30,6 +30,7 @@ import psutil
 
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from sequin_provider import __file__ as _package_file
+from sequin_provider.spark.app import SUPERVISOR_PID_ENV
 
 SPARK_APPS = Path(_package_file).resolve().parent.parent / "spark_apps"
 """Where ``spark_apps/`` lives in a source checkout (``SEQUIN_SPARK_APPS`` overrides it)."""
@@ -76,6 +77,7 @@ def submit_env(target: SparkTarget, env_vars: dict[str, Any] | None) -> dict[str
         venv_bin = str(Path(sys.executable).parent)
         env["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
         env["PYSPARK_DRIVER_PYTHON"] = sys.executable
+        env[SUPERVISOR_PID_ENV] = str(os.getpid())  # the driver stops if this task's process dies
         if target.is_local:
             env["PYSPARK_PYTHON"] = sys.executable
     env.update({key: str(value) for key, value in (env_vars or {}).items()})

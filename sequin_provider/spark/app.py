@@ -7,9 +7,10 @@ import os
 import signal
 import sys
 import threading
+import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import psycopg
 
@@ -135,6 +136,7 @@ def run_stream_app(config_path: str | None, database: str | None, checkpoint: st
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    stop_when_supervisor_exits(lambda: stop(signal.SIGTERM, None))
     log.info("streaming database %r from slot %r (checkpoint %s)", db.name, db.slot.name, checkpoint_dir)
     try:
         query.awaitTermination()
@@ -147,6 +149,42 @@ def run_stream_app(config_path: str | None, database: str | None, checkpoint: st
         pipeline.close()
         spark.stop()
     return 0 if stopping.is_set() else 1
+
+
+SUPERVISOR_PID_ENV = "SEQUIN_SUPERVISOR_PID"
+SUPERVISOR_CHECK_INTERVAL = 2.0
+
+
+def stop_when_supervisor_exits(stop: Callable[[], None], interval: float = SUPERVISOR_CHECK_INTERVAL) -> None:
+    """Stop the app (as SIGTERM would) once the process in ``$SEQUIN_SUPERVISOR_PID`` is gone.
+
+    The supervising task starts the app in a session of its own, so that stopping the app stops
+    the whole spark-submit tree; the price is that the app outlives a supervisor that is killed
+    without running ``on_kill`` (a worker lost, Airflow stopped hard). An orphaned app would hold
+    the slot and keep the next supervisor from starting one, so the app watches for that itself.
+    """
+    value = os.environ.get(SUPERVISOR_PID_ENV)
+    if not value:
+        return
+    try:
+        pid = int(value)
+    except ValueError:
+        log.warning("ignoring %s=%r: not a process id", SUPERVISOR_PID_ENV, value)
+        return
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                log.warning("the supervisor (pid %d) is gone: stopping", pid)
+                stop()
+                return
+            except PermissionError:  # alive, owned by another user
+                pass
+
+    threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()
 
 
 def _record_error(config: Any, database: str, message: str) -> None:
