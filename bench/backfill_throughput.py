@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -59,7 +60,32 @@ def run_backfill(config_path: Path, rows: int) -> tuple[float, str]:
     if out.returncode != 0:
         raise SystemExit(f"backfill failed:\n{out.stderr[-4000:]}")
     lines = [line for line in out.stderr.splitlines() if "completed" in line]
+    breakdown = page_breakdown(out.stderr)
+    if breakdown:
+        print(f"bench:   where a range's time went (summed over its pages, mean of {breakdown['ranges']} ranges):"
+              f" select {breakdown['select_s']:.1f}s, render+stage {breakdown['stage_s']:.1f}s, waiting for the"
+              f" stream app to emit {breakdown['window_s']:.1f}s; {breakdown['pages']} pages", flush=True)
     return seconds, (lines[-1] if lines else "")
+
+
+PAGE_LINE = re.compile(r"backfill \d+ range (\d+) page \d+: (\d+) rows; select (\d+) ms, render\+stage (\d+) ms,"
+                       r" window (\d+) ms")
+
+
+def page_breakdown(log: str) -> dict[str, float] | None:
+    """From the backfill app's per-page log lines: seconds per phase, summed per range, mean over ranges."""
+    per_range: dict[str, list[float]] = {}
+    pages = 0
+    for match in PAGE_LINE.finditer(log):
+        totals = per_range.setdefault(match.group(1), [0.0, 0.0, 0.0])
+        for i, group in enumerate((3, 4, 5)):
+            totals[i] += int(match.group(group)) / 1000.0
+        pages += 1
+    if not per_range:
+        return None
+    n = len(per_range)
+    return {"ranges": n, "pages": pages, "select_s": sum(t[0] for t in per_range.values()) / n,
+            "stage_s": sum(t[1] for t in per_range.values()) / n, "window_s": sum(t[2] for t in per_range.values()) / n}
 
 
 def writer(dsn: str, rows: int, rate: int, stop: threading.Event, counter: list[int]) -> None:
