@@ -114,8 +114,8 @@ class AirflowStandalone:
         code = None
         if self.proc is not None:
             if self.proc.poll() is None:
-                try:
-                    os.killpg(self.proc.pid, signal.SIGINT)
+                try:  # SIGINT to standalone alone: it stops its components itself, in order
+                    self.proc.send_signal(signal.SIGINT)
                     code = self.proc.wait(timeout=timeout)
                 except subprocess.TimeoutExpired:
                     os.killpg(self.proc.pid, signal.SIGKILL)
