@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import shutil
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,20 +20,9 @@ from sequin_provider.airflow_standalone import AirflowStandalone, airflow_env
 from sequin_provider.embedded_postgres import free_port
 from sequin_provider.messages import parse_message
 from sequin_provider.replication import slot_info
-from sequin_provider.stream_process import wait_for
+from sequin_provider.stream_process import streaming_status, wait_for
 
 REPLICATION, BACKFILL = "sequin_replication", "sequin_backfill"
-
-
-def streaming_since(dsn: str, database: str, after: datetime) -> dict[str, Any] | None:
-    """The database's stream status once an app started after ``after`` has completed a micro-batch."""
-    with psycopg.connect(dsn) as conn:
-        rows = [r for r in store.read_status(conn, "sequin") if r["database"] == database]
-    row = rows[0] if rows else None
-    if row and row["app_started_at"] and row["app_started_at"] > after and row["last_batch_at"] \
-            and row["last_batch_at"] > row["app_started_at"]:
-        return row
-    return None
 
 
 def slot_active(dsn: str, slot: str) -> bool:
@@ -71,7 +59,7 @@ def run_airflow_demo(var: Path, dsn: str, config_path: Path, database: str, slot
         print(f"demo (Airflow): PATCH /api/v2/dags/{REPLICATION} is_paused=false -> the scheduler started"
               f" {replication}; waiting for the supervised stream app ...", flush=True)
         airflow.wait_task(REPLICATION, replication, "supervise_stream", frozenset({"running"}))
-        status = wait_for(lambda: airflow.check_alive() or streaming_since(dsn, database, before), 600, interval=1,
+        status = wait_for(lambda: airflow.check_alive() or streaming_status(dsn, database=database, after=before), 600, interval=1,
                           what="the stream app started by sequin_replication to stream")
         with psycopg.connect(dsn) as conn:
             customer = conn.execute("INSERT INTO customers (name, email) VALUES ('Airflow', 'af@example.com')"

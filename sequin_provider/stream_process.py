@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,6 +33,23 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 120.0, interval: flo
             return value
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def streaming_status(store_dsn: str, schema: str = "sequin", database: str | None = None,
+                     after: datetime | None = None) -> dict[str, Any] | None:
+    """The stream status row of an app (of ``database``, if given) that started after ``after`` and has
+    completed a micro-batch since it started; None while there is none (or the store is unreachable)."""
+    try:
+        with psycopg.connect(store_dsn, connect_timeout=5) as conn:
+            rows = store.read_status(conn, schema) if store.schema_version(conn, schema) else []
+    except psycopg.Error:
+        return None
+    for row in rows:
+        started, last = row["app_started_at"], row["last_batch_at"]
+        if (database is None or row["database"] == database) and started and last and last > started \
+                and (after is None or started > after):
+            return row
+    return None
 
 
 class StreamAppProcess:
@@ -63,13 +81,7 @@ class StreamAppProcess:
         """Wait until the app has completed a micro-batch since it started."""
         def ready() -> bool:
             self.check_alive()
-            try:
-                with psycopg.connect(store_dsn, connect_timeout=5) as conn:
-                    rows = store.read_status(conn, self.schema) if store.schema_version(conn, self.schema) else []
-            except psycopg.Error:
-                return False
-            return any(r["last_batch_at"] and r["app_started_at"] and r["last_batch_at"] > r["app_started_at"]
-                       for r in rows)
+            return streaming_status(store_dsn, self.schema) is not None
         wait_for(ready, timeout, what="the stream app to run its first micro-batch")
 
     def check_alive(self) -> None:

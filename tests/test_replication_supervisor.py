@@ -20,6 +20,7 @@ import pytest
 from airflow.sdk.exceptions import AirflowException
 from sequin_provider import store
 from sequin_provider.operators.replication import SequinReplicationOperator
+from sequin_provider.stream_process import streaming_status
 from tests.conftest import execute, sink_messages, wait_for, write_config
 from tests.test_operators import lock_is_free, no_process_left, sequin_connection
 
@@ -65,17 +66,8 @@ def app_started_at(dsn: str) -> datetime | None:
 
 def streaming_since(dsn: str, after: datetime | None) -> datetime | None:
     """The app's start time once an app started after ``after`` has completed a micro-batch."""
-    with psycopg.connect(dsn) as conn:
-        if not store.schema_version(conn, "sequin"):
-            return None
-        rows = [r for r in store.read_status(conn, "sequin") if r["database"] == "app"]
-    if not rows:
-        return None
-    row = rows[0]
-    started, last = row["app_started_at"], row["last_batch_at"]
-    if started and last and last > started and (after is None or started > after):
-        return started  # type: ignore[no-any-return]
-    return None
+    row = streaming_status(dsn, database="app", after=after)
+    return row["app_started_at"] if row else None
 
 
 def write(dsn: str, ids: range, value: str) -> None:
