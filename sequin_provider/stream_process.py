@@ -35,6 +35,15 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 120.0, interval: flo
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+def app_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for a Spark app run as a child of this interpreter: its venv, this checkout on the path."""
+    venv_bin = str(Path(sys.executable).parent)
+    return dict(os.environ, PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable,
+                PATH=f"{venv_bin}:{os.environ.get('PATH', '')}",
+                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+                **(extra or {}))
+
+
 def streaming_status(store_dsn: str, schema: str = "sequin", database: str | None = None,
                      after: datetime | None = None) -> dict[str, Any] | None:
     """The stream status row of an app (of ``database``, if given) that started after ``after`` and has
@@ -65,11 +74,7 @@ class StreamAppProcess:
 
     def start(self) -> StreamAppProcess:
         """Start the app (its output goes to ``log_path``)."""
-        venv_bin = str(Path(sys.executable).parent)
-        env = dict(os.environ, PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable,
-                   PATH=f"{venv_bin}:{os.environ.get('PATH', '')}",
-                   PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
-                   **self.extra_env)
+        env = app_env(self.extra_env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, str(APP), "--config", str(self.config)], env=env, stdout=log,

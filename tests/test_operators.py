@@ -36,7 +36,7 @@ from sequin_provider.operators.replication import (
 from sequin_provider.operators.spark_submit import SparkTarget, resolve_target, submit_env
 from sequin_provider.triggers.sequin import BackfillCompletedTrigger
 from tests.conftest import execute, wait_for, write_config
-from tests.test_webhook import Receiver
+from tests.receiver import Receiver
 
 FAKE_APP = '''\
 import os, signal, sys, time
