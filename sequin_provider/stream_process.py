@@ -45,9 +45,10 @@ def app_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def streaming_status(store_dsn: str, schema: str = "sequin", database: str | None = None,
-                     after: datetime | None = None) -> dict[str, Any] | None:
+                     after: datetime | None = None, batch_after: datetime | None = None) -> dict[str, Any] | None:
     """The stream status row of an app (of ``database``, if given) that started after ``after`` and has
-    completed a micro-batch since it started; None while there is none (or the store is unreachable)."""
+    completed a micro-batch since it started (and since ``batch_after``, if given); None while there is
+    none (or the store is unreachable)."""
     try:
         with psycopg.connect(store_dsn, connect_timeout=5) as conn:
             rows = store.read_status(conn, schema) if store.schema_version(conn, schema) else []
@@ -56,7 +57,7 @@ def streaming_status(store_dsn: str, schema: str = "sequin", database: str | Non
     for row in rows:
         started, last = row["app_started_at"], row["last_batch_at"]
         if (database is None or row["database"] == database) and started and last and last > started \
-                and (after is None or started > after):
+                and (after is None or started > after) and (batch_after is None or last > batch_after):
             return row
     return None
 

@@ -29,7 +29,7 @@ from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPart
 
 from sequin_provider.config import DatabaseConfig, SequinConfig, StreamConfig, load_config
 from sequin_provider.messages import CHANGE_ARROW_SCHEMA, CHANGE_SCHEMA_DDL, rows_to_arrow
-from sequin_provider.replication import ChangeReader, confirmed_flush_lsn
+from sequin_provider.replication import ChangeReader, SourceUnavailableError, confirmed_flush_lsn
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
 from sequin_provider import store
 from sequin_provider.watermarks import HIGH_PREFIX, WindowTracker, parse_watermark, read_rows
@@ -143,7 +143,13 @@ class ReplicationStreamReader(DataSourceStreamReader):
             self._reader.open(lsn)
             self._windows.reset()  # windows opened before this position are unknown now
         self._maybe_heartbeat(db)
-        result = self._reader.read(stream.max_batch_rows, stream.max_batch_bytes, stream.max_batch_wait)
+        try:
+            result = self._reader.read(stream.max_batch_rows, stream.max_batch_bytes, stream.max_batch_wait)
+        except SourceUnavailableError as exc:  # the server restarted under us: read the rest again once it is back
+            log.warning("%s; reconnecting at %s", exc, lsn)
+            self._reader.open(lsn)
+            self._windows.reset()
+            return start
         if result.end_lsn == lsn:
             return start
         rows = result.rows

