@@ -81,7 +81,7 @@ class LatencyServer(BaseHTTPRequestHandler):
         messages = body["data"] if isinstance(body, dict) and "data" in body else [body]
         lines = []
         for m in messages:
-            committed = datetime.strptime(m["metadata"]["commit_timestamp"], "%Y-%m-%dT%H:%M:%S.%f%z").timestamp()
+            committed = datetime.fromisoformat(m["metadata"]["commit_timestamp"].replace("Z", "+00:00")).timestamp()
             lines.append(f"{committed * 1000:.1f},{received:.1f}\n")
         with open(LatencyServer.log_path, "a") as log:
             log.write("".join(lines))
