@@ -4,6 +4,7 @@ acknowledged yet, and reading resumes after the restart with nothing lost or rep
 from __future__ import annotations
 
 import psycopg
+import pytest
 
 from sequin_provider.embedded_postgres import EmbeddedPostgres
 from sequin_provider.replication import ChangeReader, SourceUnavailableError, create_slot, slot_info
@@ -12,9 +13,7 @@ from tests.conftest import wait_for
 
 def test_fast_shutdown_completes_while_changes_are_unacknowledged_and_reading_resumes() -> None:
     with EmbeddedPostgres() as pg:  # its own cluster: the test restarts it
-        if pg.external:
-            import pytest
-
+        if pg.external:  # justified: a server we do not own is not ours to restart
             pytest.skip("SEQUIN_TEST_DSN's server cannot be restarted")
         dsn = pg.create_database("restart")
         with psycopg.connect(dsn, autocommit=True) as conn:
