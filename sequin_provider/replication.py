@@ -83,8 +83,9 @@ def _is_unavailable(exc: BaseException) -> bool:
     """A connection error that means the server is down, starting, stopping or unreachable."""
     text = str(exc).lower()
     return any(marker in text for marker in (
-        "shutting down", "starting up", "connection refused", "could not connect", "terminating connection",
-        "server closed the connection", "connection to server", "no connection to the server", "not yet accepting"))
+        "shutting down", "starting up", "not yet accepting", "connection refused", "terminating connection",
+        "server closed the connection", "no connection to the server", "could not receive data",
+        "could not send data"))  # not "could not connect" alone: a bad host or password must fail at once
 
 
 # ---------------------------------------------------------------------------------------------
