@@ -37,6 +37,15 @@ from sequin_provider.stream_process import StreamAppProcess  # noqa: E402
 from bench.stream_throughput import ROW, TABLE  # noqa: E402 - the same table as the stream benchmark
 
 
+def seed_events(dsn: str, rows: int) -> None:
+    """The ``events`` table with ``rows`` rows, vacuumed and analyzed: what a backfill reads."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(TABLE)
+        conn.execute(f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW}"
+                     f" FROM generate_series(1, {rows}) g")
+        conn.execute("VACUUM ANALYZE events")
+
+
 def copy_seconds(dsn: str) -> float:
     started = time.monotonic()
     with psycopg.connect(dsn) as conn, conn.cursor() as cur, cur.copy("COPY (SELECT * FROM events) TO STDOUT") as copy:
@@ -110,11 +119,7 @@ def main() -> int:
     results: dict[str, object] = {"rows": args.rows}
     with EmbeddedPostgres(use_env_dsn=False) as pg:
         dsn, store_dsn = pg.create_database("bench"), pg.create_database("bench_store")
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(TABLE)
-            conn.execute(f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW}"
-                         f" FROM generate_series(1, {args.rows}) g")
-            conn.execute("VACUUM ANALYZE events")
+        seed_events(dsn, args.rows)
         config_path = work / "sequin.yaml"
         config_path.write_text(f"""
 databases:

@@ -39,7 +39,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.backfill_throughput import copy_seconds, run_backfill  # noqa: E402
+from bench.backfill_throughput import copy_seconds, run_backfill, seed_events  # noqa: E402
 from bench.delivery_throughput import answers, fill, http_consumer, run_consumers  # noqa: E402
 from bench.stream_throughput import ROW, TABLE, current_lsn, run_pg_recvlogical, sink_count, write_workload  # noqa: E402
 from sequin_provider import stream_queue  # noqa: E402
@@ -364,11 +364,7 @@ def backfill_section(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     rows = args.backfill_rows
     with EmbeddedPostgres(use_env_dsn=False) as pg:
         dsn, store_dsn = pg.create_database("bench"), pg.create_database("bench_store")
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(TABLE)
-            conn.execute(f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW}"
-                         f" FROM generate_series(1, {rows}) g")
-            conn.execute("VACUUM ANALYZE events")
+        seed_events(dsn, rows)
         config = work / "backfill.yaml"
         config.write_text(config_text(dsn, store_dsn, "backfill_slot", "{type: sequin_stream}", work))
         initialize(load_config(config))
