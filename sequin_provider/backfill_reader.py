@@ -216,7 +216,7 @@ class RangeReader:
 
     def run(self) -> RangeResult:
         """Read the range to its end (resuming from its stored cursor)."""
-        with psycopg.connect(self.config.store_dsn(self.database.name), connect_timeout=10) as store_conn:
+        with store.connect_durable(self.config.store_dsn(self.database.name), connect_timeout=10) as store_conn:
             backfill = store.get_backfill(store_conn, self.schema, self.backfill_id)
             rng = next(r for r in store.backfill_ranges(store_conn, self.schema, self.backfill_id)
                        if r.range_idx == self.range_idx)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import psycopg
+from psycopg.conninfo import make_conninfo
 
 from sequin_provider import store
+from sequin_provider.sinks.sequin_stream import SequinStreamSink
 
 
 def rows(sink: str, positions: list[tuple[int, int]]) -> list[store.StreamRow]:
@@ -63,3 +65,18 @@ def test_visibility_watermark_is_per_sink_and_never_moves_back(dsn: str) -> None
         store.advance_visible_lsn(conn, "sequin", ["a"], 100)  # an older batch finishing late changes nothing
         store.advance_visible_lsn(conn, "sequin", ["b"], 300)
         assert (store.visible_lsn(conn, "sequin", "a"), store.visible_lsn(conn, "sequin", "b")) == (200, 300)
+
+
+def test_data_path_commits_are_durable_whatever_the_server_default(dsn: str) -> None:
+    """The slot moves past what the store committed: a commit a store crash could still lose
+    (synchronous_commit = off) would lose messages, so the data path's sessions insist on on."""
+    lossy = make_conninfo(dsn, options="-c synchronous_commit=off")
+    with psycopg.connect(lossy) as plain:
+        assert plain.execute("SHOW synchronous_commit").fetchone() == ("off",)
+    with store.connect_durable(lossy) as conn:
+        assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
+    sink = SequinStreamSink(lossy, "sequin")
+    try:
+        assert sink.retrying(lambda conn: conn.execute("SHOW synchronous_commit").fetchone()) == ("on",)
+    finally:
+        sink.close()

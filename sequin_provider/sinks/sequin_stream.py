@@ -1,8 +1,10 @@
 """Sequin Stream sink: messages become durable rows of the store's stream table (DESIGN §9).
 
 Writes are idempotent on (sink, idempotency key), so a micro-batch replayed after a crash adds
-nothing. A store that cannot be reached is retried with backoff for ``retry_timeout`` seconds;
-until then the batch is not complete and the slot does not advance (DESIGN §2.1).
+nothing. Its connection's commits are durable when they return (``store.connect_durable``),
+because the slot is acknowledged once a batch's writes have committed. A store that cannot be
+reached is retried with backoff for ``retry_timeout`` seconds; until then the batch is not complete
+and the slot does not advance (DESIGN §2.1).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class SequinStreamSink:
 
     def _connection(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(self.dsn, connect_timeout=5)
+            self._conn = store.connect_durable(self.dsn, connect_timeout=5)
         return self._conn
 
     def write(self, chunks: Iterable[CopyChunk]) -> int:
