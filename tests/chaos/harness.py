@@ -352,7 +352,25 @@ class ChaosRound:
         self.result.workload_errors = workload.errors
         self.result.reports = self._check(source_dsn, received, lock, receiver)
         self.result.seconds = time.monotonic() - started
+        if not self.result.ok:
+            self._keep_evidence(source_dsn, {"stream": received, "hooks": receiver.messages()})
         return self.result
+
+    def _keep_evidence(self, source_dsn: str, deliveries: dict[str, list[dict[str, Any]]]) -> None:
+        """A failed round leaves what is needed to find the cause: every committed change (with its
+        transaction and time) and every delivery per sink, in order, under the round's folder."""
+        with psycopg.connect(source_dsn) as conn, open(self.workdir / "committed.tsv", "w") as out:
+            for row in conn.execute("SELECT seq, tbl, pk, action, ver, xid, at FROM chaos_audit ORDER BY seq"):
+                out.write("\t".join(str(v) for v in row) + "\n")
+        for sink, messages in deliveries.items():
+            with open(self.workdir / f"delivered-{sink}.jsonl", "w") as out:
+                for m in messages:
+                    meta = m["metadata"]
+                    out.write(json.dumps({"key": meta["idempotency_key"], "lsn": meta["commit_lsn"],
+                                          "idx": meta["commit_idx"], "table": meta["table_name"], "action": m["action"],
+                                          "pk": row_key(meta["table_name"], m["record"]),
+                                          "ver": int(m["record"]["ver"])}) + "\n")
+        self.log(f"evidence kept in {self.workdir}: committed.tsv, delivered-<sink>.jsonl")
 
     def _inject(self, fault: str, supervisor: Supervisor, receiver: Receiver, backfills: Backfills,
                 store_dsn: str) -> None:

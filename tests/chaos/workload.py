@@ -22,7 +22,7 @@ SCHEMA = [
     "CREATE TABLE lines (order_id int, line int, ver bigint NOT NULL, qty int NOT NULL, PRIMARY KEY (order_id, line))",
     "ALTER TABLE lines REPLICA IDENTITY FULL",
     "CREATE TABLE chaos_audit (seq bigserial PRIMARY KEY, tbl text NOT NULL, pk text NOT NULL, action text NOT NULL,"
-    " ver bigint NOT NULL)",
+    " ver bigint NOT NULL, xid bigint NOT NULL DEFAULT txid_current(), at timestamptz NOT NULL DEFAULT clock_timestamp())",
     """CREATE FUNCTION chaos_audit() RETURNS trigger LANGUAGE plpgsql AS $$
     DECLARE
         r jsonb := to_jsonb(CASE WHEN TG_OP = 'DELETE' THEN OLD ELSE NEW END);
