@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -98,9 +99,16 @@ class LatencyServer(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
+class BackloggedServer(ThreadingHTTPServer):
+    """A listen backlog for every lane of every partition (the default, 5, refuses connections
+    under the sink's 16 concurrent requests, and a refused request parks its batch)."""
+
+    request_queue_size = 256
+
+
 def serve_latency(port: int, log_path: str) -> None:
     LatencyServer.log_path = log_path
-    server = ThreadingHTTPServer(("127.0.0.1", port), LatencyServer)
+    server = BackloggedServer(("127.0.0.1", port), LatencyServer)
     server.daemon_threads = True
     server.serve_forever()
 
@@ -209,7 +217,23 @@ class OurWebhookSink(Contender):
         self.app = StreamAppProcess(config, work / f"{config.stem}.log")
         self.server: Any = None
         self.url = f"http://127.0.0.1:{port}"
+        self.retried = 0
+        self._stop = threading.Event()
+        self._retry: threading.Thread | None = None
         super().__init__("this project -> webhook sink (local HTTP server)", self._count, work / "webhook-latency.csv")
+
+    def _retry_parked(self) -> None:
+        """What the ``sequin_buffer_retry`` DAG does in a deployment: deliver parked messages again."""
+        from sequin_provider.sinks.retry import retry_sinks
+
+        config = load_config(self.config)
+        while not self._stop.wait(1.0):
+            try:
+                results = retry_sinks(config, "events")
+            except Exception as exc:  # noqa: BLE001 - reported, the next round tries again
+                print(f"bench: buffer retry failed: {exc}", flush=True)
+                continue
+            self.retried += sum(r.delivered for r in results)
 
     def _count(self) -> int:
         return int(httpx.get(self.url, timeout=10).text)
@@ -221,8 +245,15 @@ class OurWebhookSink(Contender):
         wait_for(lambda: answers(self.url), 30, what="the webhook server")
         self.app.start()
         self.app.wait_streaming(self.store_dsn)
+        self._retry = threading.Thread(target=self._retry_parked, name="buffer-retry", daemon=True)
+        self._retry.start()
 
     def stop(self) -> None:
+        self._stop.set()
+        if self._retry is not None:
+            self._retry.join(60)
+        if self.retried:
+            print(f"bench: {self.retried} webhook messages were parked and delivered by the buffer retry", flush=True)
         self.app.stop()
         if self.server is not None:
             self.server.terminate()
