@@ -117,8 +117,12 @@ def test_poison_pill_is_parked_with_its_group_while_the_rest_flow_and_retry_deli
         assert len(others) == total - 3 and {m["record"]["k"] for m in others} == set(range(1, 21))
         assert [m["record"]["v"] for m in others if m["record"]["k"] == 13] == [0]  # nothing after the poison
         assert receiver.bad_signatures == 0
-        with psycopg.connect(dsn) as conn:
-            parked = buffer.list_messages(conn, "sequin", "hooks")
+        # a batch delivers its other groups before it commits what it parks: wait for the park, not just the rest
+        def parked_three() -> list[Any] | None:
+            with psycopg.connect(dsn) as conn:
+                found = buffer.list_messages(conn, "sequin", "hooks")
+            return found if len(found) >= 3 else None
+        parked = wait_for(parked_three, 60, what="row 13's three versions parked")
         # the slot moves past the parked messages: they are durable in the buffer, no longer needed in the WAL
         last_commit = max(m.commit_lsn for m in parked)
         wait_for(lambda: confirmed_flush_lsn(dsn, f"slot_{dbname}") >= last_commit, 60, what="the slot advancing")
@@ -126,7 +130,9 @@ def test_poison_pill_is_parked_with_its_group_while_the_rest_flow_and_retry_deli
             ("parked", 1, 1), ("parked", 0, 2), ("parked", 0, 3)]
         assert "HTTP 400" in parked[0].last_error
         # the transform sink parked row 13's messages too (its transform raises) and stored the rest
-        stored = sink_messages(dsn, "transformed")
+        # (the batch makes stream messages visible after its push sinks are done: wait for that too)
+        stored = wait_for(lambda: (lambda ms: ms if len(ms) >= total - 4 else None)(sink_messages(dsn, "transformed")),
+                          60, what="the transform sink's messages visible")
         assert len(stored) == total - 4 and all(m["k"] != 13 for m in stored)
         listed = cli(config, "buffer", "list", "--json")
         assert listed.returncode == 0, listed.stderr
