@@ -62,9 +62,24 @@ def group_expression(sink: SinkConfig) -> str:
     return f"CASE {cases} ELSE {default_group_sql()} END"
 
 
+def reads_render_in_store(sink: SinkConfig, table_schema: str, table_name: str) -> bool:
+    """Whether the store itself can render and write this sink's backfill reads of a table, without
+    Spark: a Sequin Stream sink with no filter and no Python transform, grouping the table by its
+    primary key (or not at all). Reads are a backfill's bulk, and this keeps them off the stream's path."""
+    if sink.destination.type != "sequin_stream" or sink.filter or load_transform(sink.transform) is not None:
+        return False
+    table = next((t for t in sink.tables if (t.schema, t.name) == (table_schema, table_name)), None)
+    return table is not None and not (sink.message_grouping and table.group_column_names)
+
+
+def message_kind(sink: SinkConfig) -> str:
+    """The message shape ``message_sql`` renders for this sink (before any Python transform)."""
+    return "record_only" if sink.transform == "record_only" else sink.message_kind
+
+
 def message_expression(sink: SinkConfig, database_name: str) -> str:
     """SQL rendering this sink's message JSON (before any Python transform)."""
-    kind = "record_only" if sink.transform == "record_only" else sink.message_kind
+    kind = message_kind(sink)
     tables = [(t.schema, t.name) for t in sink.tables]
     return message_sql(kind, metadata_sql(sink.consumer_id, sink.name, database_name, tables))
 

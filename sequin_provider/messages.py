@@ -11,6 +11,7 @@ Spark SQL, evaluated in the JVM for whole micro-batches.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import pyarrow as pa
@@ -85,10 +86,9 @@ def metadata_sql(consumer_id: str, consumer_name: str, database_name: str,
     """
     per_table = " ".join(
         f"WHEN table_schema = {sql_string(schema)} AND table_name = {sql_string(name)} THEN "
-        + sql_string('{"table_schema":' + _json(schema) + ',"table_name":' + _json(name))
+        + sql_string(metadata_head(schema, name))
         for schema, name in tables)
-    suffix = (',"database_name":' + _json(database_name) + ',"consumer":'
-              + _json({"id": consumer_id, "name": consumer_name}))
+    suffix = metadata_tail(consumer_id, consumer_name, database_name)
     return (
         f"concat(CASE {per_table} END, "
         """',"commit_timestamp":"', commit_timestamp, '","commit_lsn":', commit_lsn, ',"commit_idx":', commit_idx, """
@@ -100,6 +100,16 @@ def metadata_sql(consumer_id: str, consumer_name: str, database_name: str,
 
 
 _json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def metadata_head(table_schema: str, table_name: str) -> str:
+    """The start of ``metadata`` for a table: ``{"table_schema":…,"table_name":…`` (JSON text)."""
+    return '{"table_schema":' + _json(table_schema) + ',"table_name":' + _json(table_name)
+
+
+def metadata_tail(consumer_id: str, consumer_name: str, database_name: str) -> str:
+    """The per-sink part of ``metadata`` after ``record_pks``: database and consumer (JSON text, unclosed)."""
+    return ',"database_name":' + _json(database_name) + ',"consumer":' + _json({"id": consumer_id, "name": consumer_name})
 
 
 def message_sql(kind: str, metadata: str) -> str:
@@ -115,6 +125,33 @@ def message_sql(kind: str, metadata: str) -> str:
         return f"""concat('{{"record":', record_json, ',"metadata":', {metadata}, '}}')"""
     return (f"""concat('{{"record":', record_json, ',"changes":', coalesce(changes_json, 'null'), """
             f"""',"action":"', action, '","metadata":', {metadata}, '}}')""")
+
+
+@dataclass(frozen=True)
+class ReadMessageTemplate:
+    """A backfill read's message JSON around its per-row parts, for rendering it outside Spark.
+
+    A read's message is ``before_record + record + before_idx + commit_idx + ',"idempotency_key":'
+    + key as a JSON string + ',"record_pks":' + record_pks as JSON + after_pks`` (the record alone
+    when ``record_only``): exactly what ``message_sql`` renders for the same read (tested).
+    """
+
+    record_only: bool
+    before_record: str
+    before_idx: str
+    after_pks: str
+
+
+def read_message_template(kind: str, table_schema: str, table_name: str, commit_timestamp: str, commit_lsn: int,
+                          tail: str) -> ReadMessageTemplate:
+    """The template of the reads of one table emitted at one position (``kind`` as in ``message_sql``,
+    ``tail`` from ``metadata_tail``)."""
+    metadata = (metadata_head(table_schema, table_name) + ',"commit_timestamp":"' + commit_timestamp
+                + '","commit_lsn":' + str(commit_lsn) + ',"commit_idx":')
+    if kind == "record":
+        return ReadMessageTemplate(False, '{"record":', ',"metadata":' + metadata, tail + "}}")
+    return ReadMessageTemplate(kind == "record_only", '{"record":',
+                               ',"changes":null,"action":"read","metadata":' + metadata, tail + "}}")
 
 
 def parse_message(text: str) -> dict[str, Any]:

@@ -8,11 +8,13 @@ store lives here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence, Union
+from typing import Any, Callable, Iterable, Sequence, Union
 
 import psycopg
 from psycopg import sql
 from psycopg.types.json import Jsonb
+
+from sequin_provider.messages import ReadMessageTemplate
 
 MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     (1, "stream messages and stream status", """
@@ -401,36 +403,73 @@ def get_backfill_page(conn: psycopg.Connection[Any], schema: str, page_id: int) 
 
 @dataclass(frozen=True)
 class ClosedWindow:
-    """What the stream app emits for a page whose window it saw: the staged rows still valid."""
+    """What the stream app emits for a page whose window it saw: the staged rows still valid, or
+    (``in_store``) how many of them the store has already written as messages."""
 
     page_id: int
     backfill_id: int
     sink: str
     rows: list[tuple[int, list[str], str]]  # (ordinal, record_pks, record JSON)
+    in_store: int = 0
+
+
+@dataclass(frozen=True)
+class StoreReads:
+    """How the store writes a page's reads itself, at the high watermark's position: the message
+    template, and the group (``group_prefix`` + the key's JSON; None: the position)."""
+
+    template: ReadMessageTemplate
+    group_prefix: str | None
+    commit_lsn: int
+    commit_idx: int
+
+
+_JACKSON_ONLY_ESCAPES = "[" + "".join(chr(c) for c in range(1, 32) if chr(c) not in "\b\t\n\f\r") + "]"
+"""Key characters that Spark's JSON escapes as ``\\u00XX`` upper case and PostgreSQL as lower case."""
 
 
 def close_backfill_window(conn: psycopg.Connection[Any], schema: str, page_id: int, seen: bool,
-                          changed: set[tuple[str, ...]], high_lsn: int) -> ClosedWindow | None:
+                          changed: set[tuple[str, ...]], high_lsn: int,
+                          store_reads: Callable[[str], StoreReads | None] | None = None) -> ClosedWindow | None:
     """Stream side, at a page's high watermark (DESIGN §7).
 
     A window this process saw becomes ``closing``: the rows whose key changed inside it are
     recorded as dropped and the others returned, to be emitted at the high watermark's position;
-    ``finish_emitted_pages`` marks it ``emitted`` once that batch is delivered. A window not
+    ``finish_emitted_pages`` marks it ``emitted`` once that batch is delivered. When
+    ``store_reads(sink)`` says how, the kept rows are written as the sink's messages right here,
+    in the same transaction, instead of being returned; they stay invisible to consumers until the
+    batch carrying the high watermark completes, like every message of that batch. A window not
     seen (the app restarted in between), or of a backfill no longer running, becomes ``stale``
     and the job reads the page again. Pages in other states are left alone (a replay).
     """
     s = _ident(schema)
     with conn.transaction():
-        row = conn.execute(sql.SQL("SELECT p.state, p.backfill_id, b.sink, b.state FROM {0}.backfill_pages p"
-                                   " JOIN {0}.backfills b ON b.id = p.backfill_id WHERE p.id = %s FOR UPDATE OF p"
-                                   ).format(s), (page_id,)).fetchone()
+        row = conn.execute(sql.SQL("SELECT p.state, p.backfill_id, b.sink, b.state, p.high_lsn, p.rows_staged"
+                                   " FROM {0}.backfill_pages p JOIN {0}.backfills b ON b.id = p.backfill_id"
+                                   " WHERE p.id = %s FOR UPDATE OF p").format(s), (page_id,)).fetchone()
+        reads = store_reads(str(row[2])) if row is not None and store_reads is not None else None
         if row is None or row[0] not in ("staged", "closing"):
             result = None
         elif not seen or row[3] != "running":
             conn.execute(sql.SQL("UPDATE {}.backfill_pages SET state = 'stale', updated_at = now() WHERE id = %s"
                                  ).format(s), (page_id,))
             conn.execute(sql.SQL("DELETE FROM {}.backfill_rows WHERE page_id = %s").format(s), (page_id,))
+            if row[0] == "closing":  # reads an earlier close wrote here: not visible yet, and the page is read again
+                conn.execute(sql.SQL("DELETE FROM {0}.stream_messages WHERE sink = %s AND commit_lsn = %s AND commit_lsn"
+                                     " > coalesce((SELECT visible_lsn FROM {0}.stream_visibility WHERE sink = %s), -1)"
+                                     ).format(s), (row[2], row[4], row[2]))
             result = None
+        elif reads is not None and not _keys_spark_escapes_differently(conn, s, page_id):
+            keys = [Jsonb(list(k)) for k in changed]
+            dropped = conn.execute(sql.SQL(
+                "SELECT coalesce(array_agg(ordinal ORDER BY ordinal), '{{}}') FROM {}.backfill_rows WHERE page_id = %s"
+                " AND to_jsonb(record_pks) IN (SELECT unnest(%s::jsonb[]))").format(s), (page_id, keys)).fetchone()[0]
+            _write_reads(conn, s, page_id, str(row[2]), int(row[1]), reads, keys)
+            kept = int(row[5]) - len(dropped)
+            conn.execute(sql.SQL("UPDATE {}.backfill_pages SET state = 'closing', rows_emitted = %s, dropped = %s,"
+                                 " high_lsn = %s, updated_at = now() WHERE id = %s").format(s),
+                         (kept, dropped, high_lsn, page_id))
+            result = ClosedWindow(page_id, int(row[1]), str(row[2]), [], in_store=kept)
         else:
             staged = conn.execute(sql.SQL("SELECT ordinal, record_pks, record FROM {}.backfill_rows WHERE page_id = %s"
                                           " ORDER BY ordinal").format(s), (page_id,)).fetchall()
@@ -442,6 +481,42 @@ def close_backfill_window(conn: psycopg.Connection[Any], schema: str, page_id: i
             result = ClosedWindow(page_id, int(row[1]), str(row[2]), kept)
     conn.commit()
     return result
+
+
+def _keys_spark_escapes_differently(conn: psycopg.Connection[Any], s: sql.Identifier, page_id: int) -> bool:
+    """Whether a staged key holds a control character whose JSON escape differs between Spark and
+    PostgreSQL (such a page's reads go through Spark, so a read's message never depends on the path)."""
+    row = conn.execute(sql.SQL("SELECT EXISTS (SELECT 1 FROM {}.backfill_rows WHERE page_id = %s"
+                               " AND array_to_string(record_pks, '') ~ %s)").format(s),
+                       (page_id, _JACKSON_ONLY_ESCAPES)).fetchone()
+    return bool(row and row[0])
+
+
+def _write_reads(conn: psycopg.Connection[Any], s: sql.Identifier, page_id: int, sink: str, backfill_id: int,
+                 reads: StoreReads, changed_keys: list[Jsonb]) -> int:
+    """Insert a page's kept rows as ``sink``'s read messages (``watermarks.read_rows`` positions,
+    ``messages.idempotency_key`` keys, ``delivery`` groups); a replay adds nothing. Returns the count."""
+    t = reads.template
+    data = sql.SQL("k.record" if t.record_only else
+                   "%(before_record)s || k.record || %(before_idx)s || k.idx || ',\"idempotency_key\":'"
+                   " || to_json(k.key)::text || ',\"record_pks\":' || k.pks || %(after_pks)s")
+    cur = conn.execute(sql.SQL("""
+        INSERT INTO {s}.stream_messages (sink, commit_lsn, commit_idx, group_id, idempotency_key, data)
+        SELECT %(sink)s, %(lsn)s, k.idx,
+               CASE WHEN %(grouped)s THEN %(group_prefix)s || k.pks ELSE %(lsn)s::bigint::text || ':' || k.idx END,
+               k.key, ({data})::json
+          FROM (SELECT %(idx)s::bigint + row_number() OVER (ORDER BY r.ordinal) AS idx, r.record,
+                       to_json(r.record_pks)::text AS pks,
+                       'backfill:' || %(backfill_id)s::bigint || ':' || to_json(r.record_pks)::text AS key
+                  FROM {s}.backfill_rows r
+                 WHERE r.page_id = %(page_id)s AND to_jsonb(r.record_pks) NOT IN (SELECT unnest(%(changed)s::jsonb[]))) k
+         ORDER BY k.idx
+        ON CONFLICT DO NOTHING""").format(s=s, data=data),
+        {"sink": sink, "lsn": reads.commit_lsn, "idx": reads.commit_idx, "grouped": reads.group_prefix is not None,
+         "group_prefix": reads.group_prefix or "", "backfill_id": backfill_id, "page_id": page_id,
+         "changed": changed_keys, "before_record": t.before_record, "before_idx": t.before_idx,
+         "after_pks": t.after_pks})
+    return max(cur.rowcount, 0)
 
 
 def closing_windows(conn: psycopg.Connection[Any], schema: str, high_lsns: Sequence[int]) -> dict[int, ClosedWindow]:

@@ -8,6 +8,8 @@ that moved the key, the old key) to the window, and at the high mark the page's 
 key is in that set are dropped: the change events carry a newer state than the read could. A
 high mark whose low mark this process did not see (it restarted in between) means the window is
 unknown, so the page is stale and read again. This module is pure Python: no Spark, no I/O.
+A page's reads are rows for the Spark pipeline (``read_rows``), or, for sinks that need no
+Spark, written by the store itself (``store_reads``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,11 @@ import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
+
+from sequin_provider.config import SinkConfig
+from sequin_provider.delivery import message_kind, reads_render_in_store
+from sequin_provider.messages import metadata_tail, read_message_template
+from sequin_provider.store import StoreReads
 
 log = logging.getLogger(__name__)
 
@@ -192,3 +199,15 @@ def read_rows(closed_row: tuple, table_schema: str, table_name: str, backfill_id
     lsn, idx, ts, xid = closed_row[0], closed_row[1], closed_row[2], closed_row[3]
     return [(lsn, idx + 1 + n, ts, xid, table_schema, table_name, "read", record, None, list(pks), [],
              backfill_id, sink) for n, (_ordinal, pks, record) in enumerate(staged)]
+
+
+def store_reads(sink: SinkConfig | None, database_name: str, mark: Watermark, closed_row: tuple) -> StoreReads | None:
+    """``read_rows``' counterpart for sinks that need no Spark (``delivery.reads_render_in_store``):
+    how the store writes the page's reads itself at the high watermark, or None."""
+    if sink is None or not reads_render_in_store(sink, mark.table_schema, mark.table_name):
+        return None
+    lsn, idx, timestamp = closed_row[0], closed_row[1], closed_row[2]
+    template = read_message_template(message_kind(sink), mark.table_schema, mark.table_name, str(timestamp), lsn,
+                                     metadata_tail(sink.consumer_id, sink.name, database_name))
+    group = f"{mark.table_schema}.{mark.table_name}:" if sink.message_grouping else None
+    return StoreReads(template, group, lsn, idx)

@@ -428,3 +428,91 @@ def test_bad_backfill_requests_fail_clearly_through_the_cli(app_db: tuple[str, S
         assert store.get_backfill(conn, "sequin", backfill_id).state == "cancelled"
     assert json.loads(subprocess.run([*cli, "status", "--sink", "docs_sink", "--json"], capture_output=True, text=True,
                                      timeout=60).stdout)[0]["state"] == "cancelled"
+
+
+STORE_RENDERED_SINKS = {
+    "change": "{name: s, tables: [tricky], destination: {type: sequin_stream}}",
+    "record": "{name: s, tables: [tricky], message_kind: record, destination: {type: sequin_stream}}",
+    "record_only": "{name: s, tables: [tricky], transform: record_only, destination: {type: sequin_stream}}",
+    "ungrouped": "{name: s, tables: [tricky], message_grouping: false, destination: {type: sequin_stream}}",
+}
+TRICKY_KEYS = ['plain', 'quote " and \\ backslash', 'tab\tnew\nline\rcr\bbs\fff', 'ünïcødé ✓ 😀', "it's", "[\"x\"]"]
+
+
+@pytest.mark.parametrize("kind", sorted(STORE_RENDERED_SINKS))
+def test_reads_the_store_writes_equal_the_pipelines_byte_for_byte(kind: str, dsn: str, tmp_path: Path,
+                                                                  spark: Any) -> None:
+    """A page's reads written by the store (plain Sequin Stream sinks) must be exactly what the Spark
+    pipeline writes for the same reads: data, group, idempotency key and position."""
+    from sequin_provider.messages import CHANGE_SCHEMA_DDL
+    from sequin_provider.spark.pipeline import project_batch
+    from sequin_provider.watermarks import Watermark, read_rows, store_reads
+
+    config = load_config(write_config(tmp_path / "sequin.yaml", f"""
+databases: [{{name: app, dsn: "{dsn}"}}]
+sinks: [{STORE_RENDERED_SINKS[kind]}]
+"""))
+    sink = config.sinks[0]
+    execute(dsn, "CREATE TABLE tricky (k text, n int, PRIMARY KEY (k, n))")
+    staged = [([k, str(n)], json.dumps({"k": k, "n": n, "amount": 1.50, "nested": {"a": [1, None]}}, ensure_ascii=n % 2 == 0)
+               .replace("1.5,", "1.50,")) for n, k in enumerate(TRICKY_KEYS)]
+    high = (987_654_321, 3, "2026-11-22T08:00:00.123456Z", 4242)  # the high watermark's position, time, xid
+    with psycopg.connect(dsn) as conn:
+        store.migrate(conn, "sequin")
+        created = store.create_backfill(conn, "sequin", "s", "public", "tricky")
+        store.transition_backfill(conn, "sequin", created.id, "running")
+        mark = Watermark(created.id, 0, 0, "public", "tricky", ("k", "n"))
+        page = store.open_backfill_page(conn, "sequin", created.id, 0)
+        store.stage_backfill_page(conn, "sequin", page, staged, None)
+        changed = {(TRICKY_KEYS[2], "2")}  # changed inside the window: dropped on both paths
+
+        def written() -> list[tuple]:
+            rows = conn.execute("SELECT commit_lsn, commit_idx, group_id, idempotency_key, data::text"
+                                " FROM sequin.stream_messages ORDER BY commit_lsn, commit_idx").fetchall()
+            conn.execute("DELETE FROM sequin.stream_messages")
+            conn.commit()
+            return rows
+
+        # through Spark, as the stream app does for sinks with a filter or a transform
+        closed = store.close_backfill_window(conn, "sequin", page, True, changed, high[0])
+        assert closed is not None and closed.in_store == 0 and len(closed.rows) == len(TRICKY_KEYS) - 1
+        reads = read_rows(high, "public", "tricky", created.id, "s", closed.rows)
+        lines = project_batch(spark.createDataFrame(reads, CHANGE_SCHEMA_DDL), (sink,), "app").collect()
+        store.insert_stream_copy(conn, "sequin", [row["_line_0"] for row in lines])
+        through_spark = written()
+
+        # the page closed again (a replay), this time written by the store
+        closed = store.close_backfill_window(conn, "sequin", page, True, changed, high[0],
+                                             lambda name: store_reads(sink if name == "s" else None, "app", mark, high))
+        assert closed is not None and closed.rows == [] and closed.in_store == len(TRICKY_KEYS) - 1
+        by_store = written()
+
+    assert len(through_spark) == len(TRICKY_KEYS) - 1
+    assert by_store == through_spark
+    if kind != "record_only":
+        assert {json.loads(r[4])["metadata"]["record_pks"][0] for r in by_store} == set(TRICKY_KEYS) - {TRICKY_KEYS[2]}
+
+
+def test_a_key_spark_escapes_differently_keeps_its_page_on_the_spark_path(dsn: str, tmp_path: Path) -> None:
+    """For most control characters Spark's JSON escape is ``\\u001F`` and PostgreSQL's ``\\u001f``: a
+    page with such a key goes through Spark, so a message never depends on the path it took."""
+    from sequin_provider.watermarks import Watermark, store_reads
+
+    config = load_config(write_config(tmp_path / "sequin.yaml", f"""
+databases: [{{name: app, dsn: "{dsn}"}}]
+sinks: [{STORE_RENDERED_SINKS["change"]}]
+"""))
+    execute(dsn, "CREATE TABLE tricky (k text, n int, PRIMARY KEY (k, n))")
+    high = (1000, 0, "2026-11-22T08:00:00Z", 1)
+    with psycopg.connect(dsn) as conn:
+        store.migrate(conn, "sequin")
+        created = store.create_backfill(conn, "sequin", "s", "public", "tricky")
+        store.transition_backfill(conn, "sequin", created.id, "running")
+        mark = Watermark(created.id, 0, 0, "public", "tricky", ("k", "n"))
+        page = store.open_backfill_page(conn, "sequin", created.id, 0)
+        store.stage_backfill_page(conn, "sequin", page, [(["a\x1fb", "1"], '{"k":"a\\u001fb","n":1}'),
+                                                         (["c", "2"], '{"k":"c","n":2}')], None)
+        closed = store.close_backfill_window(conn, "sequin", page, True, set(), high[0],
+                                             lambda name: store_reads(config.sinks[0], "app", mark, high))
+        assert closed is not None and closed.in_store == 0 and [r[1] for r in closed.rows] == [["a\x1fb", "1"], ["c", "2"]]
+        assert conn.execute("SELECT count(*) FROM sequin.stream_messages").fetchone() == (0,)

@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
@@ -32,7 +32,14 @@ from sequin_provider.messages import CHANGE_ARROW_SCHEMA, CHANGE_SCHEMA_DDL, row
 from sequin_provider.replication import ChangeReader, SourceUnavailableError, confirmed_flush_lsn
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
 from sequin_provider import store
-from sequin_provider.watermarks import HIGH_PREFIX, WindowTracker, parse_watermark, read_rows
+from sequin_provider.watermarks import (
+    HIGH_PREFIX,
+    WindowClosed,
+    WindowTracker,
+    parse_watermark,
+    read_rows,
+    store_reads,
+)
 
 log = logging.getLogger(__name__)
 
@@ -171,16 +178,23 @@ class ReplicationStreamReader(DataSourceStreamReader):
         for window in closed:
             mark = window.mark
             emitted = sink.retrying(lambda conn, w=window: store.close_backfill_window(
-                conn, schema, w.mark.page_id, w.seen, set(w.changed), w.row[0]))
+                conn, schema, w.mark.page_id, w.seen, set(w.changed), w.row[0], self._store_reads(w)))
             if emitted is None:
                 log.info("backfill %d page %d: window %s; the page will be read again", mark.backfill_id, mark.page_id,
                          "seen whole but the page is not waiting" if window.seen else "not seen by this process")
                 continue
             reads += read_rows(window.row, mark.table_schema, mark.table_name, emitted.backfill_id, emitted.sink,
                                emitted.rows)
-            log.info("backfill %d page %d: %d reads at the high watermark (%d keys changed in its window)",
-                     mark.backfill_id, mark.page_id, len(emitted.rows), len(window.changed))
+            log.info("backfill %d page %d: %d reads at the high watermark%s (%d keys changed in its window)",
+                     mark.backfill_id, mark.page_id, len(emitted.rows) or emitted.in_store,
+                     ", written by the store" if emitted.in_store else "", len(window.changed))
         return reads
+
+    def _store_reads(self, window: WindowClosed) -> Callable[[str], store.StoreReads | None]:
+        """For a closing window: how the store writes its reads itself, for sinks that need no Spark."""
+        db, _ = self._settings()
+        sinks = {s.name: s for s in self._config.sinks} if self._config else {}
+        return lambda name: store_reads(sinks.get(name), db.name, window.mark, window.row)
 
     def _maybe_heartbeat(self, db: DatabaseConfig) -> None:
         if db.heartbeat_interval <= 0 or self._reader is None:
