@@ -126,6 +126,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--write-rate", type=int, default=2_000, help="updates/s during run (c)")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder (the stream app's log) for a look")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="sequin-bench-backfill-"))
     results: dict[str, object] = {"rows": args.rows}
@@ -186,7 +187,10 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
                   f"({args.rows / seconds_w:,.0f} rows/s) -- {line_w}", flush=True)
         finally:
             app.stop()
-    shutil.rmtree(work, ignore_errors=True)
+    if args.keep:
+        print(f"bench: work folder kept: {work}", flush=True)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
     (ROOT / "bench" / "results" / "backfill_throughput.json").write_text(json.dumps(results, indent=2))
     print()

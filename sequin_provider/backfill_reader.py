@@ -4,8 +4,8 @@
 sample (any key type, composite keys included). ``RangeReader`` walks one range with keyset
 pages under ``statement_timeout = max_query_ms``, sized by ``PageSizeOptimizer``, and runs each
 page through the watermark window protocol: open the page, emit the low watermark, select, stage
-the rows in the store, emit the high watermark, then wait for the stream app to mark the page
-emitted (the cursor advances) or stale (the same page is read again). Rows are rendered to
+the rows in the store, emit the high watermark; the stream app then marks the page emitted (the
+cursor advances) or stale (the page is read again). A few pages are in flight at once. Rows are rendered to
 record JSON by the pgoutput decoder's own converters, so a read looks exactly like a change of
 the same row. Plain Python (no Spark): the Spark app runs one ``RangeReader`` per task.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_PAGE_ROWS = 50_000
 DEFAULT_WINDOW_TIMEOUT = 600.0
+DEFAULT_PAGES_IN_FLIGHT = 3
 SAMPLE_ROWS = 5_000
 SNAPSHOT_WAIT = 2.0
 
@@ -199,12 +201,34 @@ class RangeResult:
     done: bool = False
 
 
+@dataclass(frozen=True)
+class StagedPage:
+    """A page up to its high watermark, waiting for the stream app: its key interval and timings."""
+
+    page_id: int
+    rows: int
+    size: int  # rows asked for: fewer means the range is read to its end
+    cursor_before: list[str] | None
+    cursor_after: list[str] | None
+    staged_at: float
+    select_ms: float
+    stage_ms: float
+
+
 class RangeReader:
-    """Reads one range of a backfill page by page through the watermark window protocol."""
+    """Reads one range of a backfill page by page through the watermark window protocol.
+
+    Up to ``pages_in_flight`` pages wait for the stream app at once: the next page is read while
+    the stream app emits the previous ones, so a page's round trip through the stream app is not
+    paid page after page. Windows of one range never overlap (each page's low watermark follows
+    the previous page's high watermark), and the range's cursor advances over emitted pages in
+    order only. A stale page is read again from its start, with every page after it.
+    """
 
     def __init__(self, config: SequinConfig, database: str, backfill_id: int, range_idx: int,
                  max_page_rows: int = DEFAULT_MAX_PAGE_ROWS, window_timeout: float = DEFAULT_WINDOW_TIMEOUT,
-                 on_page: Callable[[RangeResult], None] | None = None) -> None:
+                 on_page: Callable[[RangeResult], None] | None = None,
+                 pages_in_flight: int = DEFAULT_PAGES_IN_FLIGHT) -> None:
         self.config = config
         self.database = config.database(database)
         self.backfill_id = backfill_id
@@ -212,6 +236,7 @@ class RangeReader:
         self.max_page_rows = max_page_rows
         self.window_timeout = window_timeout
         self.on_page = on_page
+        self.pages_in_flight = max(1, pages_in_flight)
         self.schema = config.store.schema
 
     def run(self) -> RangeResult:
@@ -243,36 +268,55 @@ class RangeReader:
                                           max_size=self.max_page_rows)
             source.execute(sql.SQL("SET statement_timeout = {}").format(sql.Literal(backfill.max_query_ms)))
             cursor: list[str] | None = list(rng.cursor) if rng.cursor is not None else None
+            in_flight: deque[StagedPage] = deque()
+            read_all = False
             while True:
                 state = store.get_backfill(store_conn, self.schema, self.backfill_id).state
                 store_conn.commit()
                 if state != "running":
                     raise BackfillStopped(f"backfill {self.backfill_id} is {state}")
-                outcome = self._page(source, store_conn, shape, rel, decoder, query, positions, optimizer, cursor)
-                if outcome is None:  # stale or timed out: the same page again
-                    result.stale_pages += 1
-                    continue
-                rows, emitted, cursor_after, size = outcome
-                done = rows < size
-                store.advance_backfill_range(store_conn, self.schema, self.backfill_id, self.range_idx,
-                                             cursor_after, rows, emitted, done)
-                result.rows_processed += rows
-                result.rows_emitted += emitted
-                result.pages += 1
-                cursor = cursor_after if cursor_after is not None else cursor
-                if self.on_page:
-                    self.on_page(result)
-                if done:
+                if not read_all:
+                    page = self._stage(source, store_conn, shape, rel, decoder, query, positions, optimizer, cursor)
+                    if page is None:  # timed out: the same page again, smaller
+                        continue
+                    read_all = page.rows < page.size
+                    if page.rows:
+                        in_flight.append(page)
+                        cursor = page.cursor_after
+                # the stream app emits pages in order; wait for the oldest once enough are in flight
+                while in_flight and (read_all or len(in_flight) >= self.pages_in_flight):
+                    oldest = in_flight.popleft()
+                    emitted = self._wait_emitted(store_conn, oldest)
+                    if emitted is None:  # stale: read again from its start (later pages' reads may come twice)
+                        result.stale_pages += 1
+                        for later in in_flight:
+                            self._wait_emitted(store_conn, later, quiet=True)
+                        in_flight.clear()
+                        cursor, read_all = oldest.cursor_before, False
+                        break
+                    done = read_all and not in_flight
+                    store.advance_backfill_range(store_conn, self.schema, self.backfill_id, self.range_idx,
+                                                 oldest.cursor_after, oldest.rows, emitted, done)
+                    result.rows_processed += oldest.rows
+                    result.rows_emitted += emitted
+                    result.pages += 1
+                    result.done = done
+                    if self.on_page:
+                        self.on_page(result)
+                if read_all and not in_flight:
+                    if not result.done:  # the last page was empty: nothing left to wait for
+                        store.advance_backfill_range(store_conn, self.schema, self.backfill_id, self.range_idx,
+                                                     cursor, 0, 0, True)
                     result.done = True
                     return result
         finally:
             catalog.close()
 
-    def _page(self, source: psycopg.Connection[Any], store_conn: psycopg.Connection[Any], shape: TableShape,
-              rel: Relation, decoder: PgOutputDecoder, query: PageQuery, positions: list[int],
-              optimizer: PageSizeOptimizer, cursor: list[str] | None) -> tuple[int, int, list[str] | None, int] | None:
-        """One page through the window protocol: (rows read, reads emitted, cursor after, page size
-        asked for), or None to read it again."""
+    def _stage(self, source: psycopg.Connection[Any], store_conn: psycopg.Connection[Any], shape: TableShape,
+               rel: Relation, decoder: PgOutputDecoder, query: PageQuery, positions: list[int],
+               optimizer: PageSizeOptimizer, cursor: list[str] | None) -> StagedPage | None:
+        """One page into the window protocol, up to its high watermark: the page staged (with 0 rows
+        at the end of the range), or None to read it again (it timed out)."""
         size = optimizer.size
         page_id = store.open_backfill_page(store_conn, self.schema, self.backfill_id, self.range_idx)
         mark = Watermark(self.backfill_id, page_id, self.range_idx, shape.schema, shape.name, shape.primary_key)
@@ -301,30 +345,33 @@ class RangeReader:
                 store.discard_backfill_page(store_conn, self.schema, page_id)
         finally:
             emit_message(source, HIGH_PREFIX, watermark_content(mark))  # always close the window
-        if not values:
-            return 0, 0, None, size
-        staged_at = time.monotonic()
-        page = self._wait_emitted(store_conn, page_id)
-        log.info("backfill %d range %d page %d: %d rows; select %.0f ms, render+stage %.0f ms, window %.0f ms",
-                 self.backfill_id, self.range_idx, page_id, len(values), optimizer.observations[-1].elapsed_ms,
-                 (staged_at - started) * 1000 - optimizer.observations[-1].elapsed_ms,
-                 (time.monotonic() - staged_at) * 1000)
-        if page.state == "stale":
-            log.info("backfill %d range %d: page %d is stale (its window was broken by a stream app restart);"
-                     " reading it again", self.backfill_id, self.range_idx, page_id)
-            return None
-        return len(values), int(page.rows_emitted or 0), cursor_after, size
+        select_ms = optimizer.observations[-1].elapsed_ms
+        return StagedPage(page_id, len(values), size, cursor, cursor_after, time.monotonic(), select_ms,
+                          (time.monotonic() - started) * 1000 - select_ms)
 
-    def _wait_emitted(self, store_conn: psycopg.Connection[Any], page_id: int) -> store.BackfillPage:
+    def _wait_emitted(self, store_conn: psycopg.Connection[Any], page: StagedPage, quiet: bool = False) -> int | None:
+        """Wait for the stream app to take a staged page: its reads emitted (their count), or None
+        when its window was broken by a stream app restart (the page is read again)."""
         deadline = time.monotonic() + self.window_timeout
         delay = 0.01
         while True:
-            page = store.get_backfill_page(store_conn, self.schema, page_id)
-            if page.state in ("emitted", "stale"):
-                return page
+            state = store.get_backfill_page(store_conn, self.schema, page.page_id)
+            if state.state in ("emitted", "stale"):
+                break
             if time.monotonic() > deadline:
-                store.discard_backfill_page(store_conn, self.schema, page_id)
-                raise BackfillError(f"the stream app did not take page {page_id} within {self.window_timeout:.0f}s:"
-                                    " is the stream app (`sequin stream`) running for this database?")
+                store.discard_backfill_page(store_conn, self.schema, page.page_id)
+                raise BackfillError(f"the stream app did not take page {page.page_id} within"
+                                    f" {self.window_timeout:.0f}s: is the stream app (`sequin stream`) running for"
+                                    " this database?")
             time.sleep(delay)
-            delay = min(delay * 1.5, 0.2)
+            delay = min(delay * 1.5, 0.1)
+        if not quiet:
+            log.info("backfill %d range %d page %d: %d rows; select %.0f ms, render+stage %.0f ms, window %.0f ms",
+                     self.backfill_id, self.range_idx, page.page_id, page.rows, page.select_ms, page.stage_ms,
+                     (time.monotonic() - page.staged_at) * 1000)
+        if state.state == "stale":
+            if not quiet:
+                log.info("backfill %d range %d: page %d is stale (its window was broken by a stream app restart);"
+                         " reading again from its start", self.backfill_id, self.range_idx, page.page_id)
+            return None
+        return int(state.rows_emitted or 0)

@@ -497,6 +497,10 @@ def _write_reads(conn: psycopg.Connection[Any], s: sql.Identifier, page_id: int,
     """Insert a page's kept rows as ``sink``'s read messages (``watermarks.read_rows`` positions,
     ``messages.idempotency_key`` keys, ``delivery`` groups); a replay adds nothing. Returns the count."""
     t = reads.template
+    replay = conn.execute(sql.SQL("SELECT EXISTS (SELECT 1 FROM {}.stream_messages WHERE sink = %s AND commit_lsn = %s)"
+                                  ).format(s), (sink, reads.commit_lsn)).fetchone()
+    # the high watermark's transaction holds nothing else: any message at its LSN is this page's, written before
+    conflict = sql.SQL("ON CONFLICT DO NOTHING" if replay and replay[0] else "")
     data = sql.SQL("k.record" if t.record_only else
                    "%(before_record)s || k.record || %(before_idx)s || k.idx || ',\"idempotency_key\":'"
                    " || to_json(k.key)::text || ',\"record_pks\":' || k.pks || %(after_pks)s")
@@ -511,7 +515,7 @@ def _write_reads(conn: psycopg.Connection[Any], s: sql.Identifier, page_id: int,
                   FROM {s}.backfill_rows r
                  WHERE r.page_id = %(page_id)s AND to_jsonb(r.record_pks) NOT IN (SELECT unnest(%(changed)s::jsonb[]))) k
          ORDER BY k.idx
-        ON CONFLICT DO NOTHING""").format(s=s, data=data),
+        {conflict}""").format(s=s, data=data, conflict=conflict),
         {"sink": sink, "lsn": reads.commit_lsn, "idx": reads.commit_idx, "grouped": reads.group_prefix is not None,
          "group_prefix": reads.group_prefix or "", "backfill_id": backfill_id, "page_id": page_id,
          "changed": changed_keys, "before_record": t.before_record, "before_idx": t.before_idx,
