@@ -441,6 +441,25 @@ STORE_RENDERED_SINKS = {
 TRICKY_KEYS = ['plain', 'quote " and \\ backslash', 'tab\tnew\nline\rcr\bbs\fff', 'ünïcødé ✓ 😀', "it's", "[\"x\"]"]
 
 
+def staged_tricky_page(dsn: str, tmp_path: Path, sink_yaml: str, rows: list[tuple[list[str], str]]) -> tuple[Any, ...]:
+    """A ``tricky`` table, a running backfill of it for the sink ``s`` and one staged page of ``rows``:
+    (sink config, watermark, page id)."""
+    from sequin_provider.watermarks import Watermark
+
+    config = load_config(write_config(tmp_path / "sequin.yaml", f"""
+databases: [{{name: app, dsn: "{dsn}"}}]
+sinks: [{sink_yaml}]
+"""))
+    execute(dsn, "CREATE TABLE tricky (k text, n int, PRIMARY KEY (k, n))")
+    with psycopg.connect(dsn) as conn:
+        store.migrate(conn, "sequin")
+        created = store.create_backfill(conn, "sequin", "s", "public", "tricky")
+        store.transition_backfill(conn, "sequin", created.id, "running")
+        page = store.open_backfill_page(conn, "sequin", created.id, 0)
+        store.stage_backfill_page(conn, "sequin", page, rows, None)
+    return config.sinks[0], Watermark(created.id, page, 0, "public", "tricky", ("k", "n")), page
+
+
 @pytest.mark.parametrize("kind", sorted(STORE_RENDERED_SINKS))
 def test_reads_the_store_writes_equal_the_pipelines_byte_for_byte(kind: str, dsn: str, tmp_path: Path,
                                                                   spark: Any) -> None:
@@ -448,24 +467,13 @@ def test_reads_the_store_writes_equal_the_pipelines_byte_for_byte(kind: str, dsn
     pipeline writes for the same reads: data, group, idempotency key and position."""
     from sequin_provider.messages import CHANGE_SCHEMA_DDL
     from sequin_provider.spark.pipeline import project_batch
-    from sequin_provider.watermarks import Watermark, read_rows, store_reads
+    from sequin_provider.watermarks import read_rows, store_reads
 
-    config = load_config(write_config(tmp_path / "sequin.yaml", f"""
-databases: [{{name: app, dsn: "{dsn}"}}]
-sinks: [{STORE_RENDERED_SINKS[kind]}]
-"""))
-    sink = config.sinks[0]
-    execute(dsn, "CREATE TABLE tricky (k text, n int, PRIMARY KEY (k, n))")
     staged = [([k, str(n)], json.dumps({"k": k, "n": n, "amount": 1.50, "nested": {"a": [1, None]}}, ensure_ascii=n % 2 == 0)
                .replace("1.5,", "1.50,")) for n, k in enumerate(TRICKY_KEYS)]
+    sink, mark, page = staged_tricky_page(dsn, tmp_path, STORE_RENDERED_SINKS[kind], staged)
     high = (987_654_321, 3, "2026-11-22T08:00:00.123456Z", 4242)  # the high watermark's position, time, xid
     with psycopg.connect(dsn) as conn:
-        store.migrate(conn, "sequin")
-        created = store.create_backfill(conn, "sequin", "s", "public", "tricky")
-        store.transition_backfill(conn, "sequin", created.id, "running")
-        mark = Watermark(created.id, 0, 0, "public", "tricky", ("k", "n"))
-        page = store.open_backfill_page(conn, "sequin", created.id, 0)
-        store.stage_backfill_page(conn, "sequin", page, staged, None)
         changed = {(TRICKY_KEYS[2], "2")}  # changed inside the window: dropped on both paths
 
         def written() -> list[tuple]:
@@ -478,7 +486,7 @@ sinks: [{STORE_RENDERED_SINKS[kind]}]
         # through Spark, as the stream app does for sinks with a filter or a transform
         closed = store.close_backfill_window(conn, "sequin", page, True, changed, high[0])
         assert closed is not None and closed.in_store == 0 and len(closed.rows) == len(TRICKY_KEYS) - 1
-        reads = read_rows(high, "public", "tricky", created.id, "s", closed.rows)
+        reads = read_rows(high, "public", "tricky", mark.backfill_id, "s", closed.rows)
         lines = project_batch(spark.createDataFrame(reads, CHANGE_SCHEMA_DDL), (sink,), "app").collect()
         store.insert_stream_copy(conn, "sequin", [row["_line_0"] for row in lines])
         through_spark = written()
@@ -502,23 +510,13 @@ sinks: [{STORE_RENDERED_SINKS[kind]}]
 def test_a_key_spark_escapes_differently_keeps_its_page_on_the_spark_path(dsn: str, tmp_path: Path) -> None:
     """For most control characters Spark's JSON escape is ``\\u001F`` and PostgreSQL's ``\\u001f``: a
     page with such a key goes through Spark, so a message never depends on the path it took."""
-    from sequin_provider.watermarks import Watermark, store_reads
+    from sequin_provider.watermarks import store_reads
 
-    config = load_config(write_config(tmp_path / "sequin.yaml", f"""
-databases: [{{name: app, dsn: "{dsn}"}}]
-sinks: [{STORE_RENDERED_SINKS["change"]}]
-"""))
-    execute(dsn, "CREATE TABLE tricky (k text, n int, PRIMARY KEY (k, n))")
+    sink, mark, page = staged_tricky_page(dsn, tmp_path, STORE_RENDERED_SINKS["change"], [
+        (["a\x1fb", "1"], '{"k":"a\\u001fb","n":1}'), (["c", "2"], '{"k":"c","n":2}')])
     high = (1000, 0, "2026-11-22T08:00:00Z", 1)
     with psycopg.connect(dsn) as conn:
-        store.migrate(conn, "sequin")
-        created = store.create_backfill(conn, "sequin", "s", "public", "tricky")
-        store.transition_backfill(conn, "sequin", created.id, "running")
-        mark = Watermark(created.id, 0, 0, "public", "tricky", ("k", "n"))
-        page = store.open_backfill_page(conn, "sequin", created.id, 0)
-        store.stage_backfill_page(conn, "sequin", page, [(["a\x1fb", "1"], '{"k":"a\\u001fb","n":1}'),
-                                                         (["c", "2"], '{"k":"c","n":2}')], None)
         closed = store.close_backfill_window(conn, "sequin", page, True, set(), high[0],
-                                             lambda name: store_reads(config.sinks[0], "app", mark, high))
+                                             lambda name: store_reads(sink, "app", mark, high))
         assert closed is not None and closed.in_store == 0 and [r[1] for r in closed.rows] == [["a\x1fb", "1"], ["c", "2"]]
         assert conn.execute("SELECT count(*) FROM sequin.stream_messages").fetchone() == (0,)
