@@ -5,9 +5,9 @@ sample (any key type, composite keys included). ``RangeReader`` walks one range 
 pages under ``statement_timeout = max_query_ms``, sized by ``PageSizeOptimizer``, and runs each
 page through the watermark window protocol: open the page, emit the low watermark, select, stage
 the rows in the store, emit the high watermark; the stream app then marks the page emitted (the
-cursor advances) or stale (the page is read again). A few pages are in flight at once. Rows are rendered to
-record JSON by the pgoutput decoder's own converters, so a read looks exactly like a change of
-the same row. Plain Python (no Spark): the Spark app runs one ``RangeReader`` per task.
+cursor advances) or stale (the page is read again). A few pages are in flight at once. Rows are
+rendered to record JSON by the pgoutput decoder's own converters, so a read looks exactly like a
+change of the same row. Plain Python (no Spark): the Spark app runs one ``RangeReader`` per task.
 """
 
 from __future__ import annotations

@@ -493,9 +493,9 @@ def _keys_spark_escapes_differently(conn: psycopg.Connection[Any], s: sql.Identi
 
 
 def _write_reads(conn: psycopg.Connection[Any], s: sql.Identifier, page_id: int, sink: str, backfill_id: int,
-                 reads: StoreReads, changed_keys: list[Jsonb]) -> int:
+                 reads: StoreReads, changed_keys: list[Jsonb]) -> None:
     """Insert a page's kept rows as ``sink``'s read messages (``watermarks.read_rows`` positions,
-    ``messages.idempotency_key`` keys, ``delivery`` groups); a replay adds nothing. Returns the count."""
+    ``messages.idempotency_key`` keys, ``delivery`` groups); a replay adds nothing."""
     t = reads.template
     replay = conn.execute(sql.SQL("SELECT EXISTS (SELECT 1 FROM {}.stream_messages WHERE sink = %s AND commit_lsn = %s)"
                                   ).format(s), (sink, reads.commit_lsn)).fetchone()
@@ -504,7 +504,7 @@ def _write_reads(conn: psycopg.Connection[Any], s: sql.Identifier, page_id: int,
     data = sql.SQL("k.record" if t.record_only else
                    "%(before_record)s || k.record || %(before_idx)s || k.idx || ',\"idempotency_key\":'"
                    " || to_json(k.key)::text || ',\"record_pks\":' || k.pks || %(after_pks)s")
-    cur = conn.execute(sql.SQL("""
+    conn.execute(sql.SQL("""
         INSERT INTO {s}.stream_messages (sink, commit_lsn, commit_idx, group_id, idempotency_key, data)
         SELECT %(sink)s, %(lsn)s, k.idx,
                CASE WHEN %(grouped)s THEN %(group_prefix)s || k.pks ELSE %(lsn)s::bigint::text || ':' || k.idx END,
@@ -520,7 +520,6 @@ def _write_reads(conn: psycopg.Connection[Any], s: sql.Identifier, page_id: int,
          "group_prefix": reads.group_prefix or "", "backfill_id": backfill_id, "page_id": page_id,
          "changed": changed_keys, "before_record": t.before_record, "before_idx": t.before_idx,
          "after_pks": t.after_pks})
-    return max(cur.rowcount, 0)
 
 
 def closing_windows(conn: psycopg.Connection[Any], schema: str, high_lsns: Sequence[int]) -> dict[int, ClosedWindow]:

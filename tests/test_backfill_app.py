@@ -520,3 +520,33 @@ def test_a_key_spark_escapes_differently_keeps_its_page_on_the_spark_path(dsn: s
                                              lambda name: store_reads(sink, "app", mark, high))
         assert closed is not None and closed.in_store == 0 and [r[1] for r in closed.rows] == [["a\x1fb", "1"], ["c", "2"]]
         assert conn.execute("SELECT count(*) FROM sequin.stream_messages").fetchone() == (0,)
+
+
+def test_a_closing_page_that_turns_stale_takes_back_only_its_invisible_store_written_reads(
+        dsn: str, tmp_path: Path) -> None:
+    """A window closed by the store, then not seen after a restart: its reads, not yet visible, go
+    with the page (it is read again); reads already visible to consumers are never taken back."""
+    from sequin_provider.watermarks import store_reads
+
+    sink, mark, page = staged_tricky_page(dsn, tmp_path, STORE_RENDERED_SINKS["change"],
+                                          [(["a", "1"], '{"k":"a","n":1}'), (["b", "2"], '{"k":"b","n":2}')])
+    high = (5000, 0, "2026-11-22T08:00:00Z", 1)
+    with psycopg.connect(dsn) as conn:
+        def messages() -> int:
+            return int(conn.execute("SELECT count(*) FROM sequin.stream_messages").fetchone()[0])
+
+        closed = store.close_backfill_window(conn, "sequin", page, True, set(), high[0],
+                                             lambda name: store_reads(sink, "app", mark, high))
+        assert closed is not None and closed.in_store == 2 and messages() == 2
+        store.advance_visible_lsn(conn, "sequin", ["s"], high[0] - 1)  # an earlier batch: still invisible
+        assert store.close_backfill_window(conn, "sequin", page, False, set(), high[0]) is None
+        assert messages() == 0 and store.get_backfill_page(conn, "sequin", page).state == "stale"
+
+        page2 = store.open_backfill_page(conn, "sequin", mark.backfill_id, 0)
+        store.stage_backfill_page(conn, "sequin", page2, [(["c", "3"], '{"k":"c","n":3}')], None)
+        high2 = (6000, 0, "2026-11-22T08:00:01Z", 2)
+        assert store.close_backfill_window(conn, "sequin", page2, True, set(), high2[0],
+                                           lambda name: store_reads(sink, "app", mark, high2)) is not None
+        store.advance_visible_lsn(conn, "sequin", ["s"], high2[0])  # its batch completed: consumers may see it
+        assert store.close_backfill_window(conn, "sequin", page2, False, set(), high2[0]) is None
+        assert messages() == 1
