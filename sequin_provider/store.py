@@ -24,7 +24,7 @@ CREATE TABLE IF NOT EXISTS {schema}.stream_messages (
     commit_idx        integer     NOT NULL,
     group_id          text        NOT NULL,
     idempotency_key   text        NOT NULL,
-    ack_id            uuid,                    -- assigned when the message is delivered
+    ack_id            uuid,                    -- replaced by ack_nonce in migration 7
     state             text        NOT NULL DEFAULT 'available',
     deliver_count     integer     NOT NULL DEFAULT 0,
     not_visible_until timestamptz,
@@ -152,6 +152,29 @@ CREATE TABLE IF NOT EXISTS {schema}.buffered_messages (
 );
 CREATE INDEX IF NOT EXISTS buffered_messages_group ON {schema}.buffered_messages (sink, group_id, commit_lsn, commit_idx)
     WHERE state = 'parked';
+"""),
+    # Receiving a message updates no indexed column, so the update is HOT (no index entries, the
+    # new version on the same page, which the fillfactor leaves room for):
+    # - an ack id encodes its message's position and a random nonce (stream_queue.ack_id), so an ack
+    #   finds its message by primary key: no ack-id index;
+    # - the count of pending messages (max_ack_pending) is kept in stream_pending by every receive,
+    #   ack and nack: no index on state.
+    # Messages received before this migration have no nonce: their old ack ids match nothing, and
+    # they come back after their visibility timeout (at least once).
+    (7, "HOT receives: ack ids derived from the position, a pending counter", """
+DROP INDEX IF EXISTS {schema}.stream_messages_ack_id;
+DROP INDEX IF EXISTS {schema}.stream_messages_outstanding;
+ALTER TABLE {schema}.stream_messages DROP COLUMN IF EXISTS ack_id;
+ALTER TABLE {schema}.stream_messages ADD COLUMN IF NOT EXISTS ack_nonce integer;
+ALTER TABLE {schema}.stream_messages SET (fillfactor = 50);
+CREATE TABLE IF NOT EXISTS {schema}.stream_pending (
+    sink        text PRIMARY KEY,
+    pending     bigint      NOT NULL DEFAULT 0,   -- messages received and neither acked nor nacked
+    checked_at  timestamptz NOT NULL DEFAULT now()  -- last exact recount (stream_queue.receive)
+);
+INSERT INTO {schema}.stream_pending (sink, pending)
+    SELECT sink, count(*) FROM {schema}.stream_messages WHERE state = 'delivered' GROUP BY sink
+    ON CONFLICT (sink) DO NOTHING;
 """),
 )
 

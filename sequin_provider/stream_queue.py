@@ -4,14 +4,16 @@ A consumer group shares one stream. ``receive`` hands out visible messages (at o
 visibility watermark), at most one per group and never one whose group has an earlier message
 still in the table (outstanding, or not yet acked), so a group is processed strictly in order.
 Received messages are invisible for the visibility timeout; ``ack`` deletes them, ``nack`` makes
-them visible at once. Concurrent receivers never get the same message: rows are claimed with
-``FOR UPDATE SKIP LOCKED``. API tokens are stored as SHA-256 hashes only.
+them visible at once; an ack id carries its message's position (``ack_id``). Concurrent receivers
+never get the same message: rows are claimed with ``FOR UPDATE SKIP LOCKED``. API tokens are stored
+as SHA-256 hashes only.
 """
 
 from __future__ import annotations
 
 import hashlib
 import secrets
+import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Sequence
@@ -32,27 +34,74 @@ class Delivery:
     data: str
 
 
+_IDX_BITS, _NONCE_BITS = 31, 28
+_NONCE_LIMIT = 1 << _NONCE_BITS
+_LOW62 = (1 << 62) - 1
+
+
+def ack_id(commit_lsn: int, commit_idx: int, nonce: int) -> str:
+    """The ack id of one delivery: an RFC 9562 version-8 UUID holding the message's position and the
+    delivery's random nonce, so an ack finds its message by primary key (no ack-id index to write) and
+    the ack id of an earlier delivery of the same message matches nothing."""
+    if not (0 <= commit_lsn < 1 << 63 and 0 <= commit_idx < 1 << _IDX_BITS and 0 <= nonce < _NONCE_LIMIT):
+        raise ValueError(f"position ({commit_lsn}, {commit_idx}) or nonce {nonce} out of range")
+    value = (commit_lsn << (_IDX_BITS + _NONCE_BITS)) | (commit_idx << _NONCE_BITS) | nonce  # 122 bits
+    u = (value >> 74 << 80) | (0x8 << 76) | ((value >> 62 & 0xFFF) << 64) | (0b10 << 62) | (value & _LOW62)
+    h = f"{u:032x}"
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def parse_ack_id(ack_id: str | uuid.UUID) -> tuple[int, int, int] | None:
+    """(commit_lsn, commit_idx, nonce) of an ack id made by ``ack_id``; None for any other UUID.
+    Raises ValueError for text that is not a UUID."""
+    u = (ack_id if isinstance(ack_id, uuid.UUID) else uuid.UUID(ack_id)).int
+    if u >> 76 & 0xF != 0x8 or u >> 62 & 0b11 != 0b10:
+        return None
+    value = (u >> 80 << 74) | ((u >> 64 & 0xFFF) << 62) | (u & _LOW62)
+    return value >> (_IDX_BITS + _NONCE_BITS), value >> _NONCE_BITS & ((1 << _IDX_BITS) - 1), value & (_NONCE_LIMIT - 1)
+
+
+def _parsed(ack_ids: Sequence[str | uuid.UUID]) -> tuple[list[int], list[int], list[int]]:
+    lsns: list[int] = []
+    idxs: list[int] = []
+    nonces: list[int] = []
+    for a in ack_ids:
+        parsed = parse_ack_id(a)
+        if parsed is not None:
+            lsns.append(parsed[0])
+            idxs.append(parsed[1])
+            nonces.append(parsed[2])
+    return lsns, idxs, nonces
+
+
+RECOUNT_SECONDS = 5.0
+
+
 def receive(conn: psycopg.Connection[Any], schema: str, sink: str, batch_size: int, visibility_timeout: float,
             max_ack_pending: int) -> list[Delivery]:
     """Claim up to ``batch_size`` deliverable messages of ``sink`` for ``visibility_timeout`` seconds.
 
     When ``max_ack_pending`` messages are pending (received and neither acked nor nacked, including
-    those whose visibility timed out), no new messages are handed out, only redeliveries.
+    those whose visibility timed out), no new messages are handed out, only redeliveries. The
+    pending count is the sink's ``stream_pending`` counter, which every receive, ack and nack keeps
+    in its own transaction; when it reads full, it is recounted (at most every ``RECOUNT_SECONDS``)
+    so a counter gone wrong behind our back (a manual DELETE) cannot stall the sink.
     """
     s = _ident(schema)
     with conn.transaction():
-        row = conn.execute(sql.SQL("SELECT visible_lsn FROM {}.stream_visibility WHERE sink = %s").format(s),
-                           (sink,)).fetchone()
-        if row is None:
+        row = conn.execute(sql.SQL(
+            "SELECT (SELECT visible_lsn FROM {0}.stream_visibility WHERE sink = %(sink)s),"
+            " (SELECT pending FROM {0}.stream_pending WHERE sink = %(sink)s)").format(s), {"sink": sink}).fetchone()
+        if row is None or row[0] is None:
             return []
-        pending = conn.execute(sql.SQL("SELECT count(*) FROM {}.stream_messages WHERE sink = %s"
-                                       " AND state = 'delivered'").format(s), (sink,)).fetchone()
-        outstanding = int(pending[0]) if pending else 0
+        outstanding = int(row[1] or 0)
+        if outstanding >= max_ack_pending:
+            outstanding = _recount_pending(conn, schema, sink, outstanding)
         only_redeliveries = outstanding >= max_ack_pending
         limit = batch_size if only_redeliveries else min(batch_size, max_ack_pending - outstanding)
         rows = conn.execute(sql.SQL("""
             WITH picked AS (
-                SELECT m.commit_lsn, m.commit_idx FROM {s}.stream_messages m
+                SELECT m.commit_lsn, m.commit_idx, m.state = 'available' AS newly_pending FROM {s}.stream_messages m
                 WHERE m.sink = %(sink)s AND m.commit_lsn <= %(visible)s
                   AND (m.not_visible_until IS NULL OR m.not_visible_until <= now())
                   AND (NOT %(only_redeliveries)s OR m.deliver_count > 0)
@@ -61,34 +110,72 @@ def receive(conn: psycopg.Connection[Any], schema: str, sink: str, batch_size: i
                                     AND (e.commit_lsn, e.commit_idx) < (m.commit_lsn, m.commit_idx))
                 ORDER BY m.commit_lsn, m.commit_idx
                 LIMIT %(limit)s
-                FOR UPDATE OF m SKIP LOCKED)
-            UPDATE {s}.stream_messages t
-               SET ack_id = gen_random_uuid(), state = 'delivered', deliver_count = t.deliver_count + 1,
-                   not_visible_until = clock_timestamp() + %(timeout)s * interval '1 second',
-                   last_delivered_at = now()
-              FROM picked
-             WHERE t.sink = %(sink)s AND t.commit_lsn = picked.commit_lsn AND t.commit_idx = picked.commit_idx
-            RETURNING t.commit_lsn, t.commit_idx, t.ack_id::text, t.data::text""").format(s=s),
+                FOR UPDATE OF m SKIP LOCKED),
+            claimed AS (
+                UPDATE {s}.stream_messages t
+                   SET ack_nonce = floor(random() * %(nonces)s)::integer, state = 'delivered',
+                       deliver_count = t.deliver_count + 1,
+                       not_visible_until = clock_timestamp() + %(timeout)s * interval '1 second',
+                       last_delivered_at = now()
+                  FROM picked
+                 WHERE t.sink = %(sink)s AND t.commit_lsn = picked.commit_lsn AND t.commit_idx = picked.commit_idx
+                RETURNING t.commit_lsn, t.commit_idx, t.ack_nonce, t.data::text, picked.newly_pending),
+            counted AS (
+                INSERT INTO {s}.stream_pending AS p (sink, pending)
+                SELECT %(sink)s, count(*) FROM claimed WHERE newly_pending HAVING count(*) > 0
+                ON CONFLICT (sink) DO UPDATE SET pending = p.pending + EXCLUDED.pending)
+            SELECT commit_lsn, commit_idx, ack_nonce, data FROM claimed""").format(s=s),
             {"sink": sink, "visible": int(row[0]), "only_redeliveries": only_redeliveries, "limit": limit,
-             "timeout": visibility_timeout}).fetchall()
-    return [Delivery(ack_id, data) for _, _, ack_id, data in sorted(rows)]
+             "timeout": visibility_timeout, "nonces": _NONCE_LIMIT}).fetchall()
+    return [Delivery(ack_id(lsn, idx, nonce), data) for lsn, idx, nonce, data in sorted(rows)]
 
 
-def ack(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequence[str]) -> int:
-    """Delete the messages delivered with ``ack_ids``; unknown or repeated ids are ignored."""
+def _recount_pending(conn: psycopg.Connection[Any], schema: str, sink: str, counted: int) -> int:
+    """The exact pending count of ``sink``, written back to its counter; ``counted`` when the last
+    recount is under ``RECOUNT_SECONDS`` old. Exact because the counter row stays locked while
+    counting: a receive, ack or nack changes its rows and the counter in one transaction."""
+    row = conn.execute(sql.SQL(
+        "UPDATE {0}.stream_pending SET pending = (SELECT count(*) FROM {0}.stream_messages"
+        " WHERE sink = %(sink)s AND state = 'delivered'), checked_at = now()"
+        " WHERE sink = %(sink)s AND checked_at < now() - %(every)s * interval '1 second'"
+        " RETURNING pending").format(_ident(schema)), {"sink": sink, "every": RECOUNT_SECONDS}).fetchone()
+    return int(row[0]) if row else counted
+
+
+def _settle(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequence[str | uuid.UUID],
+            change: sql.Composable) -> int:
+    """Apply ``change`` (a DELETE or UPDATE of the messages matched by ``a``) to the pending messages
+    delivered with ``ack_ids``, and take them off the sink's pending counter in the same transaction."""
+    lsns, idxs, nonces = _parsed(ack_ids)
+    s = _ident(schema)
     with conn.transaction():
-        cur = conn.execute(sql.SQL("DELETE FROM {}.stream_messages WHERE sink = %s AND ack_id = ANY(%s::uuid[])").format(
-            _ident(schema)), (sink, list(ack_ids)))
-    return cur.rowcount
+        row = conn.execute(sql.SQL("""
+            WITH settled AS ({change}),
+            n AS (SELECT count(*) AS n FROM settled),
+            counted AS (UPDATE {s}.stream_pending p SET pending = greatest(p.pending - n.n, 0)
+                          FROM n WHERE p.sink = %(sink)s AND n.n > 0)
+            SELECT n FROM n""").format(change=change, s=s),
+            {"sink": sink, "lsns": lsns, "idxs": idxs, "nonces": nonces}).fetchone()
+    return int(row[0]) if row else 0
 
 
-def nack(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequence[str]) -> int:
+_MATCH = sql.SQL(
+    " unnest(%(lsns)s::bigint[], %(idxs)s::integer[], %(nonces)s::integer[]) a(lsn, idx, nonce)"
+    " WHERE m.sink = %(sink)s AND m.commit_lsn = a.lsn AND m.commit_idx = a.idx AND m.ack_nonce = a.nonce"
+    " AND m.state = 'delivered' RETURNING 1")
+
+
+def ack(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequence[str | uuid.UUID]) -> int:
+    """Delete the messages delivered with ``ack_ids``; unknown, expired or repeated ids are ignored."""
+    return _settle(conn, schema, sink, ack_ids, sql.SQL("DELETE FROM {}.stream_messages m USING").format(
+        _ident(schema)) + _MATCH)
+
+
+def nack(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequence[str | uuid.UUID]) -> int:
     """Make the messages delivered with ``ack_ids`` visible again at once (their ack ids expire)."""
-    with conn.transaction():
-        cur = conn.execute(sql.SQL(
-            "UPDATE {}.stream_messages SET ack_id = NULL, state = 'available', not_visible_until = NULL"
-            " WHERE sink = %s AND ack_id = ANY(%s::uuid[])").format(_ident(schema)), (sink, list(ack_ids)))
-    return cur.rowcount
+    return _settle(conn, schema, sink, ack_ids, sql.SQL(
+        "UPDATE {}.stream_messages m SET ack_nonce = NULL, state = 'available', not_visible_until = NULL FROM").format(
+        _ident(schema)) + _MATCH)
 
 
 def stream_counts(conn: psycopg.Connection[Any], schema: str, sink: str) -> dict[str, int]:

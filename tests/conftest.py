@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import textwrap
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -56,6 +57,18 @@ def sink_messages(dsn: str, sink: str, schema: str = "sequin") -> list[dict[str,
         if not store.schema_version(conn, schema):
             return []
         return [parse_message(m.data) for m in store.stream_messages(conn, schema, sink, visible_only=True)]
+
+
+def put_stream_messages(dsn: str, sink: str, messages: list[tuple[int, int, str]], visible: bool = True) -> None:
+    """Write (commit_lsn, commit_idx, group) messages as the stream app does, then make them visible."""
+    rows = [(sink, lsn, idx, group, f"{lsn}:{idx}", json.dumps({"record": {"lsn": lsn, "idx": idx, "g": group},
+                                                                "action": "insert", "changes": None,
+                                                                "metadata": {"commit_lsn": lsn, "commit_idx": idx}}))
+            for lsn, idx, group in messages]
+    with psycopg.connect(dsn) as conn:
+        store.insert_stream_messages(conn, "sequin", rows)
+        if visible:
+            store.advance_visible_lsn(conn, "sequin", [sink], max(m[0] for m in messages))
 
 
 class StreamApp(StreamAppProcess):

@@ -24,7 +24,7 @@ import uvicorn
 from sequin_provider import store, stream_queue
 from sequin_provider.config import SequinConfig, load_config
 from sequin_provider.stream_api import create_app
-from tests.conftest import StreamApp, execute, wait_for, write_config
+from tests.conftest import StreamApp, execute, put_stream_messages as put, wait_for, write_config
 
 CONFIG = """
 databases:
@@ -81,18 +81,6 @@ def api(dsn: str, dbname: str, tmp_path: Path) -> Iterator[tuple[str, Path, http
     with ApiServer(config) as server, httpx.Client(base_url=server.url, timeout=60,
                                                    headers={"Authorization": f"Bearer {token}"}) as client:
         yield dsn, config_path, client
-
-
-def put(dsn: str, sink: str, messages: list[tuple[int, int, str]], visible: bool = True) -> None:
-    """Write (commit_lsn, commit_idx, group) messages as the stream app does, then make them visible."""
-    rows = [(sink, lsn, idx, group, f"{lsn}:{idx}", json.dumps({"record": {"lsn": lsn, "idx": idx, "g": group},
-                                                                "action": "insert", "changes": None,
-                                                                "metadata": {"commit_lsn": lsn, "commit_idx": idx}}))
-            for lsn, idx, group in messages]
-    with psycopg.connect(dsn) as conn:
-        store.insert_stream_messages(conn, "sequin", rows)
-        if visible:
-            store.advance_visible_lsn(conn, "sequin", [sink], max(m[0] for m in messages))
 
 
 def receive(client: httpx.Client, sink: str, **params: Any) -> list[dict[str, Any]]:

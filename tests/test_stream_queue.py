@@ -1,0 +1,107 @@
+"""The consumer-group queries under the pull API: ack ids, the pending counter, HOT receives.
+
+Real Postgres. The API's HTTP behaviour is tested in test_stream_api.py; these tests pin what the
+queries keep in the store.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import psycopg
+import pytest
+
+from sequin_provider import store, stream_queue
+from tests.conftest import put_stream_messages
+
+SINK = "q"
+
+
+def pending(conn: psycopg.Connection) -> tuple[int, int]:
+    """(the sink's pending counter, the exact count of received and neither acked nor nacked messages)."""
+    counter = conn.execute("SELECT pending FROM sequin.stream_pending WHERE sink = %s", (SINK,)).fetchone()
+    exact = conn.execute("SELECT count(*) FROM sequin.stream_messages WHERE sink = %s AND state = 'delivered'",
+                         (SINK,)).fetchone()
+    return (int(counter[0]) if counter else 0), int(exact[0]) if exact else 0
+
+
+def lsns(deliveries: list[stream_queue.Delivery]) -> list[int]:
+    return [json.loads(d.data)["metadata"]["commit_lsn"] for d in deliveries]
+
+
+@pytest.fixture
+def conn(dsn: str) -> psycopg.Connection:
+    with psycopg.connect(dsn, autocommit=True) as c:  # autocommit: each receive has its own now()
+        store.migrate(c)
+        yield c
+
+
+def test_an_ack_id_holds_the_position_and_a_nonce_and_no_other_uuid_matches() -> None:
+    cases = [(0, 0, 0), ((1 << 63) - 1, (1 << 31) - 1, (1 << 28) - 1), (0x16B3F28, 7, 12345)]
+    for lsn, idx, nonce in cases:
+        text = stream_queue.ack_id(lsn, idx, nonce)
+        parsed = uuid.UUID(text)
+        assert str(parsed) == text and parsed.version == 8 and parsed.variant == uuid.RFC_4122
+        assert stream_queue.parse_ack_id(text) == stream_queue.parse_ack_id(parsed) == (lsn, idx, nonce)
+    assert stream_queue.ack_id(1, 2, 3) != stream_queue.ack_id(1, 2, 4) != stream_queue.ack_id(1, 3, 3)
+    assert stream_queue.parse_ack_id(str(uuid.uuid4())) is None  # not ours: matches nothing
+    assert stream_queue.parse_ack_id(uuid.UUID(int=0)) is None
+    for bad in [(-1, 0, 0), (1 << 63, 0, 0), (0, 1 << 31, 0), (0, 0, 1 << 28), (0, -1, 0)]:
+        with pytest.raises(ValueError):
+            stream_queue.ack_id(*bad)
+    with pytest.raises(ValueError):
+        stream_queue.parse_ack_id("not-a-uuid")
+
+
+def test_the_pending_counter_follows_receives_acks_nacks_redeliveries_and_stale_ids(
+        dsn: str, conn: psycopg.Connection) -> None:
+    put_stream_messages(dsn, SINK, [(10, 0, "a"), (20, 0, "b"), (30, 0, "c"), (40, 0, "a")])
+    first = stream_queue.receive(conn, "sequin", SINK, 10, 0.3, 100)
+    assert lsns(first) == [10, 20, 30] and pending(conn) == (3, 3)
+    time.sleep(0.5)  # visibility timed out: redeliveries are still the same pending messages
+    again = stream_queue.receive(conn, "sequin", SINK, 10, 30, 100)
+    assert lsns(again) == [10, 20, 30] and pending(conn) == (3, 3)
+    assert {d.ack_id for d in again}.isdisjoint(d.ack_id for d in first)
+    assert stream_queue.ack(conn, "sequin", SINK, [first[0].ack_id, first[1].ack_id]) == 0  # expired ids
+    assert pending(conn) == (3, 3)
+    assert stream_queue.ack(conn, "sequin", SINK, [again[0].ack_id, again[0].ack_id, str(uuid.uuid4())]) == 1
+    assert pending(conn) == (2, 2)
+    assert stream_queue.ack(conn, "sequin", SINK, [again[0].ack_id]) == 0  # acked twice: once counts
+    assert stream_queue.nack(conn, "sequin", SINK, [again[1].ack_id]) == 1
+    assert pending(conn) == (1, 1)
+    assert stream_queue.nack(conn, "sequin", SINK, [again[1].ack_id]) == 0
+    # 40 (group a) follows the acked 10; 20 comes back after its nack
+    third = stream_queue.receive(conn, "sequin", SINK, 10, 30, 100)
+    assert lsns(third) == [20, 40] and pending(conn) == (3, 3)
+    assert stream_queue.ack(conn, "sequin", SINK, [d.ack_id for d in third] + [again[2].ack_id]) == 3
+    assert pending(conn) == (0, 0)
+    assert stream_queue.stream_counts(conn, "sequin", SINK)["total"] == 0
+
+
+def test_a_counter_gone_wrong_is_recounted_when_it_reads_full(dsn: str, conn: psycopg.Connection) -> None:
+    put_stream_messages(dsn, SINK, [(i, 0, f"g{i}") for i in range(1, 6)])
+    got = stream_queue.receive(conn, "sequin", SINK, 2, 30, 3)
+    assert lsns(got) == [1, 2] and pending(conn) == (2, 2)
+    # the counter drifts (say an operator deleted pending rows by hand) and reads full
+    conn.execute("DELETE FROM sequin.stream_messages WHERE sink = %s AND commit_lsn = 1", (SINK,))
+    conn.execute("UPDATE sequin.stream_pending SET pending = 50, checked_at = now() WHERE sink = %s", (SINK,))
+    # recounted at most every RECOUNT_SECONDS: until then the counter is trusted
+    assert stream_queue.receive(conn, "sequin", SINK, 10, 30, 3) == []
+    conn.execute("UPDATE sequin.stream_pending SET checked_at = now() - interval '1 hour' WHERE sink = %s", (SINK,))
+    assert lsns(stream_queue.receive(conn, "sequin", SINK, 10, 30, 3)) == [3, 4]  # 1 pending (lsn 2) + 2 new
+    assert pending(conn) == (3, 3)
+
+
+def test_receiving_writes_no_index_entry(dsn: str, conn: psycopg.Connection) -> None:
+    """A receive updates only unindexed columns, so its updates are HOT (the table's fillfactor leaves
+    room on the page for nearly all of them): this is what lets the pull API keep up (README:
+    Performance). An index on a column a receive sets makes none of them HOT and fails this test."""
+    put_stream_messages(dsn, SINK, [(i, 0, f"g{i}") for i in range(1, 201)])
+    with conn.transaction():  # pg_stat_xact_user_tables counts this transaction's updates
+        got = stream_queue.receive(conn, "sequin", SINK, 200, 30, 1000)
+        updated, hot = conn.execute("SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables"
+                                    " WHERE schemaname = 'sequin' AND relname = 'stream_messages'").fetchone()
+    assert len(got) == 200
+    assert updated == 200 and hot >= 180, (updated, hot)
