@@ -384,8 +384,8 @@ def create_app(config: SequinConfig, service: StreamService | None = None) -> Fa
         query = _validated(ReceiveQuery, dict(request.query_params)) if request.query_params else None
         raw = await request.body()
         body = _validated(ReceiveParams, raw) if raw.strip() else None
-        batch_size = query and (query.batch_size or query.max_batch_size)
-        wait_for = query and query.wait_for
+        batch_size = (query.batch_size or query.max_batch_size) if query else None
+        wait_for = query.wait_for if query else None
         if body is not None:  # a JSON body's values win over the query string's
             batch_size = body.batch_size or body.max_batch_size or batch_size
             wait_for = body.wait_for if body.wait_for is not None else wait_for
