@@ -52,8 +52,9 @@ def ack_id(commit_lsn: int, commit_idx: int, nonce: int) -> str:
 
 
 def parse_ack_id(ack_id: str | uuid.UUID) -> tuple[int, int, int] | None:
-    """(commit_lsn, commit_idx, nonce) of an ack id made by ``ack_id``; None for any other UUID.
-    Raises ValueError for text that is not a UUID."""
+    """(commit_lsn, commit_idx, nonce) of an ack id made by ``ack_id``; None for a UUID of another
+    version or variant (any other version-8 UUID parses too, and matches a message only if its
+    position and nonce do). Raises ValueError for text that is not a UUID."""
     u = (ack_id if isinstance(ack_id, uuid.UUID) else uuid.UUID(ack_id)).int
     if u >> 76 & 0xF != 0x8 or u >> 62 & 0b11 != 0b10:
         return None
