@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from psycopg_pool import ConnectionPool
-from pydantic import BaseModel, Field, StrictInt, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from sequin_provider import stream_queue
@@ -59,24 +59,17 @@ class ErrorBody(BaseModel):
     summary: str
 
 
-BatchSize = Annotated[StrictInt, Field(ge=1, le=1000)]
-WaitFor = Annotated[StrictInt, Field(ge=500, le=300_000)]
+BatchSize = Annotated[int, Field(ge=1, le=1000)]
+WaitFor = Annotated[int, Field(ge=500, le=300_000)]
 
 
 class ReceiveParams(BaseModel):
-    """``receive`` parameters, from the query string or a JSON body."""
+    """``receive`` parameters, from the query string (text, parsed to integers) or a JSON body
+    (validated strictly: ``true`` or ``"5"`` is not a batch size)."""
 
     batch_size: BatchSize | None = Field(None, description="messages to return at most (1-1000, default 1)")
     max_batch_size: BatchSize | None = Field(None, description="alias of batch_size")
     wait_for: WaitFor | None = Field(None, description="long poll: wait up to this many ms for a message (500-300000)")
-
-
-class ReceiveQuery(BaseModel):
-    """``receive`` parameters from the query string (text, so integers are parsed)."""
-
-    batch_size: Annotated[int, Field(ge=1, le=1000)] | None = Field(None, description="default 1")
-    max_batch_size: Annotated[int, Field(ge=1, le=1000)] | None = Field(None, description="alias of batch_size")
-    wait_for: Annotated[int, Field(ge=500, le=300_000)] | None = Field(None, description="long poll, ms")
 
 
 class AckRequest(BaseModel):
@@ -320,9 +313,10 @@ def _validation_summary(exc: RequestValidationError | Exception) -> str:
 
 
 def _validated(model: type[ModelT], data: bytes | dict[str, str]) -> ModelT:
-    """``data`` (a JSON body or query parameters) as ``model``, or a 400 naming the first problem."""
+    """``data`` (a JSON body, strictly, or query parameters) as ``model``, or a 400 naming the first problem."""
     try:
-        return model.model_validate_json(data) if isinstance(data, bytes) else model.model_validate(data)
+        return (model.model_validate_json(data, strict=True) if isinstance(data, bytes)
+                else model.model_validate(data))
     except ValidationError as exc:
         raise ApiError(400, "bad_request", _validation_summary(exc)) from None
 
@@ -381,7 +375,7 @@ def create_app(config: SequinConfig, service: StreamService | None = None) -> Fa
     async def receive(name: str, request: Request) -> Response:
         await authorize(request)
         stream = service.stream(name)
-        query = _validated(ReceiveQuery, dict(request.query_params)) if request.query_params else None
+        query = _validated(ReceiveParams, dict(request.query_params)) if request.query_params else None
         raw = await request.body()
         body = _validated(ReceiveParams, raw) if raw.strip() else None
         batch_size = (query.batch_size or query.max_batch_size) if query else None
@@ -402,7 +396,7 @@ def create_app(config: SequinConfig, service: StreamService | None = None) -> Fa
         return endpoint
 
     security = {"security": [{"HTTPBearer": []}]}
-    receive_doc = {**security, "parameters": _query_parameters(ReceiveQuery), "requestBody": _json_body(ReceiveParams, False)}
+    receive_doc = {**security, "parameters": _query_parameters(ReceiveParams), "requestBody": _json_body(ReceiveParams, False)}
     settle_doc = {**security, "requestBody": _json_body(AckRequest, True)}
     for prefix in PREFIXES:
         legacy = prefix != PREFIXES[0]
