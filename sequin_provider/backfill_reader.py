@@ -24,9 +24,10 @@ from psycopg import sql
 
 from sequin_provider import store
 from sequin_provider.backfill import PageSizeOptimizer
+from sequin_provider.backfill_sql import record_sql, text_array_sql
 from sequin_provider.config import SequinConfig
-from sequin_provider.pgoutput import PgOutputDecoder, Relation, TypeRegistry
-from sequin_provider.replication import _Catalog, emit_message, primary_key_columns
+from sequin_provider.pgoutput import PgOutputDecoder, Relation, TypeRegistry, parse_array_literal
+from sequin_provider.replication import REPLICATION_SESSION_OPTIONS, _Catalog, emit_message, primary_key_columns
 from sequin_provider.store import BackfillError
 from sequin_provider.watermarks import HIGH_PREFIX, LOW_PREFIX, Watermark, watermark_content
 
@@ -50,6 +51,7 @@ class TableShape:
     type_oids: tuple[int, ...]
     types: dict[str, str]  # column -> format_type, for casts of cursor values
     primary_key: tuple[str, ...]
+    type_kinds: tuple[str, ...] = ()  # pg_type.typtype per column (a domain's: its base type's)
 
     @property
     def qualified(self) -> sql.Identifier:
@@ -59,15 +61,18 @@ class TableShape:
 def table_shape(conn: psycopg.Connection[Any], schema: str, name: str) -> TableShape:
     """The table's published columns (attnum order, no dropped or generated ones), types and key."""
     rows = conn.execute(
-        "SELECT c.oid, a.attname, a.atttypid, format_type(a.atttypid, a.atttypmod) FROM pg_class c"
+        "SELECT c.oid, a.attname, a.atttypid, format_type(a.atttypid, a.atttypmod),"
+        " CASE WHEN t.typtype = 'd' THEN b.typtype ELSE t.typtype END FROM pg_class c"
         " JOIN pg_namespace n ON n.oid = c.relnamespace JOIN pg_attribute a ON a.attrelid = c.oid"
+        " JOIN pg_type t ON t.oid = a.atttypid LEFT JOIN pg_type b ON b.oid = t.typbasetype"
         " WHERE n.nspname = %s AND c.relname = %s AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''"
         " ORDER BY a.attnum", (schema, name)).fetchall()
     if not rows:
         raise BackfillError(f"table {schema}.{name} does not exist")
     oid = int(rows[0][0])
     return TableShape(oid, schema, name, tuple(r[1] for r in rows), tuple(int(r[2]) for r in rows),
-                      {r[1]: str(r[3]) for r in rows}, tuple(primary_key_columns(conn, oid)))
+                      {r[1]: str(r[3]) for r in rows}, tuple(primary_key_columns(conn, oid)),
+                      tuple(str(r[4]) for r in rows))
 
 
 _COPY_ESCAPE = re.compile(r"\\(.)")
@@ -137,6 +142,23 @@ class PageQuery:
 
     def sql(self, cursor: Sequence[str] | None, limit: int) -> sql.Composed:
         """``COPY (SELECT every column ... ORDER BY order LIMIT limit) TO STDOUT`` after ``cursor``."""
+        return sql.SQL("COPY ({}) TO STDOUT").format(self.select(cursor, limit))
+
+    def staging_sql(self, cursor: Sequence[str] | None, limit: int, page_id: int, record: sql.Composable) -> sql.Composed:
+        """The same page as ``COPY TO STDOUT`` lines of ``backfill_rows (page_id, ordinal, record_pks, record,
+        order_key)``: ``record`` renders each row (``backfill_sql.record_sql``); the last row carries its
+        order key (the page's next cursor)."""
+        shape = self.shape
+        oids = dict(zip(shape.columns, shape.type_oids))
+        window = sql.SQL("OVER (ORDER BY {})").format(sql.SQL(", ").join(sql.Identifier("r", c) for c in self.order))
+        return sql.SQL("COPY (SELECT {page}, row_number() {w} - 1, {pks}, {record},"
+                       " CASE WHEN lead(true) {w} IS NULL THEN {order} END FROM ({select}) AS r) TO STDOUT").format(
+            page=sql.Literal(page_id), w=window, record=record, select=self.select(cursor, limit),
+            pks=text_array_sql(shape.primary_key, [oids[c] for c in shape.primary_key]),
+            order=text_array_sql(self.order, [oids[c] for c in self.order]))
+
+    def select(self, cursor: Sequence[str] | None, limit: int) -> sql.Composed:
+        """``SELECT every column ... ORDER BY order LIMIT limit`` after ``cursor``."""
         shape = self.shape
         where: list[sql.Composable] = []
         if self.sort_column is not None:
@@ -149,19 +171,33 @@ class PageQuery:
         if cursor is not None:
             where.append(sql.SQL("{} > {}").format(_key_row(self.order), _cast_row(shape, self.order, cursor)))
         condition = sql.SQL(" AND ").join(where) if where else sql.SQL("true")
-        return sql.SQL("COPY (SELECT {} FROM {} WHERE {} ORDER BY {} LIMIT {}) TO STDOUT").format(
+        return sql.SQL("SELECT {} FROM {} WHERE {} ORDER BY {} LIMIT {}").format(
             sql.SQL(", ").join(sql.Identifier(c) for c in shape.columns), shape.qualified, condition,
             sql.SQL(", ").join(sql.Identifier(c) for c in self.order), sql.Literal(limit))
 
 
-def read_page(conn: psycopg.Connection[Any], query: sql.Composed) -> list[list[str | None]]:
-    """Run a page's COPY and return its rows as text values."""
+def copy_out(conn: psycopg.Connection[Any], query: sql.Composed) -> bytes:
+    """Run a ``COPY … TO STDOUT`` and return its text-format output."""
     chunks: list[bytes] = []
     with conn.cursor() as cur, cur.copy(query) as copy:
         for data in copy:
             chunks.append(bytes(data))
-    text = b"".join(chunks).decode("utf-8")
-    return [parse_copy_line(line) for line in text.split("\n") if line]
+    return b"".join(chunks)
+
+
+def read_page(conn: psycopg.Connection[Any], query: sql.Composed) -> list[list[str | None]]:
+    """Run a page's COPY and return its rows as text values."""
+    return [parse_copy_line(line) for line in copy_out(conn, query).decode("utf-8").split("\n") if line]
+
+
+def staged_page_end(data: bytes) -> tuple[int, list[str] | None]:
+    """(rows, the last row's order key) of a page rendered by ``PageQuery.staging_sql``."""
+    if not data:
+        return 0, None
+    last = parse_copy_line(data.rstrip(b"\n").rpartition(b"\n")[2].decode("utf-8"))[-1]
+    if last is None:
+        raise BackfillError("a rendered backfill page ends without its order key")
+    return data.count(b"\n"), [str(v) for v in parse_array_literal(last)]
 
 
 def wait_for_snapshot_horizon(conn: psycopg.Connection[Any], timeout: float = SNAPSHOT_WAIT) -> None:
@@ -249,7 +285,9 @@ class RangeReader:
             result = RangeResult(self.range_idx, done=rng.done)
             if rng.done:
                 return result
-            with psycopg.connect(self.database.dsn, autocommit=True, connect_timeout=10) as source:
+            # the walsender's text forms (DateStyle, TimeZone…), so a read renders exactly like a change
+            with psycopg.connect(self.database.dsn, autocommit=True, connect_timeout=10,
+                                 options=REPLICATION_SESSION_OPTIONS) as source:
                 return self._read(source, store_conn, backfill, rng, result)
 
     def _read(self, source: psycopg.Connection[Any], store_conn: psycopg.Connection[Any], backfill: store.Backfill,
@@ -261,6 +299,9 @@ class RangeReader:
             rel = decoder.make_relation(shape.oid, shape.schema, shape.name, "d", list(shape.columns),
                                         list(shape.type_oids), [c in shape.primary_key for c in shape.columns],
                                         list(shape.primary_key))
+            record = record_sql(rel, shape.type_kinds)
+            log.info("backfill %d range %d: rows of %s.%s rendered by %s", self.backfill_id, self.range_idx,
+                     shape.schema, shape.name, "the source's SQL" if record is not None else "the decoder (Python)")
             order = ((backfill.sort_column,) if backfill.sort_column else ()) + shape.primary_key
             query = PageQuery(shape, order, rng.lower_key, rng.upper_key, backfill.sort_column, backfill.start_position)
             positions = [shape.columns.index(c) for c in order]
@@ -276,7 +317,8 @@ class RangeReader:
                 if state != "running":
                     raise BackfillStopped(f"backfill {self.backfill_id} is {state}")
                 if not read_all:
-                    page = self._stage(source, store_conn, shape, rel, decoder, query, positions, optimizer, cursor)
+                    page = self._stage(source, store_conn, shape, rel, decoder, query, positions, optimizer, cursor,
+                                       record)
                     if page is None:  # timed out: the same page again, smaller
                         continue
                     read_all = page.rows < page.size
@@ -314,9 +356,12 @@ class RangeReader:
 
     def _stage(self, source: psycopg.Connection[Any], store_conn: psycopg.Connection[Any], shape: TableShape,
                rel: Relation, decoder: PgOutputDecoder, query: PageQuery, positions: list[int],
-               optimizer: PageSizeOptimizer, cursor: list[str] | None) -> StagedPage | None:
+               optimizer: PageSizeOptimizer, cursor: list[str] | None,
+               record: sql.Composable | None = None) -> StagedPage | None:
         """One page into the window protocol, up to its high watermark: the page staged (with 0 rows
-        at the end of the range), or None to read it again (it timed out)."""
+        at the end of the range), or None to read it again (it timed out). With ``record``
+        (``backfill_sql.record_sql``) the source renders the rows and they are staged as bytes;
+        without it the decoder renders them in Python."""
         size = optimizer.size
         page_id = store.open_backfill_page(store_conn, self.schema, self.backfill_id, self.range_idx)
         mark = Watermark(self.backfill_id, page_id, self.range_idx, shape.schema, shape.name, shape.primary_key)
@@ -325,7 +370,10 @@ class RangeReader:
             wait_for_snapshot_horizon(source)
             started = time.monotonic()
             try:
-                values = read_page(source, query.sql(cursor, size))
+                if record is not None:
+                    data = copy_out(source, query.staging_sql(cursor, size, page_id, record))
+                else:
+                    values = read_page(source, query.sql(cursor, size))
             except psycopg.errors.QueryCanceled:
                 optimizer.observe(size, 0, timed_out=True)
                 log.warning("backfill %d range %d: a page of %d rows hit max_query_ms=%d; next page %d rows",
@@ -337,16 +385,22 @@ class RangeReader:
                 store.discard_backfill_page(store_conn, self.schema, page_id)
                 return None
             optimizer.observe(size, (time.monotonic() - started) * 1000.0)
-            staged = [decoder.render_values(rel, v)[::-1] for v in values]  # (record_pks, record)
-            cursor_after = [str(values[-1][p]) for p in positions] if values else None
-            if values:
-                store.stage_backfill_page(store_conn, self.schema, page_id, staged, cursor_after)
+            if record is not None:
+                rows, cursor_after = staged_page_end(data)
+                if rows:
+                    store.stage_backfill_copy(store_conn, self.schema, page_id, data, rows, cursor_after)
             else:
+                rows = len(values)
+                staged = [decoder.render_values(rel, v)[::-1] for v in values]  # (record_pks, record)
+                cursor_after = [str(values[-1][p]) for p in positions] if values else None
+                if rows:
+                    store.stage_backfill_page(store_conn, self.schema, page_id, staged, cursor_after)
+            if not rows:
                 store.discard_backfill_page(store_conn, self.schema, page_id)
         finally:
             emit_message(source, HIGH_PREFIX, watermark_content(mark))  # always close the window
         select_ms = optimizer.observations[-1].elapsed_ms
-        return StagedPage(page_id, len(values), size, cursor, cursor_after, time.monotonic(), select_ms,
+        return StagedPage(page_id, rows, size, cursor, cursor_after, time.monotonic(), select_ms,
                           (time.monotonic() - started) * 1000 - select_ms)
 
     def _wait_emitted(self, store_conn: psycopg.Connection[Any], page: StagedPage, quiet: bool = False) -> int | None:

@@ -176,6 +176,11 @@ INSERT INTO {schema}.stream_pending (sink, pending)
     SELECT sink, count(*) FROM {schema}.stream_messages WHERE state = 'delivered' GROUP BY sink
     ON CONFLICT (sink) DO NOTHING;
 """),
+    # A page rendered by the source's SQL arrives as COPY bytes (backfill_sql); its last row carries
+    # the page's order key, the range's next cursor, so the bytes need not be parsed.
+    (8, "backfill rows carry the order key of a page's last row", """
+ALTER TABLE {schema}.backfill_rows ADD COLUMN IF NOT EXISTS order_key text[];
+"""),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
@@ -396,10 +401,25 @@ def stage_backfill_page(conn: psycopg.Connection[Any], schema: str, page_id: int
                 _ident(schema))) as copy:
             for ordinal, (pks, record) in enumerate(rows):
                 copy.write_row((page_id, ordinal, pks, record))
-        cur.execute(sql.SQL("UPDATE {}.backfill_pages SET state = 'staged', rows_staged = %s, cursor_after = %s,"
-                            " updated_at = now() WHERE id = %s AND state = 'open'").format(_ident(schema)),
-                    (len(rows), Jsonb(cursor_after) if cursor_after is not None else None, page_id))
+        _mark_staged(cur, schema, page_id, len(rows), cursor_after)
     conn.commit()
+
+
+def stage_backfill_copy(conn: psycopg.Connection[Any], schema: str, page_id: int, data: bytes, rows: int,
+                        cursor_after: list[str] | None) -> None:
+    """``stage_backfill_page`` for a page already in COPY text form (``backfill_reader.PageQuery.staging_sql``)."""
+    with conn.transaction(), conn.cursor() as cur:
+        with cur.copy(sql.SQL("COPY {}.backfill_rows (page_id, ordinal, record_pks, record, order_key) FROM STDIN"
+                              ).format(_ident(schema))) as copy:
+            copy.write(data)
+        _mark_staged(cur, schema, page_id, rows, cursor_after)
+    conn.commit()
+
+
+def _mark_staged(cur: psycopg.Cursor[Any], schema: str, page_id: int, rows: int, cursor_after: list[str] | None) -> None:
+    cur.execute(sql.SQL("UPDATE {}.backfill_pages SET state = 'staged', rows_staged = %s, cursor_after = %s,"
+                        " updated_at = now() WHERE id = %s AND state = 'open'").format(_ident(schema)),
+                (rows, Jsonb(cursor_after) if cursor_after is not None else None, page_id))
 
 
 @dataclass(frozen=True)
