@@ -6,8 +6,9 @@ pages under ``statement_timeout = max_query_ms``, sized by ``PageSizeOptimizer``
 page through the watermark window protocol: open the page, emit the low watermark, select, stage
 the rows in the store, emit the high watermark; the stream app then marks the page emitted (the
 cursor advances) or stale (the page is read again). A few pages are in flight at once. Rows are
-rendered to record JSON by the pgoutput decoder's own converters, so a read looks exactly like a
-change of the same row. Plain Python (no Spark): the Spark app runs one ``RangeReader`` per task.
+rendered to record JSON by the source's SQL (``backfill_sql``), or, for tables with a column it does
+not render, by the pgoutput decoder's own converters, so a read looks exactly like a change of the
+same row. Plain Python (no Spark): the Spark app runs one ``RangeReader`` per task.
 """
 
 from __future__ import annotations
