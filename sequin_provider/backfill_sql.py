@@ -19,6 +19,7 @@ from typing import Sequence
 from psycopg import sql
 
 from sequin_provider.pgoutput import (
+    _NON_FINITE,
     Converter,
     Relation,
     as_bool,
@@ -67,8 +68,9 @@ def value_sql(column: sql.Composable, type_oid: int, converter: Converter) -> sq
     if converter is as_bool:
         return sql.SQL("CASE WHEN {} THEN 'true' ELSE 'false' END").format(column)
     if converter is as_number:
-        return sql.SQL("CASE {0} WHEN 'NaN' THEN '\"NaN\"' WHEN 'Infinity' THEN '\"Infinity\"'"
-                       " WHEN '-Infinity' THEN '\"-Infinity\"' ELSE {0} END").format(text)
+        specials = sql.SQL(" ").join(sql.SQL("WHEN {} THEN {}").format(sql.Literal(k), sql.Literal(v))
+                                     for k, v in _NON_FINITE.items())
+        return sql.SQL("CASE {0} {1} ELSE {0} END").format(text, specials)
     if converter is as_timestamp:
         return sql.SQL("CASE WHEN {} THEN '\"' || {} || '\"' ELSE to_json({})::text END").format(finite, iso, text)
     if converter is as_timestamptz:

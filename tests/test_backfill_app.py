@@ -43,6 +43,8 @@ SCHEMA = [
     "CREATE TABLE docs (id uuid PRIMARY KEY, title text)",
     "INSERT INTO docs SELECT md5(g::text)::uuid, 'doc ' || g FROM generate_series(1, 3000) g",
     "CREATE TABLE nothing (id int PRIMARY KEY)",
+    "CREATE TABLE tagged (id int PRIMARY KEY, tags text[])",  # an array column: rendered by the decoder (Python)
+    "INSERT INTO tagged SELECT g, ARRAY['t' || g, NULL, 'a,b'] FROM generate_series(1, 1500) g",
     "CREATE TABLE adapt (id int PRIMARY KEY, pad text)",
     "INSERT INTO adapt SELECT g, repeat('x', 100) FROM generate_series(1, 60000) g",
     "ANALYZE",
@@ -62,6 +64,7 @@ sinks:
   - {{name: lines_sink, tables: [lines], destination: {{type: sequin_stream}}}}
   - {{name: docs_sink, tables: [docs], destination: {{type: sequin_stream}}}}
   - {{name: nothing_sink, tables: [nothing], destination: {{type: sequin_stream}}}}
+  - {{name: tagged_sink, tables: [tagged], destination: {{type: sequin_stream}}}}
   - {{name: adapt_sink, tables: [adapt], destination: {{type: sequin_stream}}}}
 stream:
   checkpoint_location: {checkpoint}
@@ -243,7 +246,8 @@ def test_partial_backfill_from_a_timestamp_skips_older_rows_and_nulls(
 
 def test_composite_uuid_and_empty_tables(app_db: tuple[str, StreamApp, Path], spark: Any) -> None:
     dsn, app, config = app_db
-    for sink, table, rows in (("lines_sink", "lines", 2100), ("docs_sink", "docs", 3000), ("nothing_sink", "nothing", 0)):
+    for sink, table, rows in (("lines_sink", "lines", 2100), ("docs_sink", "docs", 3000), ("nothing_sink", "nothing", 0),
+                              ("tagged_sink", "tagged", 1500)):
         created = backfill(dsn, config, sink, table)
         final = run(spark, config, created.id, ranges=3)
         assert final.state == "completed", final.error
@@ -256,6 +260,8 @@ def test_composite_uuid_and_empty_tables(app_db: tuple[str, StreamApp, Path], sp
     with psycopg.connect(dsn) as conn:
         uuids = {str(r[0]) for r in conn.execute("SELECT id FROM docs")}
     assert {m["record"]["id"] for m in reads_of(dsn, "docs_sink")} == uuids
+    tagged = sorted((m["record"]["id"], m["record"]["tags"]) for m in reads_of(dsn, "tagged_sink"))
+    assert tagged == [(g, [f"t{g}", None, "a,b"]) for g in range(1, 1501)]  # the Python rendering path
 
 
 def test_page_size_adapts_to_a_small_budget_and_to_timeouts(app_db: tuple[str, StreamApp, Path], spark: Any) -> None:
