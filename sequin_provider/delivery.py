@@ -1,7 +1,8 @@
 """Per-sink selection, filter, grouping and transform (DESIGN §6 pipeline, §9).
 
-Selection, filter, grouping and the message rendering are Spark SQL over the change row, so the
-Spark glue evaluates them in the JVM for a whole micro-batch. In that SQL ``record`` and
+Selection, filter and custom grouping are Spark SQL over the change row, so the Spark glue
+evaluates them in the JVM for a whole micro-batch (messages are rendered by ``message_render``,
+in the executors). In that SQL ``record`` and
 ``changes`` are ``map<string,string>`` (values as text) when a sink needs them (filters, group
 columns), ``record_json``/``changes_json`` are the JSON texts, and ``action``, ``table_schema``,
 ``table_name`` are strings. User transforms (``module:function``) are plain Python applied to each
@@ -20,7 +21,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from sequin_provider.buffer import FOLLOWER_ERROR, DeliveryError, ParkRow, backoff_seconds
 from sequin_provider.config import SinkConfig
-from sequin_provider.messages import message_sql, metadata_sql, sql_string
+from sequin_provider.messages import sql_string
 
 
 class TransformError(RuntimeError):
@@ -73,15 +74,8 @@ def reads_render_in_store(sink: SinkConfig, table_schema: str, table_name: str) 
 
 
 def message_kind(sink: SinkConfig) -> str:
-    """The message shape ``message_sql`` renders for this sink (before any Python transform)."""
+    """The message shape rendered for this sink (before any Python transform): ``change``, ``record`` or ``record_only``."""
     return "record_only" if sink.transform == "record_only" else sink.message_kind
-
-
-def message_expression(sink: SinkConfig, database_name: str) -> str:
-    """SQL rendering this sink's message JSON (before any Python transform)."""
-    kind = message_kind(sink)
-    tables = [(t.schema, t.name) for t in sink.tables]
-    return message_sql(kind, metadata_sql(sink.consumer_id, sink.name, database_name, tables))
 
 
 def needs_parsed_record(sink: SinkConfig) -> bool:

@@ -4,8 +4,9 @@ A *change row* is what the replication source emits, sink-independent, with ``re
 ``changes`` already rendered as JSON text by ``pgoutput``. A *message* is what a sink receives:
 ``{"record", "changes", "action", "metadata"}`` for change sinks, ``{"record", "metadata"}``
 for record sinks (reference/001). Messages are rendered by string concatenation so the JSON values
-of the record pass through byte for byte (every digit of a numeric survives); the rendering is
-Spark SQL, evaluated in the JVM for whole micro-batches.
+of the record pass through byte for byte (every digit of a numeric survives): the pipeline's
+rendering is ``message_render`` (vectorized over Arrow batches), the store's for backfill reads is
+SQL around ``read_message_template``; this module holds the parts they share.
 """
 
 from __future__ import annotations
@@ -52,22 +53,7 @@ def idempotency_key(commit_lsn: int, commit_idx: int, backfill_id: int | None = 
     """
     if backfill_id is None:
         return f"{commit_lsn}:{commit_idx}"
-    return f"backfill:{backfill_id}:{_json(list(record_pks or []))}"
-
-
-_READ_KEY_SQL = "concat('backfill:', backfill_id, ':', to_json(record_pks))"
-
-
-def idempotency_key_sql() -> str:
-    """``idempotency_key`` as Spark SQL over a change row."""
-    return f"CASE WHEN backfill_id IS NULL THEN concat(commit_lsn, ':', commit_idx) ELSE {_READ_KEY_SQL} END"
-
-
-def idempotency_key_json_sql() -> str:
-    """``idempotency_key`` as a JSON string, in Spark SQL (a read's key holds its key values as JSON)."""
-    quoted = f"to_json(array({_READ_KEY_SQL}))"  # '["..."]' with the JSON escapes done by Spark
-    return (f"CASE WHEN backfill_id IS NULL THEN concat('\"', commit_lsn, ':', commit_idx, '\"')"
-            f" ELSE substr({quoted}, 2, length({quoted}) - 2) END")
+    return f"backfill:{backfill_id}:{json_text(list(record_pks or []))}"
 
 
 def sql_string(value: str) -> str:
@@ -75,56 +61,18 @@ def sql_string(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def metadata_sql(consumer_id: str, consumer_name: str, database_name: str,
-                 tables: Sequence[tuple[str, str]]) -> str:
-    """Spark SQL rendering ``metadata`` of a change row of one of ``tables`` as JSON text.
-
-    The parts that are constant per table or per sink are JSON-escaped here, once, and spliced in
-    as literals; only the per-row values are formatted by Spark. ``unchanged_toast_columns`` is
-    present only when the record leaves out columns whose (unchanged, TOASTed) value the WAL did
-    not carry and no old tuple had.
-    """
-    per_table = " ".join(
-        f"WHEN table_schema = {sql_string(schema)} AND table_name = {sql_string(name)} THEN "
-        + sql_string(metadata_head(schema, name))
-        for schema, name in tables)
-    suffix = metadata_tail(consumer_id, consumer_name, database_name)
-    return (
-        f"concat(CASE {per_table} END, "
-        """',"commit_timestamp":"', commit_timestamp, '","commit_lsn":', commit_lsn, ',"commit_idx":', commit_idx, """
-        f"""',"idempotency_key":', {idempotency_key_json_sql()}, ',"record_pks":', to_json(record_pks), """
-        f"{sql_string(suffix)}, "
-        """CASE WHEN size(unchanged_toast) > 0 THEN concat(',"unchanged_toast_columns":', to_json(unchanged_toast))"""
-        """ ELSE '' END, '}')"""
-    )
-
-
-_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+json_text = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+"""Compact JSON text, escaped as PostgreSQL's ``to_json`` escapes (non-ASCII kept, ``\\u00xx`` lower case)."""
 
 
 def metadata_head(table_schema: str, table_name: str) -> str:
     """The start of ``metadata`` for a table: ``{"table_schema":…,"table_name":…`` (JSON text)."""
-    return '{"table_schema":' + _json(table_schema) + ',"table_name":' + _json(table_name)
+    return '{"table_schema":' + json_text(table_schema) + ',"table_name":' + json_text(table_name)
 
 
 def metadata_tail(consumer_id: str, consumer_name: str, database_name: str) -> str:
     """The per-sink part of ``metadata`` after ``record_pks``: database and consumer (JSON text, unclosed)."""
-    return ',"database_name":' + _json(database_name) + ',"consumer":' + _json({"id": consumer_id, "name": consumer_name})
-
-
-def message_sql(kind: str, metadata: str) -> str:
-    """Spark SQL rendering the message JSON (reference/001 shapes) from a change row.
-
-    ``record_json``/``changes_json`` are the JSON texts from the decoder, concatenated verbatim so
-    every value passes byte for byte. ``kind``: ``change``, ``record`` (row message) or
-    ``record_only`` (the record itself).
-    """
-    if kind == "record_only":
-        return "record_json"
-    if kind == "record":
-        return f"""concat('{{"record":', record_json, ',"metadata":', {metadata}, '}}')"""
-    return (f"""concat('{{"record":', record_json, ',"changes":', coalesce(changes_json, 'null'), """
-            f"""',"action":"', action, '","metadata":', {metadata}, '}}')""")
+    return ',"database_name":' + json_text(database_name) + ',"consumer":' + json_text({"id": consumer_id, "name": consumer_name})
 
 
 @dataclass(frozen=True)
@@ -133,7 +81,7 @@ class ReadMessageTemplate:
 
     A read's message is ``before_record + record + before_idx + commit_idx + ',"idempotency_key":'
     + key as a JSON string + ',"record_pks":' + record_pks as JSON + after_pks`` (the record alone
-    when ``record_only``): exactly what ``message_sql`` renders for the same read (tested).
+    when ``record_only``): exactly what ``message_render.render`` renders for the same read (tested).
     """
 
     record_only: bool
@@ -144,7 +92,7 @@ class ReadMessageTemplate:
 
 def read_message_template(kind: str, table_schema: str, table_name: str, commit_timestamp: str, commit_lsn: int,
                           tail: str) -> ReadMessageTemplate:
-    """The template of the reads of one table emitted at one position (``kind`` as in ``message_sql``,
+    """The template of the reads of one table emitted at one position (``kind`` as in ``message_render``,
     ``tail`` from ``metadata_tail``)."""
     metadata = (metadata_head(table_schema, table_name) + ',"commit_timestamp":"' + commit_timestamp
                 + '","commit_lsn":' + str(commit_lsn) + ',"commit_idx":')

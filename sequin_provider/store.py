@@ -467,10 +467,6 @@ class StoreReads:
     commit_idx: int
 
 
-_JACKSON_ONLY_ESCAPES = "[" + "".join(chr(c) for c in range(1, 32) if chr(c) not in "\b\t\n\f\r") + "]"
-"""Key characters that Spark's JSON escapes as ``\\u00XX`` upper case and PostgreSQL as lower case."""
-
-
 def close_backfill_window(conn: psycopg.Connection[Any], schema: str, page_id: int, seen: bool,
                           changed: set[tuple[str, ...]], high_lsn: int,
                           store_reads: Callable[[str], StoreReads | None] | None = None) -> ClosedWindow | None:
@@ -502,7 +498,7 @@ def close_backfill_window(conn: psycopg.Connection[Any], schema: str, page_id: i
                                      " > coalesce((SELECT visible_lsn FROM {0}.stream_visibility WHERE sink = %s), -1)"
                                      ).format(s), (row[2], row[4], row[2]))
             result = None
-        elif reads is not None and not _keys_spark_escapes_differently(conn, s, page_id):
+        elif reads is not None:
             keys = [Jsonb(list(k)) for k in changed]
             dropped = conn.execute(sql.SQL(
                 "SELECT coalesce(array_agg(ordinal ORDER BY ordinal), '{{}}') FROM {}.backfill_rows WHERE page_id = %s"
@@ -524,15 +520,6 @@ def close_backfill_window(conn: psycopg.Connection[Any], schema: str, page_id: i
             result = ClosedWindow(page_id, int(row[1]), str(row[2]), kept)
     conn.commit()
     return result
-
-
-def _keys_spark_escapes_differently(conn: psycopg.Connection[Any], s: sql.Identifier, page_id: int) -> bool:
-    """Whether a staged key holds a control character whose JSON escape differs between Spark and
-    PostgreSQL (such a page's reads go through Spark, so a read's message never depends on the path)."""
-    row = conn.execute(sql.SQL("SELECT EXISTS (SELECT 1 FROM {}.backfill_rows WHERE page_id = %s"
-                               " AND array_to_string(record_pks, '') ~ %s)").format(s),
-                       (page_id, _JACKSON_ONLY_ESCAPES)).fetchone()
-    return bool(row and row[0])
 
 
 def _write_reads(conn: psycopg.Connection[Any], s: sql.Identifier, page_id: int, sink: str, backfill_id: int,
@@ -702,10 +689,11 @@ CopyChunk = Union[str, bytes, memoryview]
 
 
 def insert_stream_copy(conn: psycopg.Connection[Any], schema: str, chunks: Iterable[CopyChunk],
-                       consumed: list[CopyChunk] | None = None) -> int:
-    """Like ``insert_stream_messages`` for rows already in COPY text, streamed chunk by chunk.
+                       consumed: list[CopyChunk] | None = None, binary: bool = False) -> int:
+    """Like ``insert_stream_messages`` for rows already in COPY format, streamed chunk by chunk.
 
-    Chunks are whole lines (``copy_line`` + newline) and are sent as they come, so the server
+    Chunks are whole lines (``copy_line`` + newline), or with ``binary`` the pieces of one COPY
+    binary stream (header, tuples, trailer: ``message_render``), and are sent as they come, so the server
     works while the producer renders the next chunk. Fast path: COPY straight into the table.
     When a row is already there (the batch is a replay after a crash), the COPY fails on the
     primary key (the position) and the rows go through a temporary table with
@@ -714,11 +702,12 @@ def insert_stream_copy(conn: psycopg.Connection[Any], schema: str, chunks: Itera
     """
     seen: list[CopyChunk] = consumed if consumed is not None else []
     pending = iter(chunks)  # one pass: after a failure, only what was not taken remains
+    copy_format = sql.SQL("(FORMAT binary)" if binary else "")
     columns = sql.SQL(", ").join(sql.Identifier(c) for c in STREAM_COLUMNS)
     target = sql.SQL("{}.stream_messages").format(_ident(schema))
     try:
         with conn.transaction(), conn.cursor() as cur:
-            with cur.copy(sql.SQL("COPY {} ({}) FROM STDIN").format(target, columns)) as copy:
+            with cur.copy(sql.SQL("COPY {} ({}) FROM STDIN {}").format(target, columns, copy_format)) as copy:
                 for chunk in pending:
                     seen.append(chunk)
                     copy.write(chunk)
@@ -728,7 +717,7 @@ def insert_stream_copy(conn: psycopg.Connection[Any], schema: str, chunks: Itera
     with conn.transaction(), conn.cursor() as cur:
         cur.execute("CREATE TEMP TABLE IF NOT EXISTS sequin_incoming (sink text, commit_lsn bigint, commit_idx integer,"
                     " group_id text, idempotency_key text, data text) ON COMMIT DELETE ROWS")
-        with cur.copy(sql.SQL("COPY sequin_incoming ({}) FROM STDIN").format(columns)) as copy:
+        with cur.copy(sql.SQL("COPY sequin_incoming ({}) FROM STDIN {}").format(columns, copy_format)) as copy:
             for chunk in seen:
                 copy.write(chunk)
         cur.execute(sql.SQL(

@@ -40,16 +40,17 @@ class SequinStreamSink:
             self._conn = store.connect_durable(self.dsn, connect_timeout=5)
         return self._conn
 
-    def write(self, chunks: Iterable[CopyChunk]) -> int:
-        """Durably write stream rows given as COPY text chunks (``store.copy_line`` lines), streamed
-        as they come; return how many were new. Retries while the store is down."""
+    def write(self, chunks: Iterable[CopyChunk], binary: bool = False) -> int:
+        """Durably write stream rows given as COPY chunks (``store.copy_line`` lines, or with
+        ``binary`` a whole COPY binary stream), streamed as they come; return how many were new.
+        Retries while the store is down."""
         consumed: list[CopyChunk] = []
         source: Iterator[CopyChunk] = iter(chunks)
 
         def attempt(conn: psycopg.Connection[Any]) -> int:
             nonlocal source, consumed
             try:
-                return store.insert_stream_copy(conn, self.schema, source, consumed)
+                return store.insert_stream_copy(conn, self.schema, source, consumed, binary)
             except psycopg.OperationalError:
                 consumed.extend(source)  # take the rest: the retry sends the whole batch again
                 source, consumed = iter(list(consumed)), []

@@ -1,13 +1,14 @@
 """The micro-batch pipeline (``foreachBatch``): select, filter, group, render and write to the sinks.
 
-One Spark job per micro-batch: the JVM evaluates every sink's selection, group id and message
-rendering, down to the finished COPY text line of each stream row, and each partition's task
-writes its rows to the store in one COPY from the executor (``mapInArrow``), so partitions
-render and write in parallel and nothing is collected on the driver. No Python runs per message
-except a sink's own ``module:function`` transform. Push (webhook) sinks get one more job each:
-the batch repartitioned by group and sorted by position, each task sending its groups in order
-and parking what fails (DESIGN §9). The batch completes, and the slot may advance, only after
-every partition has written, delivered or parked.
+One Spark job per micro-batch: the JVM evaluates every sink's selection and filter (and group
+ids where they need the record's values or a repartition), and each partition's task renders its
+sinks' messages (``message_render``, vectorized over Arrow batches) and writes them to the store
+in one COPY from the executor (``mapInArrow``), so partitions render and write in parallel and
+nothing is collected on the driver. No Python runs per message except a sink's own
+``module:function`` transform. Push (webhook) sinks get one more job each: the batch
+repartitioned by group and sorted by position, each task sending its groups in order and parking
+what fails (DESIGN §9). The batch completes, and the slot may advance, only after every partition
+has written, delivered or parked.
 """
 
 from __future__ import annotations
@@ -33,12 +34,20 @@ from sequin_provider.delivery import (
     apply_transform,
     group_expression,
     load_transform,
-    message_expression,
     needs_parsed_record,
     push_in_group_order,
     selection_predicate,
 )
-from sequin_provider.messages import CHANGE_FIELD_NAMES, CHANGE_SCHEMA_DDL, idempotency_key, idempotency_key_sql
+from sequin_provider.message_render import (
+    COPY_BINARY_HEADER,
+    COPY_BINARY_TRAILER,
+    RenderedRows,
+    SinkRendering,
+    copy_binary_tuple,
+    render,
+    stream_rows_copy_binary,
+)
+from sequin_provider.messages import CHANGE_FIELD_NAMES, CHANGE_SCHEMA_DDL
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
 from sequin_provider.sinks.webhook import WebhookClient
 
@@ -46,66 +55,56 @@ log = logging.getLogger(__name__)
 
 RECORD_MAP = "map<string,string>"
 JSON_COLUMNS = ("record", "changes")
+RENDER_COLUMNS = tuple(c for c in CHANGE_FIELD_NAMES if c not in ("xid", "backfill_sink"))
+"""The change row's columns the executors render messages from (``record``/``changes`` as JSON text)."""
 
 
-def _copy_text(column: Column) -> Column:
-    """``store.copy_text`` as a Spark expression."""
-    for raw, escaped in store.COPY_TEXT_ESCAPES:
-        column = F.replace(column, F.lit(raw), F.lit(escaped))
-    return column
+def group_in_jvm(sink: SinkConfig) -> bool:
+    """Whether a sink's group ids are computed by Spark: custom group columns need the record's
+    values, and a push sink's batch is repartitioned by group. Otherwise the executor renders them."""
+    return sink.destination.type != "sequin_stream" or (sink.message_grouping and any(t.group_column_names for t in sink.tables))
 
 
-def project_batch(df: DataFrame, sinks: tuple[SinkConfig, ...], database_name: str) -> DataFrame:
-    """Per sink ``i``: ``_line_i``, the finished COPY line of its stream row (null when the sink
-    does not take the change); for sinks with a Python transform ``_group_i``/``_data_i`` instead."""
+def project_batch(df: DataFrame, sinks: tuple[SinkConfig, ...]) -> DataFrame:
+    """The change columns messages are rendered from, and per sink ``i`` ``_select_i`` (whether
+    the sink takes the change: tables, actions, filter) and, where Spark computes it, ``_group_i``."""
     others = [c for c in CHANGE_FIELD_NAMES if c not in JSON_COLUMNS]
     columns: list[Column] = [F.col(c) for c in others]
     columns += [F.col(c).alias(f"{c}_json") for c in JSON_COLUMNS]
     if any(needs_parsed_record(s) for s in sinks):
         columns += [F.from_json(c, RECORD_MAP).alias(c) for c in JSON_COLUMNS]
     df = df.select(*columns)
-    key = F.expr(idempotency_key_sql())
-    out: list[Column] = [F.col("commit_lsn"), F.col("commit_idx")]
-    if any(_python_path(s) for s in sinks):  # the Python path builds the key itself
-        out += [F.col("backfill_id"), F.col("record_pks")]
+    out: list[Column] = [F.col(f"{c}_json").alias(c) if c in JSON_COLUMNS else F.col(c) for c in RENDER_COLUMNS]
     for i, sink in enumerate(sinks):
-        selected = F.expr(selection_predicate(sink))
-        group = F.expr(group_expression(sink))
-        data = F.expr(message_expression(sink, database_name))
-        if _python_path(sink):
-            out += [selected.alias(f"_select_{i}"), group.alias(f"_group_{i}"), data.alias(f"_data_{i}")]
-        else:
-            line = F.concat_ws("\t", F.lit(sink.name), F.col("commit_lsn"), F.col("commit_idx"), _copy_text(group),
-                               _copy_text(key), _copy_text(data))
-            out.append(F.when(selected, F.concat(line, F.lit("\n"))).alias(f"_line_{i}"))
+        out.append(F.coalesce(F.expr(selection_predicate(sink)), F.lit(False)).alias(f"_select_{i}"))
+        if group_in_jvm(sink):
+            out.append(F.expr(group_expression(sink)).alias(f"_group_{i}"))
     return df.select(*out)
 
 
-def _python_path(sink: SinkConfig) -> bool:
-    """Whether a sink's rows are finished in Python (a transform, or a push sink) rather than as
-    ready COPY lines rendered in the JVM."""
-    return load_transform(sink.transform) is not None or sink.destination.type != "sequin_stream"
+def _rendered(batch: pa.RecordBatch, i: int, rendering: SinkRendering) -> RenderedRows:
+    """Sink ``i``'s stream rows of a batch of ``project_batch`` rows."""
+    selected = batch.filter(batch.column(f"_select_{i}"))
+    group = selected.column(f"_group_{i}") if f"_group_{i}" in selected.schema.names else None
+    return render(selected, rendering, group)
 
 
-def _outgoing(batch: pa.RecordBatch, i: int, sink: SinkConfig, transform: Transform | None) -> list[Outgoing]:
+def _outgoing(batch: pa.RecordBatch, i: int, sink: SinkConfig, rendering: SinkRendering,
+              transform: Transform | None) -> list[Outgoing]:
     """The messages of sink ``i`` in an Arrow batch of ``project_batch`` rows, transformed; a
     transform that raises marks its message instead of failing the batch."""
-    selected = batch.column(f"_select_{i}").to_pylist()
-    lsn, idx = batch.column("commit_lsn").to_pylist(), batch.column("commit_idx").to_pylist()
-    backfill, pks = batch.column("backfill_id").to_pylist(), batch.column("record_pks").to_pylist()
-    groups, data = batch.column(f"_group_{i}").to_pylist(), batch.column(f"_data_{i}").to_pylist()
+    rows = _rendered(batch, i, rendering)
     out = []
-    for j, keep in enumerate(selected):
-        if not keep:
-            continue
-        key = idempotency_key(lsn[j], idx[j], backfill[j], pks[j])
+    for lsn, idx, group, key, data in zip(rows.commit_lsn.to_pylist(), rows.commit_idx.to_pylist(),
+                                          rows.group_id.to_pylist(), rows.idempotency_key.to_pylist(),
+                                          rows.data.to_pylist()):
         if transform is None:
-            out.append(Outgoing(lsn[j], idx[j], groups[j], key, data[j]))
+            out.append(Outgoing(lsn, idx, group, key, data))
             continue
         try:
-            out.append(Outgoing(lsn[j], idx[j], groups[j], key, apply_transform(sink, transform, data[j])))
+            out.append(Outgoing(lsn, idx, group, key, apply_transform(sink, transform, data)))
         except TransformError as exc:
-            out.append(Outgoing(lsn[j], idx[j], groups[j], key, None, data[j], str(exc)))
+            out.append(Outgoing(lsn, idx, group, key, None, data, str(exc)))
     return out
 
 
@@ -121,20 +120,20 @@ class StreamWriter:
         self.sink = SequinStreamSink(config.store_dsn(db.name), config.store.schema, config.stream.store_retry_timeout)
         self.buffer = SequinStreamSink(config.store_dsn(db.name), config.store.schema, config.stream.store_retry_timeout)
         self._parked: list[ParkRow] = []
+        self.renderings = [SinkRendering.of(s, db.name) for s in self.sinks]
 
     def payload(self, batch: pa.RecordBatch) -> Iterator[bytes | memoryview]:
-        """Every Sequin Stream sink's COPY lines of the rows in ``batch``. Messages whose transform
-        raises, and later messages of their groups, are set aside to be parked."""
-        for i, (sink, transform) in enumerate(zip(self.sinks, self.transforms)):
+        """Every Sequin Stream sink's COPY binary tuples of the rows in ``batch``. Messages whose
+        transform raises, and later messages of their groups, are set aside to be parked."""
+        for i, (sink, rendering, transform) in enumerate(zip(self.sinks, self.renderings, self.transforms)):
             if sink.destination.type != "sequin_stream":
                 continue
             if transform is None:
-                lines = pc.drop_null(batch.column(f"_line_{i}"))
-                if len(lines):
-                    joined = pc.binary_join(pa.ListArray.from_arrays(pa.array([0, len(lines)], pa.int32()), lines), "")
-                    yield memoryview(joined[0].as_buffer())
+                tuples = stream_rows_copy_binary(sink.name, _rendered(batch, i, rendering))
+                if tuples.size:
+                    yield memoryview(tuples)
                 continue
-            messages = _outgoing(batch, i, sink, transform)
+            messages = _outgoing(batch, i, sink, rendering, transform)
             groups = {m.group_id for m in messages}
             blocked = self.buffer.retrying(lambda conn, g=groups, n=sink.name: parked_groups(conn, self.schema, n, g))
             rows = []
@@ -146,9 +145,10 @@ class StreamWriter:
                                                 0.0 if m.group_id in blocked else backoff_seconds(1)))
                     blocked.add(m.group_id)
                 else:
-                    rows.append((sink.name, m.commit_lsn, m.commit_idx, m.group_id, m.idempotency_key, m.data))
+                    rows.append(copy_binary_tuple((sink.name, m.commit_lsn, m.commit_idx, m.group_id,
+                                                   m.idempotency_key, m.data)))
             if rows:
-                yield "".join(store.copy_line(r) + "\n" for r in rows).encode()
+                yield b"".join(rows)
 
     def write(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         """``mapInArrow`` body: stream the partition into one COPY as its batches arrive, then
@@ -156,6 +156,7 @@ class StreamWriter:
         stats = {"rows": 0, "max_lsn": None}
 
         def chunks() -> Iterator[bytes | memoryview]:
+            yield COPY_BINARY_HEADER
             for batch in batches:
                 if not batch.num_rows:
                     continue
@@ -163,10 +164,11 @@ class StreamWriter:
                 top = pc.max(batch.column("commit_lsn")).as_py()
                 stats["max_lsn"] = top if stats["max_lsn"] is None else max(stats["max_lsn"], top)
                 yield from self.payload(batch)
+            yield COPY_BINARY_TRAILER
 
         started = time.monotonic()
         self._parked = []
-        written = self.sink.write(chunks())
+        written = self.sink.write(chunks(), binary=True)
         if self._parked:  # durable before the batch completes (the slot may then pass them)
             parked = self._parked
             self.buffer.retrying(lambda conn: park(conn, self.schema, parked))
@@ -185,6 +187,7 @@ class PushWriter:
         self.sink_config = next(s for s in config.sinks_of(database) if s.name == sink_name)
         self.index = config.sinks_of(database).index(self.sink_config)
         self.transform = load_transform(self.sink_config.transform)
+        self.rendering = SinkRendering.of(self.sink_config, database)
         self.client = WebhookClient(self.sink_config)
         self.lanes = int(self.sink_config.destination.options.get("concurrency", 8))
         self.store = SequinStreamSink(config.store_dsn(database), config.store.schema, config.stream.store_retry_timeout)
@@ -195,7 +198,7 @@ class PushWriter:
         messages: list[Outgoing] = []
         for batch in batches:
             if batch.num_rows:
-                messages.extend(_outgoing(batch, self.index, self.sink_config, self.transform))
+                messages.extend(_outgoing(batch, self.index, self.sink_config, self.rendering, self.transform))
         delivered = parked_count = 0
         top = max((m.commit_lsn for m in messages), default=None)
         if messages:
@@ -267,7 +270,7 @@ class Pipeline:
         empty = spark.createDataFrame([], CHANGE_SCHEMA_DDL)
         for i, sink in enumerate(self.sinks):
             try:
-                project_batch(empty, (sink,), self.database.name).schema  # noqa: B018 - forces analysis
+                project_batch(empty, (sink,)).schema  # noqa: B018 - forces analysis
             except Exception as exc:  # noqa: BLE001 - AnalysisException / ParseException
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 raise ConfigError(self.config.source, f"sinks[{i}].filter", f"invalid SQL: {first}") from None
@@ -275,7 +278,7 @@ class Pipeline:
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         """``foreachBatch`` entry point."""
         started = time.monotonic()
-        projected = project_batch(df, self.sinks, self.database.name)
+        projected = project_batch(df, self.sinks)
         if self.push_sinks:
             projected = projected.persist()  # rendered once, read by the stream job and each push job
         try:
@@ -307,8 +310,7 @@ class Pipeline:
     def _push_sink(self, projected: DataFrame, i: int, sink: SinkConfig) -> tuple[str, int, int]:
         """Deliver a push sink's messages of the batch: partitioned by group, in position order
         within each partition, so a group is sent in order by one task. Returns (sink, delivered, parked)."""
-        columns = [F.col("commit_lsn"), F.col("commit_idx"), F.col("backfill_id"), F.col("record_pks"),
-                   F.col(f"_select_{i}"), F.col(f"_group_{i}"), F.col(f"_data_{i}")]
+        columns = [F.col(c) for c in RENDER_COLUMNS] + [F.col(f"_select_{i}"), F.col(f"_group_{i}")]
         partitions = max(2, int(projected.sparkSession.sparkContext.defaultParallelism))
         out = (projected.where(F.col(f"_select_{i}")).select(*columns)
                .repartition(partitions, F.col(f"_group_{i}")).sortWithinPartitions("commit_lsn", "commit_idx")

@@ -1,0 +1,178 @@
+"""Messages and stream rows rendered from Arrow columns of change rows, vectorized (DESIGN §5).
+
+The stream app's executors render each sink's messages here, over whole Arrow batches, with
+Arrow's string kernels instead of per-row code: the message JSON is concatenated around the
+decoder's ``record``/``changes`` JSON texts (so every value passes byte for byte), the parts that
+are constant per table or per sink are JSON-escaped once, and keys are escaped as PostgreSQL's
+``to_json`` and Python's ``json`` escape them (so a change and a read written by the store agree).
+Stream rows go to the store as COPY binary, which needs no escaping at all. This module imports
+neither Spark nor a database driver.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from sequin_provider.config import SinkConfig
+from sequin_provider.messages import json_text, idempotency_key, metadata_head, metadata_tail
+
+_NEEDS_ESCAPE = r'[\x00-\x1f"\\]'
+
+
+def json_strings(values: pa.Array) -> pa.Array:
+    """Each string as a JSON string literal (nulls stay null)."""
+    quoted = pc.binary_join_element_wise('"', values, '"', "")
+    special = pc.match_substring_regex(values, _NEEDS_ESCAPE)
+    if not pc.any(special).as_py():
+        return quoted
+    mask = special.fill_null(False).to_numpy(zero_copy_only=False)
+    texts = quoted.to_pylist()
+    for j in np.flatnonzero(mask):
+        texts[j] = json_text(values[int(j)].as_py())
+    return pa.array(texts, pa.string())
+
+
+def json_string_arrays(lists: pa.Array) -> pa.Array:
+    """Each list of strings as a JSON array (``["a","b"]``); a null list stays null."""
+    if isinstance(lists, pa.ChunkedArray):
+        lists = lists.combine_chunks()
+    lists = pc.list_slice(lists, 0) if lists.offset else lists  # offsets from 0 for from_arrays
+    elements = json_strings(lists.values) if len(lists.values) else pa.array([], pa.string())
+    rebuilt = pa.ListArray.from_arrays(lists.offsets, elements, mask=lists.is_null())
+    return pc.binary_join_element_wise("[", pc.binary_join(rebuilt, ","), "]", "")
+
+
+@dataclass(frozen=True)
+class SinkRendering:
+    """What renders one sink's messages: its message kind, grouping and per-table metadata heads."""
+
+    name: str
+    kind: str  # "change", "record" (row message) or "record_only" (the record itself)
+    grouped: bool
+    tables: tuple[str, ...]  # "schema\0name", index-aligned with heads
+    heads: tuple[str, ...]
+    tail: str
+
+    @classmethod
+    def of(cls, sink: SinkConfig, database_name: str) -> SinkRendering:
+        """The rendering of ``sink`` (kind before any Python transform), for changes of ``database_name``."""
+        from sequin_provider.delivery import message_kind
+
+        return cls(sink.name, message_kind(sink), sink.message_grouping,
+                   tuple(f"{t.schema}\0{t.name}" for t in sink.tables),
+                   tuple(metadata_head(t.schema, t.name) for t in sink.tables),
+                   metadata_tail(sink.consumer_id, sink.name, database_name))
+
+
+@dataclass(frozen=True)
+class RenderedRows:
+    """A sink's stream rows of one batch, column-wise: position, group, idempotency key, message."""
+
+    commit_lsn: pa.Array
+    commit_idx: pa.Array
+    group_id: pa.Array
+    idempotency_key: pa.Array
+    data: pa.Array
+
+    def __len__(self) -> int:
+        return len(self.commit_lsn)
+
+
+def render(batch: pa.RecordBatch, sink: SinkRendering, group: pa.Array | None = None) -> RenderedRows:
+    """The stream rows of the change rows in ``batch`` (``messages.CHANGE_COLUMNS``, with
+    ``record``/``changes`` JSON texts). ``group``: group ids computed elsewhere (custom group
+    columns); by default the table and primary key, or the position when the sink does not group."""
+    lsn, idx = batch.column("commit_lsn"), batch.column("commit_idx")
+    lsn_text, idx_text = pc.cast(lsn, pa.string()), pc.cast(idx, pa.string())
+    position = pc.binary_join_element_wise(lsn_text, idx_text, ":")
+    pks = json_string_arrays(batch.column("record_pks"))
+    key, key_json = position, pc.binary_join_element_wise('"', position, '"', "")
+    backfill = batch.column("backfill_id")
+    if backfill.null_count < len(backfill):  # backfill reads: keyed by (backfill, primary key)
+        keys, keys_json = key.to_pylist(), key_json.to_pylist()
+        record_pks = batch.column("record_pks").to_pylist()
+        for j, backfill_id in enumerate(backfill.to_pylist()):
+            if backfill_id is not None:
+                keys[j] = idempotency_key(0, 0, backfill_id, record_pks[j])
+                keys_json[j] = json_text(keys[j])
+        key, key_json = pa.array(keys, pa.string()), pa.array(keys_json, pa.string())
+    schema_, table = batch.column("table_schema"), batch.column("table_name")
+    if group is None:
+        group = (pc.binary_join_element_wise(schema_, ".", table, ":", pks, "") if sink.grouped else position)
+    record = batch.column("record")
+    if sink.kind == "record_only":
+        data = record
+    else:
+        which = pc.index_in(pc.binary_join_element_wise(schema_, table, "\0"), value_set=pa.array(sink.tables, pa.string()))
+        head = pc.take(pa.array(sink.heads, pa.string()), which)
+        toast = batch.column("unchanged_toast")
+        has_toast = pc.fill_null(pc.greater(pc.list_value_length(toast), 0), False)
+        toast_part = pc.if_else(has_toast, pc.binary_join_element_wise(',"unchanged_toast_columns":',
+                                                                         json_string_arrays(toast), ""), "")
+        metadata = [head, ',"commit_timestamp":"', batch.column("commit_timestamp"), '","commit_lsn":', lsn_text,
+                    ',"commit_idx":', idx_text, ',"idempotency_key":', key_json, ',"record_pks":', pks, sink.tail,
+                    toast_part, "}"]
+        if sink.kind == "record":
+            parts = ['{"record":', record, ',"metadata":', *metadata, "}"]
+        else:
+            parts = ['{"record":', record, ',"changes":', pc.fill_null(batch.column("changes"), "null"),
+                     ',"action":"', batch.column("action"), '","metadata":', *metadata, "}"]
+        data = pc.binary_join_element_wise(*parts, "")
+    return RenderedRows(lsn, idx, group, key, data)
+
+
+COPY_BINARY_HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack("!ii", 0, 0)
+COPY_BINARY_TRAILER = struct.pack("!h", -1)
+_FIELDS_6 = struct.pack("!h", 6)
+
+
+def _length_prefixed(values: pa.Array) -> pa.Array:
+    """Each value as a COPY binary field: its byte length (int32, big-endian) and its bytes."""
+    lengths = pc.binary_length(values).to_numpy(zero_copy_only=False).astype(">i4")
+    prefixes = pa.FixedSizeBinaryArray.from_buffers(pa.binary(4), len(values), [None, pa.py_buffer(lengths.tobytes())])
+    return pc.binary_join_element_wise(pc.cast(prefixes, pa.binary()), pc.cast(values, pa.binary()), b"")
+
+
+def _fixed(values: pa.Array, dtype: str, size: int) -> pa.Array:
+    """Integers as COPY binary fields of ``size`` bytes."""
+    numbers = values.to_numpy(zero_copy_only=False).astype(dtype)
+    header = np.frombuffer(struct.pack("!i", size), dtype=np.uint8)
+    fields = np.empty((len(values), 4 + size), dtype=np.uint8)
+    fields[:, :4] = header
+    fields[:, 4:] = numbers.view(np.uint8).reshape(len(values), size)
+    return pc.cast(pa.FixedSizeBinaryArray.from_buffers(pa.binary(4 + size), len(values),
+                                                        [None, pa.py_buffer(fields.tobytes())]), pa.binary())
+
+
+def stream_rows_copy_binary(sink_name: str, rows: RenderedRows) -> pa.Buffer:
+    """``rows`` as tuples of COPY binary (``store.STREAM_COLUMNS``), without header or trailer.
+
+    Rows with a null group, key or message (a change the sink's tables do not name) are left out."""
+    complete = pc.and_(pc.and_(pc.is_valid(rows.group_id), pc.is_valid(rows.idempotency_key)), pc.is_valid(rows.data))
+    if not pc.all(complete).as_py():
+        rows = RenderedRows(*(pc.filter(c, complete) for c in (rows.commit_lsn, rows.commit_idx, rows.group_id,
+                                                                 rows.idempotency_key, rows.data)))
+    if not len(rows):
+        return pa.py_buffer(b"")
+    name = sink_name.encode()
+    start = _FIELDS_6 + struct.pack("!i", len(name)) + name
+    tuples = pc.binary_join_element_wise(start, _fixed(rows.commit_lsn, ">i8", 8), _fixed(rows.commit_idx, ">i4", 4),
+                                         _length_prefixed(rows.group_id), _length_prefixed(rows.idempotency_key),
+                                         _length_prefixed(rows.data), b"")
+    joined = pc.binary_join(pa.ListArray.from_arrays(pa.array([0, len(tuples)], pa.int32()), tuples), b"")
+    return joined[0].as_buffer()
+
+
+def copy_binary_tuple(row: Sequence[object]) -> bytes:
+    """One stream row (``store.StreamRow``: sink, lsn, idx, group, key, data) as a COPY binary tuple."""
+    sink, lsn, idx, group, key, data = (str(row[0]).encode(), int(row[1]), int(row[2]), str(row[3]).encode(),
+                                        str(row[4]).encode(), str(row[5]).encode())
+    return (_FIELDS_6 + struct.pack("!i", len(sink)) + sink + struct.pack("!iqii", 8, lsn, 4, idx)
+            + struct.pack("!i", len(group)) + group + struct.pack("!i", len(key)) + key
+            + struct.pack("!i", len(data)) + data)
