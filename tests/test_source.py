@@ -119,3 +119,39 @@ def test_empty_range_is_read_without_the_slot(tmp_path: Path, dsn: str, dbname: 
     other = ReplicationStreamReader(reader.options)
     assert rows_of(other, start, start) == []
     reader.stop()
+
+
+def test_spool_payload_rows_name_their_place_and_a_lost_file_is_put_back(tmp_path: Path, dsn: str,
+                                                                         dbname: str) -> None:
+    """``payload=spool``: Spark gets only the selection columns and each row's place in the spool
+    file, and the executors' writers take the change rows from the file. A batch replayed after
+    the file was lost re-reads the slot and writes the file back, so the places still resolve."""
+    from sequin_provider.spark.pipeline import materialize
+    from sequin_provider.spark.source import SPOOL_REFERENCE_SCHEMA
+
+    reader, _ = reader_for(tmp_path, dsn, dbname)
+    start = reader.initialOffset()
+    execute(dsn, "INSERT INTO kv SELECT g, g FROM generate_series(1, 25000) g")  # one transaction: one batch
+    end = next_offset(reader, start)
+    full = rows_of(reader, start, end)
+    assert [r["record"] for r in full] == [f'{{"id":{i},"v":{i}}}' for i in range(1, 25001)]
+    spooled = ReplicationStreamReader({**reader.options, "payload": "spool", "partitions": "2"})
+    spooled._spooled_rows = dict(reader._spooled_rows)  # the same process's bookkeeping, as in the app
+
+    def through_references() -> list[dict]:
+        partitions = spooled.partitions(start, end)
+        assert len(partitions) == 2  # slices of one file
+        rows: list[dict] = []
+        for partition in partitions:
+            for batch in spooled.read(partition):
+                assert batch.schema == SPOOL_REFERENCE_SCHEMA
+                assert "record" not in batch.schema.names
+                selected = batch.append_column("_select_0", pa.array([True] * batch.num_rows))
+                rows += pa.Table.from_batches([materialize(selected)]).drop_columns(["_select_0"]).to_pylist()
+        return rows
+
+    assert through_references() == full
+    reader.stop()
+    os.unlink(spooled.partitions(start, end)[0].path)  # type: ignore[attr-defined]
+    assert through_references() == full
+    assert Path(spooled.partitions(start, end)[0].path).exists()  # type: ignore[attr-defined]

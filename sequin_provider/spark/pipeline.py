@@ -49,6 +49,7 @@ from sequin_provider.message_render import (
 )
 from sequin_provider.messages import CHANGE_FIELD_NAMES, CHANGE_SCHEMA_DDL
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
+from sequin_provider.spark.source import SPOOL_REFERENCE_DDL, spool_table
 from sequin_provider.sinks.webhook import WebhookClient
 
 log = logging.getLogger(__name__)
@@ -65,9 +66,25 @@ def group_in_jvm(sink: SinkConfig) -> bool:
     return sink.destination.type != "sequin_stream" or (sink.message_grouping and any(t.group_column_names for t in sink.tables))
 
 
+def payload_mode(sinks: tuple[SinkConfig, ...]) -> str:
+    """The source's ``payload`` for these sinks: ``spool`` (rows name their place in the spool file
+    and the executors' writers take the records from there) when no sink's Spark SQL reads record
+    values and no push sink repartitions the batch; otherwise ``full``."""
+    if any(s.destination.type != "sequin_stream" or needs_parsed_record(s) for s in sinks):
+        return "full"
+    return "spool"
+
+
 def project_batch(df: DataFrame, sinks: tuple[SinkConfig, ...]) -> DataFrame:
-    """The change columns messages are rendered from, and per sink ``i`` ``_select_i`` (whether
-    the sink takes the change: tables, actions, filter) and, where Spark computes it, ``_group_i``."""
+    """The change columns messages are rendered from (or, from a ``payload=spool`` source, the
+    rows' places in the spool file), and per sink ``i`` ``_select_i`` (whether the sink takes the
+    change: tables, actions, filter) and, where Spark computes it, ``_group_i``."""
+    if "spool_row" in df.columns:
+        if any(group_in_jvm(s) or needs_parsed_record(s) for s in sinks):
+            raise ValueError("a payload=spool batch carries no record values for these sinks' SQL")
+        return df.select(F.col("commit_lsn"), F.col("spool_path"), F.col("spool_row"),
+                         *(F.coalesce(F.expr(selection_predicate(s)), F.lit(False)).alias(f"_select_{i}")
+                           for i, s in enumerate(sinks)))
     others = [c for c in CHANGE_FIELD_NAMES if c not in JSON_COLUMNS]
     columns: list[Column] = [F.col(c) for c in others]
     columns += [F.col(c).alias(f"{c}_json") for c in JSON_COLUMNS]
@@ -80,6 +97,31 @@ def project_batch(df: DataFrame, sinks: tuple[SinkConfig, ...]) -> DataFrame:
         if group_in_jvm(sink):
             out.append(F.expr(group_expression(sink)).alias(f"_group_{i}"))
     return df.select(*out)
+
+
+def materialize(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """A batch of ``project_batch`` rows with the change columns: taken from the spool files the rows
+    name when the source sent only references (``payload=spool``), else the batch itself."""
+    if "spool_row" not in batch.schema.names:
+        return batch
+    paths = batch.column("spool_path")
+    rows = batch.column("spool_row")
+    unique = pc.unique(paths).to_pylist()
+    if len(unique) == 1:  # the norm: a task reads one slice of one file
+        changes = spool_table(unique[0]).take(rows)
+    else:  # runs of rows from one file each, in the batch's order
+        names, pieces, first = paths.to_pylist(), [], 0
+        for j in range(1, len(names) + 1):
+            if j == len(names) or names[j] != names[first]:
+                pieces.append(spool_table(names[first]).take(rows.slice(first, j - first)))
+                first = j
+        changes = pa.concat_tables(pieces)
+    changes = changes.combine_chunks()
+    columns = [changes.column(c).chunk(0) if changes.num_rows else pa.array([], changes.schema.field(c).type)
+               for c in changes.schema.names]
+    selects = [n for n in batch.schema.names if n.startswith("_select_") or n.startswith("_group_")]
+    return pa.RecordBatch.from_arrays(columns + [batch.column(n) for n in selects],
+                                      names=list(changes.schema.names) + selects)
 
 
 def _rendered(batch: pa.RecordBatch, i: int, rendering: SinkRendering) -> RenderedRows:
@@ -160,6 +202,7 @@ class StreamWriter:
             for batch in batches:
                 if not batch.num_rows:
                     continue
+                batch = materialize(batch)
                 stats["rows"] += batch.num_rows
                 top = pc.max(batch.column("commit_lsn")).as_py()
                 stats["max_lsn"] = top if stats["max_lsn"] is None else max(stats["max_lsn"], top)
@@ -264,10 +307,11 @@ class Pipeline:
         self.stream_sinks = [s.name for s in self.sinks if s.destination.type == "sequin_stream"]
         self.push_sinks = [(i, s) for i, s in enumerate(self.sinks) if s.destination.type != "sequin_stream"]
         self._push = {s.name: push_partitions(config.source, self.database.name, s.name) for _, s in self.push_sinks}
+        self.payload = payload_mode(self.sinks)
 
     def validate(self, spark: Any) -> None:
         """Analyse every sink's SQL on an empty batch, so a bad filter fails at start with its sink named."""
-        empty = spark.createDataFrame([], CHANGE_SCHEMA_DDL)
+        empty = spark.createDataFrame([], SPOOL_REFERENCE_DDL if self.payload == "spool" else CHANGE_SCHEMA_DDL)
         for i, sink in enumerate(self.sinks):
             try:
                 project_batch(empty, (sink,)).schema  # noqa: B018 - forces analysis

@@ -12,14 +12,18 @@ Offsets are ``{"lsn": <end LSN of the last complete transaction>}``.
 
 Options: ``config`` (path of sequin.yaml), ``database``, ``spool`` (a folder of this database
 that the executors can read; the app passes ``<checkpoint>/sequin-spool`` or
-``stream.spool_location/<database>``), ``partitions`` (slices per large batch). The DSN is
-resolved from the config in the reader's process, so it never appears in Spark plans.
+``stream.spool_location/<database>``), ``partitions`` (slices per large batch), ``payload``
+(``full``, the default: every change column; ``spool``: only what a sink's selection needs, plus
+each row's place in its spool file, from which the executors' writers take the rest: the
+records never cross into the JVM). The DSN is resolved from the config in the reader's process,
+so it never appears in Spark plans.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -28,7 +32,7 @@ import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 
 from sequin_provider.config import DatabaseConfig, SequinConfig, StreamConfig, load_config
-from sequin_provider.messages import CHANGE_ARROW_SCHEMA, CHANGE_SCHEMA_DDL, rows_to_arrow
+from sequin_provider.messages import CHANGE_ARROW_SCHEMA, CHANGE_COLUMNS, CHANGE_SCHEMA_DDL, rows_to_arrow
 from sequin_provider.replication import ChangeReader, SourceUnavailableError, confirmed_flush_lsn
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
 from sequin_provider import store
@@ -44,6 +48,13 @@ from sequin_provider.watermarks import (
 log = logging.getLogger(__name__)
 
 MIN_ROWS_PER_SLICE = 10_000
+SPOOL_REFERENCE_COLUMNS = ("commit_lsn", "commit_idx", "table_schema", "table_name", "action", "backfill_sink")
+"""The change columns a ``payload=spool`` row carries: what sinks' selections read (no record values)."""
+SPOOL_REFERENCE_SCHEMA = pa.schema([CHANGE_ARROW_SCHEMA.field(c) for c in SPOOL_REFERENCE_COLUMNS]
+                                   + [pa.field("spool_path", pa.string()), pa.field("spool_row", pa.int64())])
+SPOOL_REFERENCE_DDL = ", ".join(
+    [f"{name} {ddl}" for name, ddl, _ in CHANGE_COLUMNS if name in SPOOL_REFERENCE_COLUMNS]
+    + ["spool_path string", "spool_row bigint"])
 
 
 class SequinReplicationDataSource(DataSource):
@@ -54,7 +65,7 @@ class SequinReplicationDataSource(DataSource):
         return "sequin_replication"
 
     def schema(self) -> str:
-        return CHANGE_SCHEMA_DDL
+        return SPOOL_REFERENCE_DDL if self.options.get("payload") == "spool" else CHANGE_SCHEMA_DDL
 
     def streamReader(self, schema: Any) -> DataSourceStreamReader:
         return ReplicationStreamReader(dict(self.options))
@@ -80,18 +91,31 @@ def spool_path(folder: str, start: int, end: int) -> str:
 
 
 def write_spool(path: str, batch: pa.RecordBatch) -> None:
-    """Write ``batch`` as an Arrow IPC file, atomically (a reader never sees half a file)."""
-    tmp = f"{path}.tmp"
+    """Write ``batch`` as an Arrow IPC file, atomically (a reader never sees half a file, and
+    several writers of the same file, such as the slices of a re-read batch, do not collide)."""
+    tmp = f"{path}.tmp{os.getpid()}-{threading.get_ident()}"
     with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, CHANGE_ARROW_SCHEMA) as writer:
         writer.write_batch(batch)
     os.replace(tmp, path)
 
 
-def read_spool(path: str, offset: int = 0, length: int | None = None) -> Iterator[pa.RecordBatch]:
-    """Rows ``offset`` to ``offset + length`` (all by default) of a spool file, memory-mapped."""
+def spool_table(path: str) -> pa.Table:
+    """A whole spool file, memory-mapped (its buffers stay valid after the call)."""
     with pa.memory_map(path) as source:
-        table = pa.ipc.open_file(source).read_all()
-        yield from table.slice(offset, length).to_batches()
+        return pa.ipc.open_file(source).read_all()
+
+
+def spool_references(path: str, table: pa.Table, first_row: int) -> Iterator[pa.RecordBatch]:
+    """``payload=spool`` rows of ``table`` (rows from ``first_row`` of the spool file ``path``)."""
+    import numpy as np
+
+    position = first_row
+    for batch in table.to_batches():
+        rows = pa.array(np.arange(position, position + batch.num_rows, dtype=np.int64))
+        position += batch.num_rows
+        yield pa.RecordBatch.from_arrays(
+            [batch.column(c) for c in SPOOL_REFERENCE_COLUMNS] + [pa.array([path] * batch.num_rows, pa.string()), rows],
+            schema=SPOOL_REFERENCE_SCHEMA)
 
 
 class ReplicationStreamReader(DataSourceStreamReader):
@@ -111,6 +135,7 @@ class ReplicationStreamReader(DataSourceStreamReader):
         self._last_heartbeat = 0.0
         self._initial_lsn: int | None = None
         self.slices = max(1, int(options.get("partitions") or 1))
+        self.references = options.get("payload") == "spool"
         self._spooled_rows: dict[str, int] = {}
 
     def _settings(self) -> tuple[DatabaseConfig, StreamConfig]:
@@ -224,18 +249,26 @@ class ReplicationStreamReader(DataSourceStreamReader):
             # Spark runs batch 0 over (initial, initial) when the first read found nothing.
             return
         try:
-            batches = list(read_spool(partition.path, partition.offset, partition.length))
+            table = spool_table(partition.path).slice(partition.offset, partition.length)
         except (OSError, pa.ArrowInvalid) as exc:
             # Gone or cut short (another machine, a wiped folder, an OS crash before the data hit
             # the disk): re-read the range from the slot, deterministically from the offsets.
             log.warning("spool file %s unusable (%s): re-reading the range from the slot", partition.path, exc)
         else:
-            yield from batches
+            yield from (spool_references(partition.path, table, partition.offset) if self.references
+                        else table.to_batches())
             return
         replay = ReplicationStreamReader(partition.options)
         batches = list(replay.reread_from_slot({"lsn": partition.start}, {"lsn": partition.end}))
-        if batches:  # the re-read is deterministic, so each slice takes its own rows of it
-            yield from pa.Table.from_batches(batches).slice(partition.offset, partition.length).to_batches()
+        whole = pa.Table.from_batches(batches, CHANGE_ARROW_SCHEMA)
+        if self.references:  # the executors' writers take the rows from the file: put it back
+            os.makedirs(os.path.dirname(partition.path), exist_ok=True)
+            write_spool(partition.path, whole.combine_chunks().to_batches()[0] if whole.num_rows
+                        else rows_to_arrow([]))
+        # the re-read is deterministic, so each slice takes its own rows of it
+        table = whole.slice(partition.offset, partition.length)
+        yield from (spool_references(partition.path, table, partition.offset) if self.references
+                    else table.to_batches())
 
     def reread_from_slot(self, start: dict, end: dict) -> Iterator[pa.RecordBatch]:
         """Re-read exactly ``(start, end]`` from the slot with a reader of its own."""
