@@ -151,6 +151,13 @@ def test_spool_payload_rows_name_their_place_and_a_lost_file_is_put_back(tmp_pat
         return rows
 
     assert through_references() == full
+    # rows no sink takes are not taken from the file; the others keep their order
+    (first, _) = spooled.partitions(start, end)
+    refs = next(iter(spooled.read(first)))
+    flags = pa.array([i % 3 == 0 for i in range(refs.num_rows)])
+    taken = materialize(refs.append_column("_select_0", flags).append_column("_select_1", pa.array([False] * refs.num_rows)))
+    assert taken.column("record").to_pylist() == [r["record"] for r in full[:refs.num_rows:3]]
+    assert taken.column("_select_1").to_pylist() == [False] * len(taken)
     reader.stop()
     os.unlink(spooled.partitions(start, end)[0].path)  # type: ignore[attr-defined]
     assert through_references() == full

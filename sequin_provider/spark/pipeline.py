@@ -104,6 +104,13 @@ def materialize(batch: pa.RecordBatch) -> pa.RecordBatch:
     name when the source sent only references (``payload=spool``), else the batch itself."""
     if "spool_row" not in batch.schema.names:
         return batch
+    selects = [n for n in batch.schema.names if n.startswith("_select_") or n.startswith("_group_")]
+    flags = [batch.column(n) for n in selects if n.startswith("_select_")]
+    wanted = flags[0] if flags else pa.array([False] * batch.num_rows)
+    for flag in flags[1:]:
+        wanted = pc.or_(wanted, flag)
+    if not pc.all(wanted).as_py():  # rows no sink takes are not taken from the file
+        batch = batch.filter(wanted)
     paths = batch.column("spool_path")
     rows = batch.column("spool_row")
     unique = pc.unique(paths).to_pylist()
@@ -119,7 +126,6 @@ def materialize(batch: pa.RecordBatch) -> pa.RecordBatch:
     changes = changes.combine_chunks()
     columns = [changes.column(c).chunk(0) if changes.num_rows else pa.array([], changes.schema.field(c).type)
                for c in changes.schema.names]
-    selects = [n for n in batch.schema.names if n.startswith("_select_") or n.startswith("_group_")]
     return pa.RecordBatch.from_arrays(columns + [batch.column(n) for n in selects],
                                       names=list(changes.schema.names) + selects)
 
@@ -202,11 +208,10 @@ class StreamWriter:
             for batch in batches:
                 if not batch.num_rows:
                     continue
-                batch = materialize(batch)
                 stats["rows"] += batch.num_rows
                 top = pc.max(batch.column("commit_lsn")).as_py()
                 stats["max_lsn"] = top if stats["max_lsn"] is None else max(stats["max_lsn"], top)
-                yield from self.payload(batch)
+                yield from self.payload(materialize(batch))
             yield COPY_BINARY_TRAILER
 
         started = time.monotonic()
