@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sequin_provider.config import SinkConfig
+from sequin_provider.delivery import message_kind
 from sequin_provider.messages import json_text, idempotency_key, metadata_head, metadata_tail
 
 _NEEDS_ESCAPE = r'[\x00-\x1f"\\]'
@@ -62,8 +63,6 @@ class SinkRendering:
     @classmethod
     def of(cls, sink: SinkConfig, database_name: str) -> SinkRendering:
         """The rendering of ``sink`` (kind before any Python transform), for changes of ``database_name``."""
-        from sequin_provider.delivery import message_kind
-
         return cls(sink.name, message_kind(sink), sink.message_grouping,
                    tuple(f"{t.schema}\0{t.name}" for t in sink.tables),
                    tuple(metadata_head(t.schema, t.name) for t in sink.tables),
