@@ -158,6 +158,8 @@ def test_spool_payload_rows_name_their_place_and_a_lost_file_is_put_back(tmp_pat
     taken = materialize(refs.append_column("_select_0", flags).append_column("_select_1", pa.array([False] * refs.num_rows)))
     assert taken.column("record").to_pylist() == [r["record"] for r in full[:refs.num_rows:3]]
     assert taken.column("_select_1").to_pylist() == [False] * len(taken)
+    none = materialize(refs.append_column("_select_0", pa.array([False] * refs.num_rows)))  # e.g. only watermarks
+    assert none.num_rows == 0 and none.schema.names == list(CHANGE_ARROW_SCHEMA.names) + ["_select_0"]
     reader.stop()
     os.unlink(spooled.partitions(start, end)[0].path)  # type: ignore[attr-defined]
     assert through_references() == full

@@ -47,7 +47,7 @@ from sequin_provider.message_render import (
     render,
     stream_rows_copy_binary,
 )
-from sequin_provider.messages import CHANGE_FIELD_NAMES, CHANGE_SCHEMA_DDL
+from sequin_provider.messages import CHANGE_ARROW_SCHEMA, CHANGE_FIELD_NAMES, CHANGE_SCHEMA_DDL
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
 from sequin_provider.spark.source import SPOOL_REFERENCE_DDL, spool_table
 from sequin_provider.sinks.webhook import WebhookClient
@@ -114,7 +114,9 @@ def materialize(batch: pa.RecordBatch) -> pa.RecordBatch:
     paths = batch.column("spool_path")
     rows = batch.column("spool_row")
     unique = pc.unique(paths).to_pylist()
-    if len(unique) == 1:  # the norm: a task reads one slice of one file
+    if not unique:  # no sink takes any of the rows (watermarks, heartbeats, other tables)
+        changes = pa.Table.from_batches([], CHANGE_ARROW_SCHEMA)
+    elif len(unique) == 1:  # the norm: a task reads one slice of one file
         changes = spool_table(unique[0]).take(rows)
     else:  # runs of rows from one file each, in the batch's order
         names, pieces, first = paths.to_pylist(), [], 0
