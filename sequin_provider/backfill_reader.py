@@ -5,7 +5,9 @@ sample (any key type, composite keys included). ``RangeReader`` walks one range 
 pages under ``statement_timeout = max_query_ms``, sized by ``PageSizeOptimizer``, and runs each
 page through the watermark window protocol: open the page, emit the low watermark, select, stage
 the rows in the store, emit the high watermark; the stream app then marks the page emitted (the
-cursor advances) or stale (the page is read again). A few pages are in flight at once. Rows are
+cursor advances) or stale (the page is read again). For a plain Sequin Stream sink the staging
+writes the page's reads themselves, at a position just after the low watermark (``read_position``)
+and hidden until the window closes, so the stream app only takes back the few whose key changed. A few pages are in flight at once. Rows are
 rendered to record JSON by the source's SQL (``backfill_sql``), or, for tables with a column it does
 not render, by the pgoutput decoder's own converters, so a read looks exactly like a change of the
 same row. Plain Python (no Spark): the Spark app runs one ``RangeReader`` per task.
@@ -17,7 +19,7 @@ import logging
 import re
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import psycopg
@@ -26,11 +28,12 @@ from psycopg import sql
 from sequin_provider import store
 from sequin_provider.backfill import PageSizeOptimizer
 from sequin_provider.backfill_sql import record_sql, text_array_sql
-from sequin_provider.config import SequinConfig
-from sequin_provider.pgoutput import PgOutputDecoder, Relation, TypeRegistry, parse_array_literal
+from sequin_provider.config import SequinConfig, SinkConfig
+from sequin_provider.delivery import reads_render_in_store
+from sequin_provider.pgoutput import PgOutputDecoder, Relation, TypeRegistry, lsn_to_int, parse_array_literal
 from sequin_provider.replication import REPLICATION_SESSION_OPTIONS, _Catalog, emit_message, primary_key_columns
-from sequin_provider.store import BackfillError
-from sequin_provider.watermarks import HIGH_PREFIX, LOW_PREFIX, Watermark, watermark_content
+from sequin_provider.store import BackfillError, StoreReads
+from sequin_provider.watermarks import HIGH_PREFIX, LOW_PREFIX, Watermark, page_reads, watermark_content
 
 log = logging.getLogger(__name__)
 
@@ -149,11 +152,24 @@ class PageQuery:
         """The same page as ``COPY TO STDOUT`` lines of ``backfill_rows (page_id, ordinal, record_pks, record,
         order_key)``: ``record`` renders each row (``backfill_sql.record_sql``); the last row carries its
         order key (the page's next cursor)."""
+        return sql.SQL("COPY ({}) TO STDOUT").format(self._staging_select(cursor, limit, page_id, record))
+
+    def reads_sql(self, cursor: Sequence[str] | None, limit: int, page_id: int, record: sql.Composable,
+                  reads: StoreReads) -> sql.Composed:
+        """The same page as ``COPY TO STDOUT`` lines of the sink's read messages
+        (``store.READ_MESSAGE_COLUMNS``), each followed by the order key column of ``staging_sql``."""
+        rows = sql.SQL("({}) AS r (page_id, ordinal, record_pks, record, order_key)").format(
+            self._staging_select(cursor, limit, page_id, record))
+        return sql.SQL("COPY ({}) TO STDOUT").format(
+            store.read_messages_sql(reads, page_id, rows, extra=sql.SQL("r.order_key"), json_typed=False))
+
+    def _staging_select(self, cursor: Sequence[str] | None, limit: int, page_id: int,
+                        record: sql.Composable) -> sql.Composed:
         shape = self.shape
         oids = dict(zip(shape.columns, shape.type_oids))
         window = sql.SQL("OVER (ORDER BY {})").format(sql.SQL(", ").join(sql.Identifier("r", c) for c in self.order))
-        return sql.SQL("COPY (SELECT {page}, row_number() {w} - 1, {pks}, {record},"
-                       " CASE WHEN lead(true) {w} IS NULL THEN {order} END FROM ({select}) AS r) TO STDOUT").format(
+        return sql.SQL("SELECT {page}, row_number() {w} - 1, {pks}, {record},"
+                       " CASE WHEN lead(true) {w} IS NULL THEN {order} END FROM ({select}) AS r").format(
             page=sql.Literal(page_id), w=window, record=record, select=self.select(cursor, limit),
             pks=text_array_sql(shape.primary_key, [oids[c] for c in shape.primary_key]),
             order=text_array_sql(self.order, [oids[c] for c in self.order]))
@@ -201,6 +217,15 @@ def staged_page_end(data: bytes) -> tuple[int, list[str] | None]:
     return data.count(b"\n"), [str(v) for v in parse_array_literal(last)]
 
 
+def without_order_key(data: bytes) -> bytes:
+    """COPY text lines from ``PageQuery.reads_sql`` without their last column, the order key (null
+    on every line but the last; a null field is ``\\N``, and tabs and newlines inside fields are
+    escaped, so a line ending in a tab and ``\\N`` is a null last column)."""
+    head, _, last = data.rstrip(b"\n").rpartition(b"\n")
+    last_line = last.rpartition(b"\t")[0] + b"\n"
+    return (head + b"\n").replace(b"\t\\N\n", b"\n") + last_line if head else last_line
+
+
 def wait_for_snapshot_horizon(conn: psycopg.Connection[Any], timeout: float = SNAPSHOT_WAIT) -> None:
     """Wait until transactions still in progress now have finished (briefly).
 
@@ -220,6 +245,23 @@ def wait_for_snapshot_horizon(conn: psycopg.Connection[Any], timeout: float = SN
         if not in_progress or time.monotonic() > deadline:
             return
         time.sleep(0.002)
+
+
+READ_POSITION_PREFIX = "sequin:backfill:position"
+
+
+def read_position(conn: psycopg.Connection[Any]) -> tuple[int, str]:
+    """A position for a page's reads and their commit timestamp, taken just after the page's low
+    watermark committed: the last byte of a fresh non-transactional logical message (the stream
+    app ignores those), and the source's clock (UTC, as changes render it).
+
+    No commit record starts inside a WAL record, so the position is unique and no change has it;
+    every commit before the low watermark lies below it, and the high watermark above it: a read
+    there follows every change its SELECT saw that the window does not cover, and precedes every
+    change after the window."""
+    row = conn.execute("SELECT pg_logical_emit_message(false, %s, ''), to_char(clock_timestamp() AT TIME ZONE 'UTC',"
+                       " 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')", (READ_POSITION_PREFIX,)).fetchone()
+    return lsn_to_int(str(row[0])) - 1, str(row[1])  # type: ignore[index]
 
 
 class BackfillStopped(RuntimeError):
@@ -250,6 +292,7 @@ class StagedPage:
     staged_at: float
     select_ms: float
     stage_ms: float
+    reads_written: bool = False  # the task wrote the page's reads: its window's close is final
 
 
 class RangeReader:
@@ -275,6 +318,7 @@ class RangeReader:
         self.on_page = on_page
         self.pages_in_flight = max(1, pages_in_flight)
         self.schema = config.store.schema
+        self._read_sink: SinkConfig | None = None  # a sink whose reads the task writes (``delivery.reads_render_in_store``)
 
     def run(self) -> RangeResult:
         """Read the range to its end (resuming from its stored cursor)."""
@@ -301,6 +345,8 @@ class RangeReader:
                                         list(shape.type_oids), [c in shape.primary_key for c in shape.columns],
                                         list(shape.primary_key))
             record = record_sql(rel, shape.type_kinds)
+            sink = next((x for x in self.config.sinks if x.name == backfill.sink), None)
+            self._read_sink = sink if sink is not None and reads_render_in_store(sink, shape.schema, shape.name) else None
             log.info("backfill %d range %d: rows of %s.%s rendered by %s", self.backfill_id, self.range_idx,
                      shape.schema, shape.name, "the source's SQL" if record is not None else "the decoder (Python)")
             order = ((backfill.sort_column,) if backfill.sort_column else ()) + shape.primary_key
@@ -329,7 +375,8 @@ class RangeReader:
                 # the stream app emits pages in order; wait for the oldest once enough are in flight
                 while in_flight and (read_all or len(in_flight) >= self.pages_in_flight):
                     oldest = in_flight.popleft()
-                    emitted = self._wait_emitted(store_conn, oldest)
+                    # a range's last page waits for its batch, so a completed backfill's reads are all served
+                    emitted = self._wait_emitted(store_conn, oldest, final=read_all and not in_flight)
                     if emitted is None:  # stale: read again from its start (later pages' reads may come twice)
                         result.stale_pages += 1
                         for later in in_flight:
@@ -367,12 +414,19 @@ class RangeReader:
         page_id = store.open_backfill_page(store_conn, self.schema, self.backfill_id, self.range_idx)
         mark = Watermark(self.backfill_id, page_id, self.range_idx, shape.schema, shape.name, shape.primary_key)
         emit_message(source, LOW_PREFIX, watermark_content(mark))
+        last = False  # the page ends its range
         try:
+            reads: StoreReads | None = None
+            if self._read_sink is not None:  # the task writes the reads itself, hidden until the window closes
+                position, stamp = read_position(source)
+                reads = page_reads(self._read_sink, self.database.name, self.backfill_id, shape.schema, shape.name,
+                                   stamp, position)
             wait_for_snapshot_horizon(source)
             started = time.monotonic()
             try:
                 if record is not None:
-                    data = copy_out(source, query.staging_sql(cursor, size, page_id, record))
+                    data = copy_out(source, query.staging_sql(cursor, size, page_id, record) if reads is None
+                                    else query.reads_sql(cursor, size, page_id, record, reads))
                 else:
                     values = read_page(source, query.sql(cursor, size))
             except psycopg.errors.QueryCanceled:
@@ -386,32 +440,44 @@ class RangeReader:
                 store.discard_backfill_page(store_conn, self.schema, page_id)
                 return None
             optimizer.observe(size, (time.monotonic() - started) * 1000.0)
+            staged = True
             if record is not None:
                 rows, cursor_after = staged_page_end(data)
-                if rows:
-                    store.stage_backfill_copy(store_conn, self.schema, page_id, data, rows, cursor_after)
+                if rows and reads is not None:
+                    staged = store.stage_page_reads_copy(store_conn, self.schema, page_id, without_order_key(data), rows,
+                                                         cursor_after, reads.commit_lsn)
+                elif rows:
+                    staged = store.stage_backfill_copy(store_conn, self.schema, page_id, data, rows, cursor_after)
             else:
                 rows = len(values)
-                staged = [decoder.render_values(rel, v)[::-1] for v in values]  # (record_pks, record)
+                rendered = [decoder.render_values(rel, v)[::-1] for v in values]  # (record_pks, record)
                 cursor_after = [str(values[-1][p]) for p in positions] if values else None
                 if rows:
-                    store.stage_backfill_page(store_conn, self.schema, page_id, staged, cursor_after)
+                    staged = store.stage_backfill_page(store_conn, self.schema, page_id, rendered, cursor_after, reads)
+            last = rows < size
+            if not staged:
+                raise BackfillStopped(f"backfill {self.backfill_id} page {page_id} was taken back before it was staged"
+                                      " (the backfill stopped)")
             if not rows:
                 store.discard_backfill_page(store_conn, self.schema, page_id)
         finally:
-            emit_message(source, HIGH_PREFIX, watermark_content(mark))  # always close the window
+            emit_message(source, HIGH_PREFIX, watermark_content(replace(mark, last=last)))  # always close the window
         select_ms = optimizer.observations[-1].elapsed_ms
         return StagedPage(page_id, rows, size, cursor, cursor_after, time.monotonic(), select_ms,
-                          (time.monotonic() - started) * 1000 - select_ms)
+                          (time.monotonic() - started) * 1000 - select_ms, reads is not None)
 
-    def _wait_emitted(self, store_conn: psycopg.Connection[Any], page: StagedPage, quiet: bool = False) -> int | None:
+    def _wait_emitted(self, store_conn: psycopg.Connection[Any], page: StagedPage, quiet: bool = False,
+                      final: bool = False) -> int | None:
         """Wait for the stream app to take a staged page: its reads emitted (their count), or None
-        when its window was broken by a stream app restart (the page is read again)."""
+        when its window was broken by a stream app restart (the page is read again). Reads the task
+        wrote are settled once the window closed (``closing``: a replayed batch keeps that answer),
+        so only a ``final`` page waits for the batch that makes them visible to consumers."""
         deadline = time.monotonic() + self.window_timeout
         delay = 0.01
+        settled = ("emitted", "stale", "closing") if page.reads_written and not final else ("emitted", "stale")
         while True:
             state = store.get_backfill_page(store_conn, self.schema, page.page_id)
-            if state.state in ("emitted", "stale"):
+            if state.state in settled:
                 break
             if time.monotonic() > deadline:
                 store.discard_backfill_page(store_conn, self.schema, page.page_id)

@@ -8,13 +8,13 @@ store lives here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence, Union
+from typing import Any, Iterable, Sequence, Union
 
 import psycopg
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from sequin_provider.messages import ReadMessageTemplate
+from sequin_provider.messages import ReadMessageTemplate, idempotency_key
 
 MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     (1, "stream messages and stream status", """
@@ -181,7 +181,20 @@ INSERT INTO {schema}.stream_pending (sink, pending)
     (8, "backfill rows carry the order key of a page's last row", """
 ALTER TABLE {schema}.backfill_rows ADD COLUMN IF NOT EXISTS order_key text[];
 """),
+    # A plain Sequin Stream sink's reads are written by the backfill task as it stages the page, at
+    # the page's read position (just after its low watermark), hidden until the stream app closes
+    # the page's window (DESIGN §7, README: backfills): the close then takes back only the reads
+    # whose key changed inside the window, instead of writing every read on the stream's path.
+    (9, "backfill reads written by the task, hidden until their window closes", """
+ALTER TABLE {schema}.stream_messages ADD COLUMN IF NOT EXISTS backfill_page bigint;
+ALTER TABLE {schema}.backfill_pages ADD COLUMN IF NOT EXISTS read_lsn bigint;
+"""),
 )
+
+READS_RELEASED = """(m.backfill_page IS NULL OR EXISTS (SELECT 1 FROM {s}.backfill_pages p
+                   WHERE p.id = m.backfill_page AND p.state IN ('closing', 'emitted')))"""
+"""SQL condition on a message ``m`` of ``stream_messages``: not a backfill read still waiting for its
+page's window to close (``{s}``: the store's schema identifier)."""
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -307,6 +320,9 @@ def transition_backfill(conn: psycopg.Connection[Any], schema: str, backfill_id:
             "UPDATE {}.backfills SET state = %s, " + stamps + "error = coalesce(%s, error), updated_at = now()"
             " WHERE id = %s AND state = ANY(%s) RETURNING id").format(_ident(schema)),
             (state, error, backfill_id, list(allowed))).fetchone()
+        if row is not None and state in ("failed", "cancelled"):
+            # its pages in flight will not be emitted: hidden reads must not hold back their groups
+            _stale_backfill_pages(conn, _ident(schema), backfill_id)
     conn.commit()
     if row is None:
         current = get_backfill(conn, schema, backfill_id)
@@ -394,32 +410,52 @@ def open_backfill_page(conn: psycopg.Connection[Any], schema: str, backfill_id: 
 
 
 def stage_backfill_page(conn: psycopg.Connection[Any], schema: str, page_id: int,
-                        rows: Sequence[tuple[list[str], str]], cursor_after: list[str] | None) -> None:
-    """Stage a page's rows ``(record_pks, record JSON)`` before its high watermark is emitted."""
+                        rows: Sequence[tuple[list[str], str]], cursor_after: list[str] | None,
+                        reads: StoreReads | None = None) -> bool:
+    """Stage a page's rows ``(record_pks, record JSON)`` before its high watermark is emitted; with
+    ``reads``, write them as the sink's hidden reads instead (``write_page_reads``). False when the
+    page is no longer open (taken back: the backfill stopped), and then nothing is written."""
+    s = _ident(schema)
     with conn.transaction(), conn.cursor() as cur:
-        with cur.copy(sql.SQL("COPY {}.backfill_rows (page_id, ordinal, record_pks, record) FROM STDIN").format(
-                _ident(schema))) as copy:
+        if not _lock_open_page(cur, schema, page_id):
+            return False
+        with cur.copy(sql.SQL("COPY {}.backfill_rows (page_id, ordinal, record_pks, record) FROM STDIN").format(s)) as copy:
             for ordinal, (pks, record) in enumerate(rows):
                 copy.write_row((page_id, ordinal, pks, record))
-        _mark_staged(cur, schema, page_id, len(rows), cursor_after)
+        if reads is not None:
+            write_page_reads(conn, s, page_id, reads)
+            cur.execute(sql.SQL("DELETE FROM {}.backfill_rows WHERE page_id = %s").format(s), (page_id,))
+        _mark_staged(cur, s, page_id, len(rows), cursor_after, reads.commit_lsn if reads is not None else None)
     conn.commit()
+    return True
 
 
 def stage_backfill_copy(conn: psycopg.Connection[Any], schema: str, page_id: int, data: bytes, rows: int,
-                        cursor_after: list[str] | None) -> None:
+                        cursor_after: list[str] | None) -> bool:
     """``stage_backfill_page`` for a page already in COPY text form (``backfill_reader.PageQuery.staging_sql``)."""
+    s = _ident(schema)
     with conn.transaction(), conn.cursor() as cur:
+        if not _lock_open_page(cur, schema, page_id):
+            return False
         with cur.copy(sql.SQL("COPY {}.backfill_rows (page_id, ordinal, record_pks, record, order_key) FROM STDIN"
-                              ).format(_ident(schema))) as copy:
+                              ).format(s)) as copy:
             copy.write(data)
-        _mark_staged(cur, schema, page_id, rows, cursor_after)
+        _mark_staged(cur, s, page_id, rows, cursor_after, None)
     conn.commit()
+    return True
 
 
-def _mark_staged(cur: psycopg.Cursor[Any], schema: str, page_id: int, rows: int, cursor_after: list[str] | None) -> None:
+def _lock_open_page(cur: psycopg.Cursor[Any], schema: str, page_id: int) -> bool:
+    row = cur.execute(sql.SQL("SELECT state FROM {}.backfill_pages WHERE id = %s FOR UPDATE").format(_ident(schema)),
+                      (page_id,)).fetchone()
+    return row is not None and row[0] == "open"
+
+
+def _mark_staged(cur: psycopg.Cursor[Any], s: sql.Identifier, page_id: int, rows: int, cursor_after: list[str] | None,
+                 read_lsn: int | None) -> None:
     cur.execute(sql.SQL("UPDATE {}.backfill_pages SET state = 'staged', rows_staged = %s, cursor_after = %s,"
-                        " updated_at = now() WHERE id = %s AND state = 'open'").format(_ident(schema)),
-                (rows, Jsonb(cursor_after) if cursor_after is not None else None, page_id))
+                        " read_lsn = %s, updated_at = now() WHERE id = %s AND state = 'open'").format(s),
+                (rows, Jsonb(cursor_after) if cursor_after is not None else None, read_lsn, page_id))
 
 
 @dataclass(frozen=True)
@@ -458,9 +494,12 @@ class ClosedWindow:
 
 @dataclass(frozen=True)
 class StoreReads:
-    """How the store writes a page's reads itself, at the high watermark's position: the message
-    template, and the group (``group_prefix`` + the key's JSON; None: the position)."""
+    """How a page's reads are written as a plain Sequin Stream sink's messages by the store itself:
+    the sink, the message template, the group (``group_prefix`` + the key's JSON; None: the
+    position) and the position (``commit_lsn``, indexes from ``commit_idx + 1``)."""
 
+    sink: str
+    backfill_id: int
     template: ReadMessageTemplate
     group_prefix: str | None
     commit_lsn: int
@@ -468,103 +507,142 @@ class StoreReads:
 
 
 def close_backfill_window(conn: psycopg.Connection[Any], schema: str, page_id: int, seen: bool,
-                          changed: set[tuple[str, ...]], high_lsn: int,
-                          store_reads: Callable[[str], StoreReads | None] | None = None) -> ClosedWindow | None:
+                          changed: set[tuple[str, ...]], high_lsn: int) -> ClosedWindow | None:
     """Stream side, at a page's high watermark (DESIGN §7).
 
     A window this process saw becomes ``closing``: the rows whose key changed inside it are
-    recorded as dropped and the others returned, to be emitted at the high watermark's position;
-    ``finish_emitted_pages`` marks it ``emitted`` once that batch is delivered. When
-    ``store_reads(sink)`` says how, the kept rows are written as the sink's messages right here,
-    in the same transaction, instead of being returned; they stay invisible to consumers until the
-    batch carrying the high watermark completes, like every message of that batch. A window not
-    seen (the app restarted in between), or of a backfill no longer running, becomes ``stale``
-    and the job reads the page again. Pages in other states are left alone (a replay).
+    dropped, and ``finish_emitted_pages`` marks the page ``emitted`` once the batch is delivered.
+    A page staged as rows returns the others, to be emitted at the high watermark's position. A
+    page whose reads the task already wrote, hidden (``read_lsn``), has its dropped reads deleted
+    and the rest released: ``in_store`` counts them. A window not seen (the app restarted in
+    between), or of a backfill no longer running, makes a staged page ``stale`` (its rows and
+    hidden reads go) and the job reads the page again. A closing page closed again (a replayed
+    batch) gives the same answer as the first close; other states are left alone.
     """
     s = _ident(schema)
     with conn.transaction():
-        row = conn.execute(sql.SQL("SELECT p.state, p.backfill_id, b.sink, b.state, p.high_lsn, p.rows_staged"
+        row = conn.execute(sql.SQL("SELECT p.state, p.backfill_id, b.sink, b.state, p.rows_emitted, p.read_lsn"
                                    " FROM {0}.backfill_pages p JOIN {0}.backfills b ON b.id = p.backfill_id"
                                    " WHERE p.id = %s FOR UPDATE OF p").format(s), (page_id,)).fetchone()
-        reads = store_reads(str(row[2])) if row is not None and store_reads is not None else None
         if row is None or row[0] not in ("staged", "closing"):
             result = None
+        elif row[0] == "closing":
+            result = ClosedWindow(page_id, int(row[1]), str(row[2]), [] if row[5] is not None else _kept_rows(
+                conn, s, page_id), in_store=int(row[4] or 0) if row[5] is not None else 0)
         elif not seen or row[3] != "running":
-            conn.execute(sql.SQL("UPDATE {}.backfill_pages SET state = 'stale', updated_at = now() WHERE id = %s"
-                                 ).format(s), (page_id,))
-            conn.execute(sql.SQL("DELETE FROM {}.backfill_rows WHERE page_id = %s").format(s), (page_id,))
-            if row[0] == "closing":  # reads an earlier close wrote here: not visible yet, and the page is read again
-                conn.execute(sql.SQL("DELETE FROM {0}.stream_messages WHERE sink = %s AND commit_lsn = %s AND commit_lsn"
-                                     " > coalesce((SELECT visible_lsn FROM {0}.stream_visibility WHERE sink = %s), -1)"
-                                     ).format(s), (row[2], row[4], row[2]))
+            _stale_pages(conn, s, [page_id])
             result = None
-        elif reads is not None:
-            keys = [Jsonb(list(k)) for k in changed]
-            dropped = conn.execute(sql.SQL(
-                "SELECT coalesce(array_agg(ordinal ORDER BY ordinal), '{{}}') FROM {}.backfill_rows WHERE page_id = %s"
-                " AND to_jsonb(record_pks) IN (SELECT unnest(%s::jsonb[]))").format(s), (page_id, keys)).fetchone()[0]
-            _write_reads(conn, s, page_id, str(row[2]), int(row[1]), reads, keys)
-            kept = int(row[5]) - len(dropped)
-            conn.execute(sql.SQL("UPDATE {}.backfill_pages SET state = 'closing', rows_emitted = %s, dropped = %s,"
-                                 " high_lsn = %s, updated_at = now() WHERE id = %s").format(s),
-                         (kept, dropped, high_lsn, page_id))
+        elif row[5] is not None:
+            keys = [idempotency_key(0, 0, int(row[1]), k) for k in changed]
+            dropped = [r[0] for r in conn.execute(sql.SQL(
+                "DELETE FROM {}.stream_messages WHERE sink = %s AND commit_lsn = %s AND idempotency_key = ANY(%s)"
+                " RETURNING commit_idx").format(s), (row[2], row[5], keys)).fetchall()] if keys else []
+            kept = _close_page(conn, s, page_id, high_lsn, sorted(dropped), None)
             result = ClosedWindow(page_id, int(row[1]), str(row[2]), [], in_store=kept)
         else:
             staged = conn.execute(sql.SQL("SELECT ordinal, record_pks, record FROM {}.backfill_rows WHERE page_id = %s"
                                           " ORDER BY ordinal").format(s), (page_id,)).fetchall()
             kept = [r for r in staged if tuple(r[1]) not in changed]
-            dropped = [r[0] for r in staged if tuple(r[1]) in changed]
-            conn.execute(sql.SQL("UPDATE {}.backfill_pages SET state = 'closing', rows_emitted = %s, dropped = %s,"
-                                 " high_lsn = %s, updated_at = now() WHERE id = %s").format(s),
-                         (len(kept), dropped, high_lsn, page_id))
+            _close_page(conn, s, page_id, high_lsn, [r[0] for r in staged if tuple(r[1]) in changed], len(kept))
             result = ClosedWindow(page_id, int(row[1]), str(row[2]), kept)
     conn.commit()
     return result
 
 
-def _write_reads(conn: psycopg.Connection[Any], s: sql.Identifier, page_id: int, sink: str, backfill_id: int,
-                 reads: StoreReads, changed_keys: list[Jsonb]) -> None:
-    """Insert a page's kept rows as ``sink``'s read messages (``watermarks.read_rows`` positions,
-    ``messages.idempotency_key`` keys, ``delivery`` groups); a replay adds nothing."""
-    t = reads.template
-    replay = conn.execute(sql.SQL("SELECT EXISTS (SELECT 1 FROM {}.stream_messages WHERE sink = %s AND commit_lsn = %s)"
-                                  ).format(s), (sink, reads.commit_lsn)).fetchone()
-    # the high watermark's transaction holds nothing else: any message at its LSN is this page's, written before
-    conflict = sql.SQL("ON CONFLICT DO NOTHING" if replay and replay[0] else "")
-    data = sql.SQL("k.record" if t.record_only else
-                   "%(before_record)s || k.record || %(before_idx)s || k.idx || ',\"idempotency_key\":'"
-                   " || to_json(k.key)::text || ',\"record_pks\":' || k.pks || %(after_pks)s")
-    conn.execute(sql.SQL("""
-        INSERT INTO {s}.stream_messages (sink, commit_lsn, commit_idx, group_id, idempotency_key, data)
-        SELECT %(sink)s, %(lsn)s, k.idx,
-               CASE WHEN %(grouped)s THEN %(group_prefix)s || k.pks ELSE %(lsn)s::bigint::text || ':' || k.idx END,
-               k.key, ({data})::json
-          FROM (SELECT %(idx)s::bigint + row_number() OVER (ORDER BY r.ordinal) AS idx, r.record,
-                       to_json(r.record_pks)::text AS pks,
-                       'backfill:' || %(backfill_id)s::bigint || ':' || to_json(r.record_pks)::text AS key
-                  FROM {s}.backfill_rows r
-                 WHERE r.page_id = %(page_id)s AND to_jsonb(r.record_pks) NOT IN (SELECT unnest(%(changed)s::jsonb[]))) k
-         ORDER BY k.idx
-        {conflict}""").format(s=s, data=data, conflict=conflict),
-        {"sink": sink, "lsn": reads.commit_lsn, "idx": reads.commit_idx, "grouped": reads.group_prefix is not None,
-         "group_prefix": reads.group_prefix or "", "backfill_id": backfill_id, "page_id": page_id,
-         "changed": changed_keys, "before_record": t.before_record, "before_idx": t.before_idx,
-         "after_pks": t.after_pks})
+def _close_page(conn: psycopg.Connection[Any], s: sql.Identifier, page_id: int, high_lsn: int, dropped: list[int],
+                kept: int | None) -> int:
+    """Mark a page ``closing`` at ``high_lsn``; ``kept`` None: its staged rows less the dropped ones."""
+    row = conn.execute(sql.SQL("UPDATE {}.backfill_pages SET state = 'closing', rows_emitted = coalesce(%s, rows_staged"
+                               " - %s), dropped = %s, high_lsn = %s, updated_at = now() WHERE id = %s RETURNING"
+                               " rows_emitted").format(s), (kept, len(dropped), dropped, high_lsn, page_id)).fetchone()
+    return int(row[0])  # type: ignore[index]
+
+
+def _kept_rows(conn: psycopg.Connection[Any], s: sql.Identifier, page_id: int) -> list[tuple[int, list[str], str]]:
+    """A closing page's staged rows that were not dropped, in order."""
+    return [tuple(r) for r in conn.execute(sql.SQL(  # type: ignore[misc]
+        "SELECT r.ordinal, r.record_pks, r.record FROM {0}.backfill_rows r JOIN {0}.backfill_pages p ON p.id = r.page_id"
+        " WHERE r.page_id = %s AND NOT r.ordinal = ANY(coalesce(p.dropped, '{{}}')) ORDER BY r.ordinal").format(s),
+        (page_id,)).fetchall()]
+
+
+def _stale_pages(conn: psycopg.Connection[Any], s: sql.Identifier, page_ids: Sequence[int]) -> list[int]:
+    """Make pages that are not closing or emitted ``stale``: their staged rows and their hidden
+    reads go (they are read again); returns the ids that changed."""
+    rows = conn.execute(sql.SQL(
+        "UPDATE {0}.backfill_pages p SET state = 'stale', updated_at = now() FROM {0}.backfills b"
+        " WHERE p.id = ANY(%s) AND b.id = p.backfill_id AND p.state IN ('open', 'staged')"
+        " RETURNING p.id, b.sink, p.read_lsn").format(s), (list(page_ids),)).fetchall()
+    ids = _drop_staged_rows(conn, s, rows)
+    for _id, sink, read_lsn in rows:
+        if read_lsn is not None:
+            conn.execute(sql.SQL("DELETE FROM {}.stream_messages WHERE sink = %s AND commit_lsn = %s").format(s),
+                         (sink, read_lsn))
+    return ids
+
+
+READ_MESSAGE_COLUMNS = ("sink", "commit_lsn", "commit_idx", "group_id", "idempotency_key", "data", "backfill_page")
+
+
+def read_messages_sql(reads: StoreReads, page_id: int, rows: sql.Composable, extra: sql.Composable | None = None,
+                      json_typed: bool = True) -> sql.Composed:
+    """``SELECT`` of a page's read messages as ``READ_MESSAGE_COLUMNS`` (``watermarks.read_rows``
+    positions, ``messages.idempotency_key`` keys, ``delivery`` groups, the template's JSON) from
+    ``rows``, a relation ``r`` of ``(ordinal from 0, record_pks text[], record JSON text)``, in
+    ordinal order; ``extra`` adds a column. Runs in the store, or in the source when the task
+    copies the rendered page straight into the stream table."""
+    t, lit = reads.template, sql.Literal
+    pks = sql.SQL("r.pks_json")  # computed once per row (below): it appears in the group, the key and the data
+    idx = sql.SQL("({} + r.ordinal + 1)").format(lit(reads.commit_idx))
+    key = sql.SQL("({} || {})").format(lit(f"backfill:{reads.backfill_id}:"), pks)
+    group = (sql.SQL("{} || {}").format(lit(reads.group_prefix), pks) if reads.group_prefix is not None
+             else sql.SQL("{} || {}::text").format(lit(f"{reads.commit_lsn}:"), idx))
+    data = (sql.SQL("r.record") if t.record_only else sql.SQL(
+        "{} || r.record || {} || {}::text || ',\"idempotency_key\":' || to_json({})::text || ',\"record_pks\":' || {} || {}"
+        ).format(lit(t.before_record), lit(t.before_idx), idx, key, pks, lit(t.after_pks)))
+    return sql.SQL("SELECT {sink}, {lsn}::bigint, {idx}, {group}, {key}, ({data}){cast}, {page}::bigint{extra}"
+                   " FROM (SELECT r.*, to_json(r.record_pks)::text AS pks_json FROM {rows}) r ORDER BY r.ordinal").format(
+        sink=lit(reads.sink), lsn=lit(reads.commit_lsn), idx=idx, group=group, key=key, data=data,
+        cast=sql.SQL("::json" if json_typed else ""), page=lit(page_id), rows=rows,
+        extra=sql.SQL(", {}").format(extra) if extra is not None else sql.SQL(""))
+
+
+def write_page_reads(conn: psycopg.Connection[Any], s: sql.Identifier, page_id: int, reads: StoreReads) -> None:
+    """Insert a staged page's rows as the sink's read messages, hidden until the page's window
+    closes (``READS_RELEASED``)."""
+    conn.execute(sql.SQL("INSERT INTO {s}.stream_messages ({columns}) {select}").format(
+        s=s, columns=sql.SQL(", ").join(map(sql.Identifier, READ_MESSAGE_COLUMNS)),
+        select=read_messages_sql(reads, page_id, sql.SQL("{}.backfill_rows r WHERE r.page_id = {}").format(
+            s, sql.Literal(page_id)))))
+
+
+def stage_page_reads_copy(conn: psycopg.Connection[Any], schema: str, page_id: int, data: bytes, rows: int,
+                          cursor_after: list[str] | None, read_lsn: int) -> bool:
+    """Job side: a page's read messages, rendered by the source (``read_messages_sql``) as COPY text,
+    written straight into the stream table, hidden until the page's window closes; the page is
+    then staged. False when the page is no longer open (nothing is written)."""
+    s = _ident(schema)
+    with conn.transaction(), conn.cursor() as cur:
+        if not _lock_open_page(cur, schema, page_id):
+            return False
+        with cur.copy(sql.SQL("COPY {}.stream_messages ({}) FROM STDIN").format(
+                s, sql.SQL(", ").join(map(sql.Identifier, READ_MESSAGE_COLUMNS)))) as copy:
+            copy.write(data)
+        _mark_staged(cur, s, page_id, rows, cursor_after, read_lsn)
+    conn.commit()
+    return True
 
 
 def closing_windows(conn: psycopg.Connection[Any], schema: str, high_lsns: Sequence[int]) -> dict[int, ClosedWindow]:
     """Pages closed at these high watermark LSNs, rebuilt from the store (a batch re-read from the slot)."""
     s = _ident(schema)
     out: dict[int, ClosedWindow] = {}
-    pages = conn.execute(sql.SQL("SELECT p.id, p.backfill_id, b.sink, coalesce(p.dropped, '{{}}'), p.high_lsn"
+    pages = conn.execute(sql.SQL("SELECT p.id, p.backfill_id, b.sink"
                                  " FROM {0}.backfill_pages p JOIN {0}.backfills b ON b.id = p.backfill_id"
                                  " WHERE p.state = 'closing' AND p.high_lsn = ANY(%s)").format(s),
                          (list(high_lsns),)).fetchall()
-    for page_id, backfill_id, sink, dropped, _high in pages:
-        rows = conn.execute(sql.SQL("SELECT ordinal, record_pks, record FROM {}.backfill_rows WHERE page_id = %s"
-                                    " AND NOT ordinal = ANY(%s) ORDER BY ordinal").format(s),
-                            (page_id, list(dropped))).fetchall()
-        out[int(page_id)] = ClosedWindow(int(page_id), int(backfill_id), str(sink), [tuple(r) for r in rows])
+    for page_id, backfill_id, sink in pages:
+        out[int(page_id)] = ClosedWindow(int(page_id), int(backfill_id), str(sink), _kept_rows(conn, s, int(page_id)))
     conn.commit()
     return out
 
@@ -589,25 +667,26 @@ def _drop_staged_rows(conn: psycopg.Connection[Any], s: sql.Identifier, pages: S
 
 
 def discard_backfill_page(conn: psycopg.Connection[Any], schema: str, page_id: int) -> None:
-    """Job side: give up a page that is not emitted (stale, or the job stops); its rows go."""
-    s = _ident(schema)
+    """Job side: give up a page that is not emitted (stale, or the job stops); its rows and hidden reads go."""
     with conn.transaction():
-        conn.execute(sql.SQL("UPDATE {}.backfill_pages SET state = 'stale', updated_at = now()"
-                             " WHERE id = %s AND state IN ('open', 'staged')").format(s), (page_id,))
-        conn.execute(sql.SQL("DELETE FROM {0}.backfill_rows r USING {0}.backfill_pages p WHERE r.page_id = p.id"
-                             " AND p.id = %s AND p.state = 'stale'").format(s), (page_id,))
+        _stale_pages(conn, _ident(schema), [page_id])
     conn.commit()
 
 
 def abandon_backfill_pages(conn: psycopg.Connection[Any], schema: str, backfill_id: int) -> int:
-    """Job side, at (re)start: pages a previous run left open or staged will never be waited for."""
+    """Pages of a backfill left open or staged will never be waited for (the job restarts, or the
+    backfill ended): they become stale, and their rows and hidden reads go."""
     s = _ident(schema)
     with conn.transaction():
-        ids = _drop_staged_rows(conn, s, conn.execute(sql.SQL(
-            "UPDATE {}.backfill_pages SET state = 'stale', updated_at = now() WHERE backfill_id = %s"
-            " AND state IN ('open', 'staged') RETURNING id").format(s), (backfill_id,)).fetchall())
+        ids = _stale_backfill_pages(conn, s, backfill_id)
     conn.commit()
     return len(ids)
+
+
+def _stale_backfill_pages(conn: psycopg.Connection[Any], s: sql.Identifier, backfill_id: int) -> list[int]:
+    return _stale_pages(conn, s, [r[0] for r in conn.execute(sql.SQL(
+        "SELECT id FROM {}.backfill_pages WHERE backfill_id = %s AND state IN ('open', 'staged')").format(s),
+        (backfill_id,)).fetchall()])
 
 
 def advance_backfill_range(conn: psycopg.Connection[Any], schema: str, backfill_id: int, range_idx: int,
@@ -773,12 +852,14 @@ def stream_messages(conn: psycopg.Connection[Any], schema: str, sink: str | None
     """All messages of a sink (or all sinks), in position order.
 
     ``visible_only`` returns what a consumer may be served: messages at or below their sink's
-    visibility watermark (a batch still being written is left out).
+    visibility watermark (a batch still being written is left out), without the backfill reads
+    whose window is still open.
     """
     conditions = [sql.SQL("m.sink = %s")] if sink else []
     if visible_only:
         conditions.append(sql.SQL("m.commit_lsn <= (SELECT v.visible_lsn FROM {}.stream_visibility v"
                                   " WHERE v.sink = m.sink)").format(_ident(schema)))
+        conditions.append(sql.SQL(READS_RELEASED).format(s=_ident(schema)))
     where = sql.SQL("WHERE ") + sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("")
     query = sql.SQL("SELECT m.sink, m.commit_lsn, m.commit_idx, m.group_id, m.idempotency_key, m.data::text"
                     " FROM {}.stream_messages m {} ORDER BY m.sink, m.commit_lsn, m.commit_idx").format(

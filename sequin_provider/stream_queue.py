@@ -1,7 +1,7 @@
 """Consumer-group queries on a Sequin Stream sink's messages (DESIGN §9, reference/002).
 
 A consumer group shares one stream. ``receive`` hands out visible messages (at or below the sink's
-visibility watermark), at most one per group and never one whose group has an earlier message
+visibility watermark, and no backfill read whose window is still open), at most one per group and never one whose group has an earlier message
 still in the table (outstanding, or not yet acked), so a group is processed strictly in order.
 Received messages are invisible for the visibility timeout; ``ack`` deletes them, ``nack`` makes
 them visible at once; an ack id carries its message's position (``ack_id``). Concurrent receivers
@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import psycopg
 from psycopg import sql
 
-from sequin_provider.store import _ident
+from sequin_provider.store import READS_RELEASED, _ident
 
 TOKEN_PREFIX = "sqn_"
 
@@ -106,6 +106,7 @@ def receive(conn: psycopg.Connection[Any], schema: str, sink: str, batch_size: i
                 WHERE m.sink = %(sink)s AND m.commit_lsn <= %(visible)s
                   AND (m.not_visible_until IS NULL OR m.not_visible_until <= now())
                   AND (NOT %(only_redeliveries)s OR m.deliver_count > 0)
+                  AND {released}
                   AND NOT EXISTS (SELECT 1 FROM {s}.stream_messages e
                                   WHERE e.sink = m.sink AND e.group_id = m.group_id
                                     AND (e.commit_lsn, e.commit_idx) < (m.commit_lsn, m.commit_idx))
@@ -125,7 +126,8 @@ def receive(conn: psycopg.Connection[Any], schema: str, sink: str, batch_size: i
                 INSERT INTO {s}.stream_pending AS p (sink, pending)
                 SELECT %(sink)s, count(*) FROM claimed WHERE newly_pending HAVING count(*) > 0
                 ON CONFLICT (sink) DO UPDATE SET pending = p.pending + EXCLUDED.pending)
-            SELECT commit_lsn, commit_idx, ack_nonce, data FROM claimed""").format(s=s),
+            SELECT commit_lsn, commit_idx, ack_nonce, data FROM claimed""").format(
+                s=s, released=sql.SQL(READS_RELEASED).format(s=s)),
             {"sink": sink, "visible": int(row[0]), "only_redeliveries": only_redeliveries, "limit": limit,
              "timeout": visibility_timeout, "nonces": _NONCE_LIMIT}).fetchall()
     return [Delivery(ack_id(lsn, idx, nonce), data) for lsn, idx, nonce, data in sorted(rows)]

@@ -9,7 +9,8 @@ key is in that set are dropped: the change events carry a newer state than the r
 high mark whose low mark this process did not see (it restarted in between) means the window is
 unknown, so the page is stale and read again. This module is pure Python: no Spark, no I/O.
 A page's reads are rows for the Spark pipeline (``read_rows``), or, for sinks that need no
-Spark, written by the store itself (``store_reads``).
+Spark, written by the backfill task as it stages the page, hidden until the window closes
+(``page_reads``).
 """
 
 from __future__ import annotations
@@ -44,13 +45,14 @@ class Watermark:
     table_schema: str
     table_name: str
     primary_key: tuple[str, ...]
+    last: bool = False  # a high watermark that ends its range: the stream app does not hold its batch
 
 
 def watermark_content(mark: Watermark) -> str:
     """The JSON payload of a watermark message."""
-    return json.dumps({"backfill": mark.backfill_id, "page": mark.page_id, "range": mark.range_idx,
-                       "schema": mark.table_schema, "table": mark.table_name, "pk": list(mark.primary_key)},
-                      separators=(",", ":"))
+    content = {"backfill": mark.backfill_id, "page": mark.page_id, "range": mark.range_idx,
+               "schema": mark.table_schema, "table": mark.table_name, "pk": list(mark.primary_key)}
+    return json.dumps({**content, "last": True} if mark.last else content, separators=(",", ":"))
 
 
 def parse_watermark(content: str) -> Watermark | None:
@@ -58,7 +60,7 @@ def parse_watermark(content: str) -> Watermark | None:
     try:
         data = json.loads(content)
         return Watermark(int(data["backfill"]), int(data["page"]), int(data.get("range", 0)), str(data["schema"]),
-                         str(data["table"]), tuple(str(c) for c in data["pk"]))
+                         str(data["table"]), tuple(str(c) for c in data["pk"]), bool(data.get("last", False)))
     except (ValueError, KeyError, TypeError) as exc:
         log.warning("ignoring a malformed backfill watermark %r: %s", content[:200], exc)
         return None
@@ -71,6 +73,17 @@ def _text(value: Any) -> str:
     if isinstance(value, str):
         return value
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def holdable(row: Sequence[Any]) -> bool:
+    """Whether a change row may wait for a later micro-batch: a logical message that is not the
+    high watermark ending a backfill range (its range's job waits for that batch)."""
+    if row[6] != "message":
+        return False
+    if row[5] != HIGH_PREFIX:
+        return True
+    mark = parse_watermark(row[7])
+    return mark is None or not mark.last
 
 
 def old_key(row: Sequence[Any], primary_key: Sequence[str]) -> Key | None:
@@ -201,13 +214,13 @@ def read_rows(closed_row: tuple, table_schema: str, table_name: str, backfill_id
              backfill_id, sink) for n, (_ordinal, pks, record) in enumerate(staged)]
 
 
-def store_reads(sink: SinkConfig | None, database_name: str, mark: Watermark, closed_row: tuple) -> StoreReads | None:
-    """``read_rows``' counterpart for sinks that need no Spark (``delivery.reads_render_in_store``):
-    how the store writes the page's reads itself at the high watermark, or None."""
-    if sink is None or not reads_render_in_store(sink, mark.table_schema, mark.table_name):
+def page_reads(sink: SinkConfig | None, database_name: str, backfill_id: int, table_schema: str, table_name: str,
+               commit_timestamp: str, commit_lsn: int, commit_idx: int = 0) -> StoreReads | None:
+    """For sinks that need no Spark (``delivery.reads_render_in_store``): how the store writes a
+    page's reads itself, at ``(commit_lsn, commit_idx + 1…)``, or None."""
+    if sink is None or not reads_render_in_store(sink, table_schema, table_name):
         return None
-    lsn, idx, timestamp = closed_row[0], closed_row[1], closed_row[2]
-    template = read_message_template(message_kind(sink), mark.table_schema, mark.table_name, str(timestamp), lsn,
+    template = read_message_template(message_kind(sink), table_schema, table_name, commit_timestamp, commit_lsn,
                                      metadata_tail(sink.consumer_id, sink.name, database_name))
-    group = f"{mark.table_schema}.{mark.table_name}:" if sink.message_grouping else None
-    return StoreReads(template, group, lsn, idx)
+    group = f"{table_schema}.{table_name}:" if sink.message_grouping else None
+    return StoreReads(sink.name, backfill_id, template, group, commit_lsn, commit_idx)

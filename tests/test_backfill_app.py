@@ -377,7 +377,9 @@ def test_backfill_app_killed_mid_run_resumes_from_its_cursors_with_nothing_missi
                                       "--max-page-rows", "5000"],
                                      stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
             try:
-                wait_for(lambda: count_messages(dsn, "big_sink") > 20_000 or first.poll() is not None, 300,
+                # both ranges' cursors moved (counting messages is not enough: a page's reads are in the
+                # stream table, hidden, before its window closes and its range's cursor moves)
+                wait_for(lambda: ranges_moved(dsn, created.id) or first.poll() is not None, 300,
                          what="backfill progress before the kill")
                 assert first.poll() is None, (tmp_path / "backfill1.log").read_text()[-3000:]
             finally:
@@ -404,8 +406,16 @@ def test_backfill_app_killed_mid_run_resumes_from_its_cursors_with_nothing_missi
 
 
 def count_messages(dsn: str, sink: str) -> int:
+    """Messages of the sink in the stream table (hidden reads included)."""
     with psycopg.connect(dsn) as conn:
         return int(conn.execute("SELECT count(*) FROM sequin.stream_messages WHERE sink = %s", (sink,)).fetchone()[0])
+
+
+def ranges_moved(dsn: str, backfill_id: int) -> bool:
+    """Whether the backfill has its two ranges and both cursors have moved."""
+    with psycopg.connect(dsn) as conn:
+        cursors = [r.cursor for r in store.backfill_ranges(conn, "sequin", backfill_id)]
+    return len(cursors) == 2 and all(c is not None for c in cursors)
 
 
 def test_bad_backfill_requests_fail_clearly_through_the_cli(app_db: tuple[str, StreamApp, Path]) -> None:
@@ -448,11 +458,8 @@ TRICKY_KEYS = ['plain', 'quote " and \\ backslash', 'tab\tnew\nline\rcr\bbs\fff'
                "unit\x1fsep\x0bvt\x01"]
 
 
-def staged_tricky_page(dsn: str, tmp_path: Path, sink_yaml: str, rows: list[tuple[list[str], str]]) -> tuple[Any, ...]:
-    """A ``tricky`` table, a running backfill of it for the sink ``s`` and one staged page of ``rows``:
-    (sink config, watermark, page id)."""
-    from sequin_provider.watermarks import Watermark
-
+def tricky_backfill(dsn: str, tmp_path: Path, sink_yaml: str) -> tuple[Any, int]:
+    """A ``tricky`` table and a running backfill of it for the sink ``s``: (sink config, backfill id)."""
     config = load_config(write_config(tmp_path / "sequin.yaml", f"""
 databases: [{{name: app, dsn: "{dsn}"}}]
 sinks: [{sink_yaml}]
@@ -462,28 +469,38 @@ sinks: [{sink_yaml}]
         store.migrate(conn, "sequin")
         created = store.create_backfill(conn, "sequin", "s", "public", "tricky")
         store.transition_backfill(conn, "sequin", created.id, "running")
-        page = store.open_backfill_page(conn, "sequin", created.id, 0)
-        store.stage_backfill_page(conn, "sequin", page, rows, None)
-    return config.sinks[0], Watermark(created.id, page, 0, "public", "tricky", ("k", "n")), page
+    return config.sinks[0], created.id
+
+
+def stage(conn: psycopg.Connection, backfill_id: int, rows: list[tuple[list[str], str]],
+          reads: Any = None) -> int:
+    """One page of ``rows`` staged (with ``reads``: written as the sink's hidden reads); its id."""
+    page = store.open_backfill_page(conn, "sequin", backfill_id, 0)
+    assert store.stage_backfill_page(conn, "sequin", page, rows, None, reads)
+    return page
 
 
 @pytest.mark.parametrize("kind", sorted(STORE_RENDERED_SINKS))
-def test_reads_the_store_writes_equal_the_pipelines_byte_for_byte(kind: str, dsn: str, tmp_path: Path,
-                                                                  spark: Any) -> None:
-    """A page's reads written by the store (plain Sequin Stream sinks) must be exactly what the Spark
-    pipeline writes for the same reads: data, group, idempotency key and position. Keys include
-    control characters that JSON escapes as ``\\u00xx`` (Spark's own JSON would write ``\\u001F``)."""
+def test_reads_the_task_writes_equal_the_pipelines_byte_for_byte(kind: str, dsn: str, tmp_path: Path,
+                                                                 spark: Any) -> None:
+    """A page's reads written by the backfill task (plain Sequin Stream sinks), from staged rows or
+    rendered by the source's SQL, must be exactly what the Spark pipeline writes for the same reads at
+    the same position: data, group, idempotency key.
+    Keys include control characters that JSON escapes as ``\\u00xx`` (Spark's own JSON would write
+    ``\\u001F``). (The task numbers a page's reads before the close drops any, so dropping is
+    tested on its own below.)"""
+    from psycopg import sql
+
+    from sequin_provider.backfill_reader import copy_out
     from sequin_provider.messages import CHANGE_SCHEMA_DDL
     from sequin_provider.spark.pipeline import StreamWriter, project_batch
-    from sequin_provider.watermarks import read_rows, store_reads
+    from sequin_provider.watermarks import page_reads, read_rows
 
     staged = [([k, str(n)], json.dumps({"k": k, "n": n, "amount": 1.50, "nested": {"a": [1, None]}}, ensure_ascii=n % 2 == 0)
                .replace("1.5,", "1.50,")) for n, k in enumerate(TRICKY_KEYS)]
-    sink, mark, page = staged_tricky_page(dsn, tmp_path, STORE_RENDERED_SINKS[kind], staged)
-    high = (987_654_321, 3, "2026-11-22T08:00:00.123456Z", 4242)  # the high watermark's position, time, xid
+    sink, backfill_id = tricky_backfill(dsn, tmp_path, STORE_RENDERED_SINKS[kind])
+    at = (987_654_321, 3, "2026-11-22T08:00:00.123456Z", 4242)  # the reads' position, time, xid
     with psycopg.connect(dsn) as conn:
-        changed = {(TRICKY_KEYS[2], "2")}  # changed inside the window: dropped on both paths
-
         def written() -> list[tuple]:
             rows = conn.execute("SELECT commit_lsn, commit_idx, group_id, idempotency_key, data::text"
                                 " FROM sequin.stream_messages ORDER BY commit_lsn, commit_idx").fetchall()
@@ -492,55 +509,91 @@ def test_reads_the_store_writes_equal_the_pipelines_byte_for_byte(kind: str, dsn
             return rows
 
         # through Spark, as the stream app does for sinks with a filter or a transform
-        closed = store.close_backfill_window(conn, "sequin", page, True, changed, high[0])
-        assert closed is not None and closed.in_store == 0 and len(closed.rows) == len(TRICKY_KEYS) - 1
-        reads = read_rows(high, "public", "tricky", mark.backfill_id, "s", closed.rows)
+        page = stage(conn, backfill_id, staged)
+        closed = store.close_backfill_window(conn, "sequin", page, True, set(), at[0])
+        assert closed is not None and closed.in_store == 0 and len(closed.rows) == len(TRICKY_KEYS)
+        reads = read_rows(at, "public", "tricky", backfill_id, "s", closed.rows)
         projected = project_batch(spark.createDataFrame(reads, CHANGE_SCHEMA_DDL), (sink,)).toArrow()
         result = next(StreamWriter(str(tmp_path / "sequin.yaml"), "app").write(iter(projected.to_batches())))
-        assert result.column("written").to_pylist() == [len(TRICKY_KEYS) - 1]
+        assert result.column("written").to_pylist() == [len(TRICKY_KEYS)]
         through_spark = written()
 
-        # the page closed again (a replay), this time written by the store
-        closed = store.close_backfill_window(conn, "sequin", page, True, changed, high[0],
-                                             lambda name: store_reads(sink if name == "s" else None, "app", mark, high))
-        assert closed is not None and closed.rows == [] and closed.in_store == len(TRICKY_KEYS) - 1
+        # written by the task as it stages the page, then closed by the stream app (and closed again: a replay)
+        page = stage(conn, backfill_id, staged, page_reads(sink, "app", backfill_id, "public", "tricky", at[2], at[0], at[1]))
+        assert conn.execute("SELECT count(*) FROM sequin.backfill_rows WHERE page_id = %s", (page,)).fetchone()[0] == 0
+        closed = store.close_backfill_window(conn, "sequin", page, True, set(), at[0] + 10)
+        assert closed is not None and closed.rows == [] and closed.in_store == len(TRICKY_KEYS)
+        assert store.close_backfill_window(conn, "sequin", page, True, {(TRICKY_KEYS[2], "2")}, at[0] + 10) == closed
+        assert store.close_backfill_window(conn, "sequin", page, False, set(), at[0] + 10) == closed  # decided once
+        by_task = written()
+
+        # rendered by the source's SQL and copied straight into the stream table (the path of tables
+        # ``backfill_sql`` renders), through COPY's text escaping both ways
+        page = store.open_backfill_page(conn, "sequin", backfill_id, 0)
+        reads = page_reads(sink, "app", backfill_id, "public", "tricky", at[2], at[0], at[1])
+        rows = sql.SQL("(VALUES {}) AS r (ordinal, record_pks, record)").format(sql.SQL(", ").join(
+            sql.SQL("({}, {}::text[], {})").format(n, pks, record) for n, (pks, record) in enumerate(staged)))
+        data = copy_out(conn, sql.SQL("COPY ({}) TO STDOUT").format(
+            store.read_messages_sql(reads, page, rows, json_typed=False)))
         conn.commit()
-        replayed = store.close_backfill_window(conn, "sequin", page, True, changed, high[0],  # a replayed batch
-                                               lambda name: store_reads(sink if name == "s" else None, "app", mark, high))
-        assert replayed == closed
-        by_store = written()
+        assert store.stage_page_reads_copy(conn, "sequin", page, data, len(staged), None, at[0])
+        assert store.close_backfill_window(conn, "sequin", page, True, set(), at[0] + 10).in_store == len(TRICKY_KEYS)
+        by_source = written()
 
-    assert len(through_spark) == len(TRICKY_KEYS) - 1
-    assert by_store == through_spark
+    assert len(through_spark) == len(TRICKY_KEYS)
+    assert by_task == through_spark
+    assert by_source == through_spark
     if kind != "record_only":
-        assert {json.loads(r[4])["metadata"]["record_pks"][0] for r in by_store} == set(TRICKY_KEYS) - {TRICKY_KEYS[2]}
+        assert [json.loads(r[4])["metadata"]["record_pks"][0] for r in by_task] == TRICKY_KEYS
 
 
-def test_a_closing_page_that_turns_stale_takes_back_only_its_invisible_store_written_reads(
+def test_task_written_reads_wait_for_their_window_and_go_with_a_page_that_is_not_emitted(
         dsn: str, tmp_path: Path) -> None:
-    """A window closed by the store, then not seen after a restart: its reads, not yet visible, go
-    with the page (it is read again); reads already visible to consumers are never taken back."""
-    from sequin_provider.watermarks import store_reads
+    """Reads the task wrote are served only once the stream app closed their window, and hold back
+    their groups' later changes until then; a window not seen, or a backfill that stops, takes its
+    pages' hidden reads back; a page taken back is not staged."""
+    from sequin_provider import stream_queue
+    from sequin_provider.watermarks import page_reads
 
-    sink, mark, page = staged_tricky_page(dsn, tmp_path, STORE_RENDERED_SINKS["change"],
-                                          [(["a", "1"], '{"k":"a","n":1}'), (["b", "2"], '{"k":"b","n":2}')])
-    high = (5000, 0, "2026-11-22T08:00:00Z", 1)
+    sink, backfill_id = tricky_backfill(dsn, tmp_path, STORE_RENDERED_SINKS["change"])
+
+    def reads(lsn: int) -> Any:
+        return page_reads(sink, "app", backfill_id, "public", "tricky", "2026-11-22T08:00:00.000000Z", lsn)
+
+    def change(lsn: int, key: str) -> tuple:
+        return ("s", lsn, 0, f'public.tricky:["{key}","1"]', f"{lsn}:0", json.dumps({"record": {"k": key, "n": 1}}))
+
+    def receive(conn: psycopg.Connection) -> list[tuple[str, str]]:
+        got = stream_queue.receive(conn, "sequin", "s", 10, 30.0, 1000)
+        for d in got:
+            stream_queue.ack(conn, "sequin", "s", [d.ack_id])
+        return [(json.loads(d.data)["action"] if "action" in json.loads(d.data) else "change",
+                 json.loads(d.data)["record"]["k"]) for d in got]
+
     with psycopg.connect(dsn) as conn:
-        def messages() -> int:
-            return int(conn.execute("SELECT count(*) FROM sequin.stream_messages").fetchone()[0])
+        def hidden() -> int:
+            return int(conn.execute("SELECT count(*) FROM sequin.stream_messages WHERE backfill_page IS NOT NULL"
+                                    ).fetchone()[0])
 
-        closed = store.close_backfill_window(conn, "sequin", page, True, set(), high[0],
-                                             lambda name: store_reads(sink, "app", mark, high))
-        assert closed is not None and closed.in_store == 2 and messages() == 2
-        store.advance_visible_lsn(conn, "sequin", ["s"], high[0] - 1)  # an earlier batch: still invisible
-        assert store.close_backfill_window(conn, "sequin", page, False, set(), high[0]) is None
-        assert messages() == 0 and store.get_backfill_page(conn, "sequin", page).state == "stale"
+        page = stage(conn, backfill_id, [(["a", "1"], '{"k":"a","n":1}'), (["b", "1"], '{"k":"b","n":1}')], reads(1000))
+        store.insert_stream_messages(conn, "sequin", [change(2000, "a"), change(2000 + 1, "z")])
+        conn.commit()
+        store.advance_visible_lsn(conn, "sequin", ["s"], 5000)
+        assert receive(conn) == [("change", "z")]  # the reads are hidden, and a's change waits behind a's read
+        assert hidden() == 2
+        closed = store.close_backfill_window(conn, "sequin", page, True, {("b", "1")}, 1500)
+        assert closed is not None and closed.in_store == 1
+        assert receive(conn) == [("read", "a")]  # b changed inside the window: its read is gone
+        assert receive(conn) == [("change", "a")]  # then a's change, in position order
 
-        page2 = store.open_backfill_page(conn, "sequin", mark.backfill_id, 0)
-        store.stage_backfill_page(conn, "sequin", page2, [(["c", "3"], '{"k":"c","n":3}')], None)
-        high2 = (6000, 0, "2026-11-22T08:00:01Z", 2)
-        assert store.close_backfill_window(conn, "sequin", page2, True, set(), high2[0],
-                                           lambda name: store_reads(sink, "app", mark, high2)) is not None
-        store.advance_visible_lsn(conn, "sequin", ["s"], high2[0])  # its batch completed: consumers may see it
-        assert store.close_backfill_window(conn, "sequin", page2, False, set(), high2[0]) is None
-        assert messages() == 1
+        stale = stage(conn, backfill_id, [(["c", "1"], '{"k":"c","n":1}')], reads(3000))
+        assert store.close_backfill_window(conn, "sequin", stale, False, set(), 3500) is None  # window not seen
+        assert store.get_backfill_page(conn, "sequin", stale).state == "stale" and hidden() == 0
+
+        stopped = stage(conn, backfill_id, [(["d", "1"], '{"k":"d","n":1}')], reads(4000))
+        late = store.open_backfill_page(conn, "sequin", backfill_id, 0)
+        assert hidden() == 1
+        store.transition_backfill(conn, "sequin", backfill_id, "cancelled")
+        assert store.get_backfill_page(conn, "sequin", stopped).state == "stale" and hidden() == 0
+        assert not store.stage_backfill_page(conn, "sequin", late, [(["e", "1"], '{"k":"e","n":1}')], None, reads(4500))
+        assert hidden() == 0 and receive(conn) == []

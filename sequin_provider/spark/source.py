@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
@@ -38,16 +38,21 @@ from sequin_provider.sinks.sequin_stream import SequinStreamSink
 from sequin_provider import store
 from sequin_provider.watermarks import (
     HIGH_PREFIX,
-    WindowClosed,
     WindowTracker,
+    holdable,
     parse_watermark,
     read_rows,
-    store_reads,
 )
 
 log = logging.getLogger(__name__)
 
 MIN_ROWS_PER_SLICE = 10_000
+MARKS_ONLY_BATCH_INTERVAL = 5.0
+"""Seconds between micro-batches that would carry only logical messages (backfill watermarks,
+heartbeats): a backfill emits several per second, and each micro-batch costs the JVM about as
+much as a backfill page costs the store. Such a batch is held open (the windows in it still close
+at once) until a change, a backfill's Spark-path read or the high watermark ending a range arrives,
+or until this long after the last batch (``watermarks.holdable``)."""
 SPOOL_REFERENCE_COLUMNS = ("commit_lsn", "commit_idx", "table_schema", "table_name", "action", "backfill_sink")
 """The change columns a ``payload=spool`` row carries: what sinks' selections read (no record values)."""
 SPOOL_REFERENCE_SCHEMA = pa.schema([CHANGE_ARROW_SCHEMA.field(c) for c in SPOOL_REFERENCE_COLUMNS]
@@ -137,6 +142,7 @@ class ReplicationStreamReader(DataSourceStreamReader):
         self.slices = max(1, int(options.get("partitions") or 1))
         self.references = options.get("payload") == "spool"
         self._spooled_rows: dict[str, int] = {}
+        self._last_batch_at = 0.0
 
     def _settings(self) -> tuple[DatabaseConfig, StreamConfig]:
         if self._db is None or self._stream is None:
@@ -184,17 +190,27 @@ class ReplicationStreamReader(DataSourceStreamReader):
             return start
         if result.end_lsn == lsn:
             return start
-        rows = result.rows
-        closed = self._windows.scan(rows)
-        if closed:
-            rows = rows + self._close_windows(closed)
+        end, rows = result.end_lsn, self._with_closed_windows(result.rows)
+        while all(map(holdable, rows)) and time.monotonic() < self._last_batch_at + MARKS_ONLY_BATCH_INTERVAL:
+            try:
+                more = self._reader.read(stream.max_batch_rows, stream.max_batch_bytes, stream.max_batch_wait)
+            except SourceUnavailableError:
+                break  # the batch read so far stands; the next latestOffset reconnects
+            if more.end_lsn != end:
+                end, rows = more.end_lsn, rows + self._with_closed_windows(more.rows)
+        self._last_batch_at = time.monotonic()
         # A heartbeat-only transaction gives a 0-row batch: the offset still advances, so the
         # slot is acknowledged past it and an idle database does not retain WAL.
         os.makedirs(self.spool, exist_ok=True)
-        path = spool_path(self.spool, lsn, result.end_lsn)
+        path = spool_path(self.spool, lsn, end)
         write_spool(path, rows_to_arrow(rows))
         self._spooled_rows[path] = len(rows)
-        return {"lsn": result.end_lsn}
+        return {"lsn": end}
+
+    def _with_closed_windows(self, rows: list[tuple]) -> list[tuple]:
+        """``rows`` and the reads of the backfill windows closed among them that go through Spark."""
+        closed = self._windows.scan(rows)
+        return rows + self._close_windows(closed) if closed else rows
 
     def _close_windows(self, closed: list[Any]) -> list[tuple]:
         """Backfill pages whose high watermark is in this batch: their reads, at its position."""
@@ -203,23 +219,18 @@ class ReplicationStreamReader(DataSourceStreamReader):
         for window in closed:
             mark = window.mark
             emitted = sink.retrying(lambda conn, w=window: store.close_backfill_window(
-                conn, schema, w.mark.page_id, w.seen, set(w.changed), w.row[0], self._store_reads(w)))
+                conn, schema, w.mark.page_id, w.seen, set(w.changed), w.row[0]))
             if emitted is None:
                 log.info("backfill %d page %d: window %s; the page will be read again", mark.backfill_id, mark.page_id,
                          "seen whole but the page is not waiting" if window.seen else "not seen by this process")
                 continue
             reads += read_rows(window.row, mark.table_schema, mark.table_name, emitted.backfill_id, emitted.sink,
                                emitted.rows)
-            log.info("backfill %d page %d: %d reads at the high watermark%s (%d keys changed in its window)",
-                     mark.backfill_id, mark.page_id, len(emitted.rows) or emitted.in_store,
-                     ", written by the store" if emitted.in_store else "", len(window.changed))
+            log.info("backfill %d page %d: %d reads %s (%d keys changed in its window)", mark.backfill_id,
+                     mark.page_id, len(emitted.rows) or emitted.in_store,
+                     "released (written by the task)" if emitted.in_store else "at the high watermark",
+                     len(window.changed))
         return reads
-
-    def _store_reads(self, window: WindowClosed) -> Callable[[str], store.StoreReads | None]:
-        """For a closing window: how the store writes its reads itself, for sinks that need no Spark."""
-        db, _ = self._settings()
-        sinks = {s.name: s for s in self._config.sinks} if self._config else {}
-        return lambda name: store_reads(sinks.get(name), db.name, window.mark, window.row)
 
     def _maybe_heartbeat(self, db: DatabaseConfig) -> None:
         if db.heartbeat_interval <= 0 or self._reader is None:
