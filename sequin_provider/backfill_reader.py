@@ -193,18 +193,26 @@ class PageQuery:
             sql.SQL(", ").join(sql.Identifier(c) for c in self.order), sql.Literal(limit))
 
 
-def copy_out(conn: psycopg.Connection[Any], query: sql.Composed) -> bytes:
-    """Run a ``COPY … TO STDOUT`` and return its text-format output."""
+def copy_out(conn: psycopg.Connection[Any], query: sql.Composed, budget_ms: int | None = None) -> bytes:
+    """Run a ``COPY … TO STDOUT`` and return its text-format output.
+
+    With ``budget_ms``, that statement alone runs under ``statement_timeout`` (a timeout raises
+    ``QueryCanceled``): a page's budget must not cancel the watermarks around it, which would
+    fail the backfill on a slow commit instead of reading a smaller page."""
     chunks: list[bytes] = []
-    with conn.cursor() as cur, cur.copy(query) as copy:
-        for data in copy:
-            chunks.append(bytes(data))
+    with conn.transaction():
+        if budget_ms is not None:
+            conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(budget_ms)))
+        with conn.cursor() as cur, cur.copy(query) as copy:
+            for data in copy:
+                chunks.append(bytes(data))
     return b"".join(chunks)
 
 
-def read_page(conn: psycopg.Connection[Any], query: sql.Composed) -> list[list[str | None]]:
-    """Run a page's COPY and return its rows as text values."""
-    return [parse_copy_line(line) for line in copy_out(conn, query).decode("utf-8").split("\n") if line]
+def read_page(conn: psycopg.Connection[Any], query: sql.Composed, budget_ms: int | None = None
+              ) -> list[list[str | None]]:
+    """Run a page's COPY (under ``budget_ms``, as ``copy_out``) and return its rows as text values."""
+    return [parse_copy_line(line) for line in copy_out(conn, query, budget_ms).decode("utf-8").split("\n") if line]
 
 
 def staged_page_end(data: bytes) -> tuple[int, list[str] | None]:
@@ -354,7 +362,6 @@ class RangeReader:
             positions = [shape.columns.index(c) for c in order]
             optimizer = PageSizeOptimizer(backfill.max_query_ms, initial_size=min(1000, self.max_page_rows),
                                           max_size=self.max_page_rows)
-            source.execute(sql.SQL("SET statement_timeout = {}").format(sql.Literal(backfill.max_query_ms)))
             cursor: list[str] | None = list(rng.cursor) if rng.cursor is not None else None
             in_flight: deque[StagedPage] = deque()
             read_all = False
@@ -426,9 +433,9 @@ class RangeReader:
             try:
                 if record is not None:
                     data = copy_out(source, query.staging_sql(cursor, size, page_id, record) if reads is None
-                                    else query.reads_sql(cursor, size, page_id, record, reads))
+                                    else query.reads_sql(cursor, size, page_id, record, reads), optimizer.max_query_ms)
                 else:
-                    values = read_page(source, query.sql(cursor, size))
+                    values = read_page(source, query.sql(cursor, size), optimizer.max_query_ms)
             except psycopg.errors.QueryCanceled:
                 optimizer.observe(size, 0, timed_out=True)
                 log.warning("backfill %d range %d: a page of %d rows hit max_query_ms=%d; next page %d rows",
