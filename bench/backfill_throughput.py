@@ -8,7 +8,7 @@ One run on a fresh embedded cluster (source and store in separate databases):
       rows/s from ``sequin backfill start`` to the last read durable in the sink, and from the
       backfill's ``running`` to ``completed`` (without the start of its local Spark);
   (b') the same into a sink with a filter, whose reads go through the stream app's Spark
-      pipeline instead of being written by the store;
+      pipeline instead of being written by the backfill task;
   (c) (b) while a writer updates random rows at ``--write-rate`` changes/s.
 Prints a Markdown table and writes bench/results/backfill_throughput.json. Not a test: no thresholds.
 """
@@ -198,7 +198,7 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
     print("|---|---:|---:|---:|---:|")
     print(f"| (a) COPY (SELECT * FROM events) TO STDOUT, the read limit | {results['copy_rate']:,.0f} | {copy_s:.2f}"
           " | | 1.00 |")
-    for key, label in (("idle", "(b) backfill into the Sequin Stream sink, table idle (reads written by the store)"),
+    for key, label in (("idle", "(b) backfill into the Sequin Stream sink, table idle (reads written by the task)"),
                        ("spark", "(b') the same into a sink with a filter (reads through the stream app's Spark)"),
                        ("busy", f"(c) (b) while {args.write_rate:,} updates/s hit the table")):
         rate, running = float(results[f"{key}_rate"]), float(results[f"{key}_running_rate"])  # type: ignore[arg-type]
