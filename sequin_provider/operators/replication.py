@@ -38,6 +38,7 @@ from sequin_provider.config import ConfigError
 from sequin_provider.hooks.sequin import SequinHook
 from sequin_provider.operators.common import load_sequin_config, optional_text, warn_if_elsewhere
 from sequin_provider.operators.spark_submit import SparkSubmitRun, default_application, resolve_target, submit_env
+from sequin_provider.session_lock import SessionLock
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -50,47 +51,13 @@ def lock_name(schema: str, database: str) -> str:
     return f"sequin-stream:{schema}:{database}"
 
 
-class StreamLock:
+class StreamLock(SessionLock):
     """The advisory lock "one supervised stream app per database", held by its own connection."""
 
     def __init__(self, dsn: str, schema: str, database: str, application_name: str = "sequin-supervisor") -> None:
-        self.dsn = dsn
+        super().__init__(dsn, lock_name(schema, database), application_name)
         self.schema = schema
         self.database = database
-        self.application_name = application_name[:63]
-        self.conn: psycopg.Connection[Any] | None = None
-
-    def acquire(self) -> bool:
-        """Take the lock on a new connection; False (and no connection kept) if another session holds it."""
-        self.release()
-        conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=10, application_name=self.application_name,
-                               keepalives=1, keepalives_idle=30, keepalives_interval=10, keepalives_count=3)
-        got = conn.execute("SELECT pg_try_advisory_lock(hashtext(%s))",
-                           (lock_name(self.schema, self.database),)).fetchone()[0]  # type: ignore[index]
-        if not got:
-            conn.close()
-            return False
-        self.conn = conn
-        return True
-
-    def holder(self) -> str:
-        """Who holds the lock (pid, application name, client, since when), for the error message."""
-        try:
-            with psycopg.connect(self.dsn, autocommit=True, connect_timeout=10) as conn:
-                row = conn.execute(
-                    "SELECT a.pid, a.application_name, a.client_addr, a.backend_start FROM pg_locks l"
-                    " JOIN pg_stat_activity a ON a.pid = l.pid"
-                    " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
-                    " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-                    " AND ((l.classid::bigint << 32) | l.objid::bigint) = hashtext(%s)::bigint",
-                    (lock_name(self.schema, self.database),)).fetchone()
-        except psycopg.Error as exc:
-            return f"unknown holder ({str(exc).strip()})"
-        if row is None:
-            return "a session that has released it since"
-        pid, app, client, since = row
-        return (f"server pid {pid}, {app or 'no application name'!r}, from {client or 'local socket'},"
-                f" since {since:%Y-%m-%d %H:%M:%S%z}")
 
     def heartbeat(self) -> datetime | None:
         """``stream_status.heartbeat_at`` of the database, read on the lock's connection (which also
@@ -98,14 +65,6 @@ class StreamLock:
         assert self.conn is not None
         rows = [r for r in store.read_status(self.conn, self.schema) if r["database"] == self.database]
         return rows[0]["heartbeat_at"] if rows else None
-
-    def release(self) -> None:
-        """Close the connection: the session ends and the lock with it."""
-        if self.conn is not None:
-            try:
-                self.conn.close()
-            finally:
-                self.conn = None
 
 
 @dataclass
