@@ -18,6 +18,7 @@ from psycopg import sql
 from sequin_provider import store
 from sequin_provider.config import SequinConfig, TableConfig
 from sequin_provider.replication import table_info
+from sequin_provider.session_lock import SessionLock
 from sequin_provider.store import BackfillError
 
 DEFAULT_MAX_QUERY_MS = 5000
@@ -178,12 +179,28 @@ def _estimate_rows(source: psycopg.Connection[Any], table: TableConfig, sort_col
 
 def create_backfill(source: psycopg.Connection[Any], store_conn: psycopg.Connection[Any], config: SequinConfig,
                     sink_name: str, table_name: str, sort_column: str | None = None,
-                    start_position: str | None = None, max_query_ms: int = DEFAULT_MAX_QUERY_MS) -> store.Backfill:
-    """Validate a backfill request and record it as pending (nothing is recorded when it is invalid)."""
+                    start_position: str | None = None, max_query_ms: int = DEFAULT_MAX_QUERY_MS,
+                    requested_by: str | None = None) -> store.Backfill:
+    """Validate a backfill request and record it as pending (nothing is recorded when it is invalid);
+    ``requested_by`` names who asked (an Airflow task instance), so that its retry can find it."""
     plan = plan_backfill(source, config, sink_name, table_name, sort_column, start_position, max_query_ms)
     return store.create_backfill(store_conn, config.store.schema, plan.sink, plan.table.schema, plan.table.name,
                                  plan.kind, plan.sort_column, plan.start_position, plan.max_query_ms,
-                                 plan.estimated_rows)
+                                 plan.estimated_rows, requested_by)
+
+
+RUN_LOCK_WAIT = 30.0  # seconds an app waits for an earlier app of the same backfill to stop
+
+
+class BackfillBusy(BackfillError):
+    """Another app is running the backfill (it holds the backfill's run lock)."""
+
+
+def run_lock(store_dsn: str, schema: str, backfill_id: int, application_name: str = "sequin-backfill") -> SessionLock:
+    """The advisory lock "one app runs this backfill", in the store: the backfill app holds it while it
+    runs, so two runs of one backfill (a retried task beside its orphaned app, two ``sequin backfill
+    run``) never read the same ranges at once; Postgres frees it when the app's session ends."""
+    return SessionLock(store_dsn, f"sequin-backfill:{schema}:{backfill_id}", application_name)
 
 
 MIN_SERVER_VERSION = 140000

@@ -178,7 +178,8 @@ def cmd_backfill_status(args: argparse.Namespace) -> int:
         return 0
     for b in out:
         print(f"backfill {b.id} [{b.sink} {b.table_schema}.{b.table_name} {b.kind}"
-              f"{' from ' + b.sort_column + ' >= ' + repr(b.start_position) if b.sort_column else ''}]: {progress_line(b)}")
+              f"{' from ' + b.sort_column + ' >= ' + repr(b.start_position) if b.sort_column else ''}]: {progress_line(b)}"
+              f"{'; requested by ' + b.requested_by if b.requested_by else ''}")
     return 0
 
 

@@ -189,6 +189,11 @@ ALTER TABLE {schema}.backfill_rows ADD COLUMN IF NOT EXISTS order_key text[];
 ALTER TABLE {schema}.stream_messages ADD COLUMN IF NOT EXISTS backfill_page bigint;
 ALTER TABLE {schema}.backfill_pages ADD COLUMN IF NOT EXISTS read_lsn bigint;
 """),
+    # Who asked for a backfill (an Airflow task instance: dag/task/run[map index]): a retry of that
+    # task finds the backfill its earlier try started and resumes it instead of being refused.
+    (10, "backfills record who requested them", """
+ALTER TABLE {schema}.backfills ADD COLUMN IF NOT EXISTS requested_by text;
+"""),
 )
 
 READS_RELEASED = """(m.backfill_page IS NULL OR EXISTS (SELECT 1 FROM {s}.backfill_pages p
@@ -237,6 +242,15 @@ class Backfill:
     started_at: Any
     finished_at: Any
     updated_at: Any
+    requested_by: str | None = None
+
+
+class BackfillConflict(BackfillError):
+    """The sink already has an active backfill of the table (``active``, when it could be read)."""
+
+    def __init__(self, message: str, active: Backfill | None) -> None:
+        super().__init__(message)
+        self.active = active
 
 
 MAX_QUERY_MS_LIMIT = 600_000
@@ -263,13 +277,14 @@ def check_max_query_ms(value: object) -> int:
 def _backfill_query(schema: str, where: str) -> sql.Composed:
     return sql.SQL("SELECT id, sink, table_schema, table_name, kind, sort_column, start_position, max_query_ms, state,"
                    " cursor, rows_initial, rows_processed, rows_emitted, error, created_at, started_at, finished_at,"
-                   " updated_at FROM {}.backfills " + where).format(_ident(schema))
+                   " updated_at, requested_by FROM {}.backfills " + where).format(_ident(schema))
 
 
 def create_backfill(conn: psycopg.Connection[Any], schema: str, sink: str, table_schema: str, table_name: str,
                     kind: str = "full", sort_column: str | None = None, start_position: str | None = None,
-                    max_query_ms: int = 5000, rows_initial: int | None = None) -> Backfill:
-    """Record a pending backfill; at most one is active per (sink, table)."""
+                    max_query_ms: int = 5000, rows_initial: int | None = None,
+                    requested_by: str | None = None) -> Backfill:
+    """Record a pending backfill; at most one is active per (sink, table): ``BackfillConflict``."""
     if kind not in ("full", "partial"):
         raise BackfillError(f"kind must be 'full' or 'partial', got {kind!r}")
     if (kind == "partial") != (sort_column is not None):
@@ -279,17 +294,20 @@ def create_backfill(conn: psycopg.Connection[Any], schema: str, sink: str, table
         with conn.transaction():
             row = conn.execute(sql.SQL(
                 "INSERT INTO {}.backfills (sink, table_schema, table_name, kind, sort_column, start_position,"
-                " max_query_ms, rows_initial) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) RETURNING id").format(_ident(schema)),
-                (sink, table_schema, table_name, kind, sort_column, start_position, max_query_ms, rows_initial)).fetchone()
+                " max_query_ms, rows_initial, requested_by) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING id"
+            ).format(_ident(schema)), (sink, table_schema, table_name, kind, sort_column, start_position, max_query_ms,
+                                       rows_initial, requested_by)).fetchone()
         conn.commit()  # a caller's open transaction made the block above a savepoint
     except psycopg.errors.UniqueViolation:
         active = conn.execute(_backfill_query(schema, "WHERE sink = %s AND table_schema = %s AND table_name = %s"
                                               " AND state IN ('pending', 'running')"),
                               (sink, table_schema, table_name)).fetchone()
         conn.commit()
-        which = f"backfill {active[0]} ({active[8]})" if active else "another backfill"
-        raise BackfillError(f"sink {sink!r} already has an active backfill of {table_schema}.{table_name}: {which};"
-                            " cancel it or wait for it to finish") from None
+        found = Backfill(*active) if active else None
+        which = (f"backfill {found.id} ({found.state}{', requested by ' + found.requested_by if found.requested_by else ''})"
+                 if found else "another backfill")
+        raise BackfillConflict(f"sink {sink!r} already has an active backfill of {table_schema}.{table_name}: {which};"
+                               " cancel it or wait for it to finish", found) from None
     return get_backfill(conn, schema, int(row[0]))  # type: ignore[index]
 
 

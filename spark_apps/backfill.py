@@ -3,7 +3,8 @@
     spark-submit spark_apps/backfill.py --config sequin.yaml --backfill-id 7
 
 Runs (or resumes) a recorded backfill to its end. Only parses arguments and calls into the package.
-Exit code 0: completed; 1: failed or cancelled; 2: bad input.
+Exit code 0: completed; 1: not completed (failed, cancelled, or stopped because its supervisor,
+``$SEQUIN_SUPERVISOR_PID``, is gone); 2: bad input; 3: another app is running this backfill (left as it is).
 """
 
 from __future__ import annotations

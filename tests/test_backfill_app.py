@@ -418,6 +418,75 @@ def ranges_moved(dsn: str, backfill_id: int) -> bool:
     return len(cursors) == 2 and all(c is not None for c in cursors)
 
 
+def test_a_second_app_for_a_backfill_that_is_being_run_is_refused_and_changes_nothing(
+        app_db: tuple[str, StreamApp, Path], spark: Any) -> None:
+    from sequin_provider.backfill import BackfillBusy, run_lock
+
+    dsn, app, config = app_db
+    created = backfill(dsn, config, "nothing_sink", "nothing")
+    holder = run_lock(dsn, "sequin", created.id, "the first app")
+    assert holder.acquire()
+    try:
+        with pytest.raises(BackfillBusy, match=f"backfill {created.id} is being run by another app .*'the first app'"):
+            run(spark, config, created.id, lock_wait=0.5)
+    finally:
+        holder.release()
+    with psycopg.connect(dsn) as conn:
+        assert store.get_backfill(conn, "sequin", created.id).state == "pending"
+        assert store.backfill_ranges(conn, "sequin", created.id) == []
+    assert run(spark, config, created.id).state == "completed"  # once the lock is free
+
+
+def test_backfill_app_stops_when_its_supervisor_is_gone_and_leaves_the_backfill_to_resume(
+        dsn: str, dbname: str, tmp_path: Path) -> None:
+    """An Airflow worker lost mid-backfill: the app (started in a session of its own, so it outlives the
+    worker) stops by itself, the backfill stays running with its cursors, and the lock is free for the
+    retry. No stream app runs here, so the app's first page waits for its window when the worker goes."""
+    from sequin_provider.backfill import run_lock
+
+    execute(dsn, "CREATE TABLE t (id int PRIMARY KEY)", "INSERT INTO t SELECT generate_series(1, 5000)")
+    config = write_config(tmp_path / "sequin.yaml", f"""
+        databases: [{{name: app, dsn: "{dsn}", slot: {{name: slot_{dbname}}}, publication: {{name: pub_{dbname}}}}}]
+        sinks: [{{name: t_sink, tables: [t], destination: {{type: sequin_stream}}}}]
+        stream: {{checkpoint_location: {tmp_path / "ckpt"}}}
+        """)
+    with psycopg.connect(dsn) as conn:
+        store.migrate(conn, "sequin")
+    created = backfill(dsn, config, "t_sink", "t")
+    worker = subprocess.Popen(["sleep", "600"])
+    root = Path(__file__).resolve().parent.parent
+    with open(tmp_path / "backfill.log", "wb") as log_file:
+        app = subprocess.Popen([sys.executable, str(root / "spark_apps" / "backfill.py"), "--config", str(config),
+                                "--backfill-id", str(created.id), "--master", "local[1]", "--window-timeout", "600"],
+                               stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                               env={**os.environ, "SEQUIN_SUPERVISOR_PID": str(worker.pid)})
+        try:
+            wait_for(lambda: open_pages(dsn, created.id) or app.poll() is not None, 300, what="the app's first page")
+            assert app.poll() is None, (tmp_path / "backfill.log").read_text()[-3000:]
+            worker.kill()
+            worker.wait()
+            code = app.wait(timeout=180)
+        finally:
+            if app.poll() is None:
+                os.killpg(app.pid, signal.SIGKILL)
+    out = (tmp_path / "backfill.log").read_text()
+    assert code == 1, out[-3000:]
+    assert "the supervisor (pid" in out and "stays running" in out, out[-3000:]
+    with psycopg.connect(dsn) as conn:
+        after = store.get_backfill(conn, "sequin", created.id)
+    assert after.state == "running" and after.error is None
+    lock = run_lock(dsn, "sequin", created.id)
+    assert lock.acquire(), "the stopped app released the backfill's run lock"
+    lock.release()
+
+
+def open_pages(dsn: str, backfill_id: int) -> bool:
+    """Whether the backfill has a page in its window (staged, waiting for the stream app)."""
+    with psycopg.connect(dsn) as conn:
+        return bool(conn.execute("SELECT count(*) FROM sequin.backfill_pages WHERE backfill_id = %s AND state = 'open'",
+                                 (backfill_id,)).fetchone()[0])
+
+
 def test_bad_backfill_requests_fail_clearly_through_the_cli(app_db: tuple[str, StreamApp, Path]) -> None:
     dsn, app, config = app_db
     cli = [sys.executable, "-m", "sequin_provider.cli", "--config", str(config), "backfill"]

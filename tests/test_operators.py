@@ -15,6 +15,7 @@ import re
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
 import psutil
@@ -24,7 +25,9 @@ from psycopg.conninfo import conninfo_to_dict
 
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, TaskDeferred
 from sequin_provider import buffer, store
+from sequin_provider.backfill import run_lock
 from sequin_provider.operators.backfill import SequinBackfillOperator
+from sequin_provider.operators.common import task_instance_key
 from sequin_provider.operators.buffer import SequinBufferRetryOperator
 from sequin_provider.operators.replication import (
     HeartbeatWatch,
@@ -344,6 +347,64 @@ def test_backfill_on_kill_cancels_the_backfill_and_kills_the_job(env: Env) -> No
     (after,) = env.backfills()
     assert after.state == "cancelled"
     assert no_process_left(pid)
+
+
+def earlier_try(env: Env, state: str = "running") -> tuple[dict[str, Any], store.Backfill]:
+    """A task instance's context, and the backfill an earlier try of it started (then its worker was lost)."""
+    from sequin_provider.config import load_config
+
+    context = {"ti": SimpleNamespace(dag_id="nightly", task_id="b", run_id="scheduled__2026-11-21", map_index=-1)}
+    first = SequinBackfillOperator(task_id="b", sink="items_sink", table="items")
+    backfill = first.create(load_config(env.config), first.request(), task_instance_key(context))
+    assert backfill.requested_by == "airflow:nightly/b/scheduled__2026-11-21" and not first.adopted
+    if state == "running":
+        with psycopg.connect(env.dsn) as conn:
+            backfill = store.transition_backfill(conn, "sequin", backfill.id, "running")
+    return context, backfill
+
+
+def test_a_retry_resumes_the_backfill_its_earlier_try_started_and_others_are_still_refused(env: Env) -> None:
+    context, earlier = earlier_try(env)
+    mapped = {"ti": SimpleNamespace(dag_id="nightly", task_id="b", run_id="scheduled__2026-11-21", map_index=2)}
+    for other in ({}, mapped, {"ti": SimpleNamespace(dag_id="nightly", task_id="b", run_id="manual__x", map_index=-1)}):
+        op = SequinBackfillOperator(task_id="b", sink="items_sink", table="items", application=str(env.app))
+        with pytest.raises(AirflowFailException, match=f"already has an active backfill of public.items: backfill"
+                                                       f" {earlier.id} \\(running, requested by airflow:nightly/b/"):
+            op.execute(other)
+    changed = SequinBackfillOperator(task_id="b", sink="items_sink", table="items", max_query_ms=100,
+                                     application=str(env.app))
+    with pytest.raises(AirflowFailException, match="an earlier try of this task started it with max_query_ms 5000"
+                                                   " \\(now 100\\)"):
+        changed.execute(context)
+    assert env.app_events() == [] and [b.id for b in env.backfills()] == [earlier.id]
+    # the retry: same task instance, same request -> the same backfill goes to the app (which fails here)
+    retry = SequinBackfillOperator(task_id="b", sink="items_sink", table="items", application=str(env.app),
+                                   env_vars=env.fake_env("fail"))
+    with pytest.raises(AirflowException, match="the fake app failed on purpose"):
+        retry.execute(context)
+    assert retry.adopted and retry.backfill_id == earlier.id
+    (started,) = [e for e in env.app_events() if e[0] == "start"]
+    assert started[started.index("--backfill-id") + 1] == str(earlier.id)
+    (after,) = env.backfills()
+    assert after.id == earlier.id and after.state == "failed"
+
+
+def test_a_retry_waits_for_the_app_still_running_its_backfill_instead_of_starting_another(env: Env) -> None:
+    context, earlier = earlier_try(env)
+    app = run_lock(env.dsn, "sequin", earlier.id, "the earlier try's app")  # e.g. a driver in cluster mode
+    assert app.acquire()
+    try:
+        retry = SequinBackfillOperator(task_id="b", sink="items_sink", table="items", application=str(env.app),
+                                       env_vars=env.fake_env(), takeover_wait=0.5, poll_interval=1.0)
+        with pytest.raises(TaskDeferred) as deferred:
+            retry.execute(context)
+    finally:
+        app.release()
+    trigger = deferred.value.trigger
+    assert isinstance(trigger, BackfillCompletedTrigger) and trigger.backfill_id == earlier.id
+    assert env.app_events() == []  # no second app for the same backfill
+    (after,) = env.backfills()
+    assert after.state == "running"
 
 
 # -- SequinBufferRetryOperator ---------------------------------------------------------------------

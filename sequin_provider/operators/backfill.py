@@ -8,6 +8,12 @@ driver runs elsewhere (cluster deploy mode, fire-and-forget submission): the ope
 the store, deferred to ``BackfillCompletedTrigger`` by default. Still active after spark-submit
 *failed* means nobody is running it: the backfill is marked failed with the app's error, so that a
 retry of the task can start a new one instead of finding the sink's table blocked.
+
+A backfill records the task instance that asked for it. When a try dies without cleaning up (its
+worker lost), the retry finds that backfill still active and resumes it from its cursors instead of
+being refused. The Spark app holds the backfill's run lock while it runs and stops when its
+supervisor is gone; if the lock is still held after ``takeover_wait`` (the app runs elsewhere, or
+another run took it), the retry waits for that run in the store instead of starting a second one.
 """
 
 from __future__ import annotations
@@ -23,11 +29,11 @@ from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from sequin_provider import store
-from sequin_provider.backfill import DEFAULT_MAX_QUERY_MS, create_backfill, progress_line
+from sequin_provider.backfill import DEFAULT_MAX_QUERY_MS, RUN_LOCK_WAIT, create_backfill, progress_line, run_lock
 from sequin_provider.hooks.sequin import SequinHook
-from sequin_provider.operators.common import load_sequin_config, optional_text, warn_if_elsewhere
+from sequin_provider.operators.common import load_sequin_config, optional_text, task_instance_key, warn_if_elsewhere
 from sequin_provider.operators.spark_submit import SparkSubmitRun, default_application, resolve_target, submit_env
-from sequin_provider.store import BackfillError
+from sequin_provider.store import BackfillConflict, BackfillError
 from sequin_provider.triggers.sequin import BACKFILL_FAILED_STATES, BackfillCompletedTrigger
 
 if TYPE_CHECKING:
@@ -68,6 +74,8 @@ class SequinBackfillOperator(BaseOperator):
     :param poll_interval: seconds between two checks of the store while waiting.
     :param wait_timeout: seconds to wait for a detached backfill (None: no limit); the backfill is
         cancelled when it passes.
+    :param takeover_wait: seconds a retry gives the app of an earlier try to stop (it stops once
+        that try's process is gone) before waiting for that app instead of running the backfill.
     """
 
     template_fields: Sequence[str] = ("sink", "table", "kind", "sort_column", "start_position", "max_query_ms",
@@ -81,7 +89,7 @@ class SequinBackfillOperator(BaseOperator):
                  max_page_rows: int | None = None, window_timeout: float | None = None,
                  spark_conf: dict[str, Any] | None = None, env_vars: dict[str, Any] | None = None,
                  driver_memory: str | None = "2g", deferrable: bool = True, poll_interval: float = 10.0,
-                 wait_timeout: float | None = None, **kwargs: Any) -> None:
+                 wait_timeout: float | None = None, takeover_wait: float = RUN_LOCK_WAIT, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.sink = sink
         self.table = table
@@ -102,7 +110,9 @@ class SequinBackfillOperator(BaseOperator):
         self.deferrable = deferrable
         self.poll_interval = poll_interval
         self.wait_timeout = wait_timeout
+        self.takeover_wait = takeover_wait
         self.backfill_id: int | None = None
+        self.adopted = False  # the backfill was started by an earlier try of this task instance
         self._run: SparkSubmitRun | None = None
 
     @cached_property
@@ -136,8 +146,9 @@ class SequinBackfillOperator(BaseOperator):
         return {"sink": sink, "table": table, "sort_column": sort_column, "start_position": start_position,
                 "max_query_ms": max_query_ms}
 
-    def create(self, config: SequinConfig, request: dict[str, Any]) -> store.Backfill:
-        """Validate against the source catalog and record the backfill (nothing recorded if invalid)."""
+    def create(self, config: SequinConfig, request: dict[str, Any], requested_by: str | None = None) -> store.Backfill:
+        """Validate against the source catalog and record the backfill (nothing recorded if invalid),
+        or adopt the active one that an earlier try of this task instance (``requested_by``) started."""
         settings = self.hook.settings
         sink = next((s for s in config.sinks if s.name == request["sink"]), None)
         if sink is not None:
@@ -149,11 +160,30 @@ class SequinBackfillOperator(BaseOperator):
                 store.migrate(conn, config.store.schema)
                 conn.commit()
                 return create_backfill(source, conn, config, request["sink"], request["table"],
-                                       request["sort_column"], request["start_position"], request["max_query_ms"])
+                                       request["sort_column"], request["start_position"], request["max_query_ms"],
+                                       requested_by)
+        except BackfillConflict as exc:
+            return self._adopt(exc, request, requested_by)
         except BackfillError as exc:
             raise AirflowFailException(str(exc)) from None
         except psycopg.OperationalError as exc:
             raise AirflowException(f"cannot reach the source or the store: {str(exc).strip()}") from None
+
+    def _adopt(self, conflict: BackfillConflict, request: dict[str, Any], requested_by: str | None) -> store.Backfill:
+        """The active backfill of the sink's table, if an earlier try of this task started it with the same
+        request; otherwise the conflict fails the task."""
+        earlier = conflict.active
+        if requested_by is None or earlier is None or earlier.requested_by != requested_by:
+            raise AirflowFailException(str(conflict)) from None
+        asked = {"sort_column": request["sort_column"], "start_position": request["start_position"],
+                 "max_query_ms": request["max_query_ms"]}
+        differs = [f"{k} {getattr(earlier, k)!r} (now {v!r})" for k, v in asked.items() if getattr(earlier, k) != v]
+        if differs:
+            raise AirflowFailException(f"{conflict}; an earlier try of this task started it with " + ", ".join(differs))
+        self.adopted = True
+        self.log.info("backfill %d was started by an earlier try of this task and is %s: resuming it from its"
+                      " cursors", earlier.id, earlier.state)
+        return earlier
 
     # -- running it ----------------------------------------------------------------------------
 
@@ -161,12 +191,14 @@ class SequinBackfillOperator(BaseOperator):
         """Create the backfill, run the Spark app, then judge by the backfill's state."""
         request = self.request()
         config, path = load_sequin_config(self.hook, self.config_path)
-        backfill = self.create(config, request)
+        backfill = self.create(config, request, task_instance_key(context))
         self.backfill_id = backfill.id
         where = f" from {backfill.sort_column} >= {backfill.start_position!r}" if backfill.sort_column else ""
         self.log.info("backfill %d: %s backfill of %s.%s for sink %r%s, about %s rows", backfill.id, backfill.kind,
                       backfill.table_schema, backfill.table_name, backfill.sink, where,
                       backfill.rows_initial if backfill.rows_initial is not None else "?")
+        if self.adopted and self._run_elsewhere(self.takeover_wait):
+            return self.wait_in_store(backfill)
         try:
             self._run = self.submit(path, backfill.id)
         except Exception as exc:
@@ -202,13 +234,34 @@ class SequinBackfillOperator(BaseOperator):
             return backfill.id
         if backfill.state in BACKFILL_FAILED_STATES:
             raise AirflowException(f"backfill {backfill.id} {backfill.state}: {backfill.error or 'no error recorded'}")
-        if not run.succeeded:
+        if not run.succeeded and not self._run_elsewhere(self.takeover_wait):
             reason = f"the backfill app stopped before the backfill finished ({run.failure()})"
             self._transition("failed", reason)
             raise AirflowException(f"backfill {backfill.id} failed: {reason}")
-        # spark-submit returned at once while the app runs elsewhere (cluster deploy mode)
-        self.log.info("backfill %d is %s after spark-submit returned: waiting for it in the store", backfill.id,
-                      backfill.state)
+        # spark-submit returned at once while the app runs elsewhere (cluster deploy mode), or
+        # another app holds the backfill (ours found it taken)
+        return self.wait_in_store(backfill)
+
+    def _run_elsewhere(self, wait: float) -> bool:
+        """Whether another app holds the backfill's run lock after ``wait`` seconds (it is running it)."""
+        assert self.backfill_id is not None
+        settings = self.hook.settings
+        lock = run_lock(settings.store_dsn, settings.store_schema, self.backfill_id, "sequin-backfill-operator")
+        try:
+            if lock.acquire_within(wait):
+                return False
+            self.log.info("backfill %d is being run by another app (its lock is held by %s)", self.backfill_id,
+                          lock.holder())
+            return True
+        except psycopg.Error as exc:
+            raise AirflowException(f"cannot reach the store: {str(exc).strip()}") from None
+        finally:
+            lock.release()
+
+    def wait_in_store(self, backfill: store.Backfill) -> int:
+        """Wait for a backfill another process runs until the store says it finished: deferred to
+        ``BackfillCompletedTrigger``, or in this worker (``deferrable=False``)."""
+        self.log.info("backfill %d is %s: waiting for it in the store", backfill.id, backfill.state)
         end_time = None if self.wait_timeout is None else time.time() + float(self.wait_timeout)
         trigger = BackfillCompletedTrigger(backfill_id=backfill.id, sequin_conn_id=self.sequin_conn_id,
                                            poke_interval=self.poll_interval, end_time=end_time)

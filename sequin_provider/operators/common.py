@@ -68,3 +68,14 @@ def warn_if_elsewhere(log: Any, what: str, connection_dsn: str, config_dsn: str)
     if ours != theirs:
         log.warning("the %s of the sequin connection (%s:%s/%s) differs from the config's (%s:%s/%s): the operator"
                     " and the Spark app must reach the same database", what, *ours, *theirs)
+
+
+def task_instance_key(context: Any) -> str | None:
+    """``airflow:dag/task/run[map index]`` of the running task instance, the same for all its tries
+    (None without one): recorded with what the task starts, so that a retry can find it."""
+    ti = context.get("ti") if context else None
+    if ti is None:
+        return None
+    key = f"airflow:{ti.dag_id}/{ti.task_id}/{ti.run_id}"
+    map_index = getattr(ti, "map_index", None)
+    return f"{key}[{map_index}]" if isinstance(map_index, int) and map_index >= 0 else key

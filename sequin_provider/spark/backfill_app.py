@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import psycopg
 
 from sequin_provider import store
-from sequin_provider.backfill import check_backfill_source, progress_line
+from sequin_provider.backfill import RUN_LOCK_WAIT, BackfillBusy, check_backfill_source, progress_line, run_lock
 from sequin_provider.backfill_reader import (
     DEFAULT_MAX_PAGE_ROWS,
     DEFAULT_WINDOW_TIMEOUT,
@@ -95,9 +95,29 @@ def _sink_of(config: SequinConfig, backfill_id: int) -> str:
 
 
 def run_backfill(spark: Any, config_path: str, backfill_id: int, ranges: int | None = None,
-                 max_page_rows: int = DEFAULT_MAX_PAGE_ROWS, window_timeout: float = DEFAULT_WINDOW_TIMEOUT) -> store.Backfill:
-    """Run (or resume) a backfill to its end on ``spark``; returns its final record."""
+                 max_page_rows: int = DEFAULT_MAX_PAGE_ROWS, window_timeout: float = DEFAULT_WINDOW_TIMEOUT,
+                 stopping: threading.Event | None = None, lock_wait: float = RUN_LOCK_WAIT) -> store.Backfill:
+    """Run (or resume) a backfill to its end on ``spark``; returns its final record.
+
+    Holds the backfill's run lock throughout (``BackfillBusy`` if another app still holds it after
+    ``lock_wait`` seconds; the backfill is then left as it is). When ``stopping`` is set (the app's
+    supervisor is gone) the Spark job is cancelled by the caller and the backfill stays ``running``,
+    to be resumed from its cursors."""
     config = load_config(config_path)
+    database = _database_of(config, _sink_of(config, backfill_id))
+    lock = run_lock(config.store_dsn(database), config.store.schema, backfill_id,
+                    f"sequin-backfill-{backfill_id} pid {os.getpid()}")
+    if not lock.acquire_within(lock_wait):
+        raise BackfillBusy(f"backfill {backfill_id} is being run by another app (its lock {lock.name!r} is held by"
+                           f" {lock.holder()}); it was left as it is")
+    try:
+        return _run_locked(spark, config, config_path, backfill_id, ranges, max_page_rows, window_timeout, stopping)
+    finally:
+        lock.release()
+
+
+def _run_locked(spark: Any, config: SequinConfig, config_path: str, backfill_id: int, ranges: int | None,
+                max_page_rows: int, window_timeout: float, stopping: threading.Event | None) -> store.Backfill:
     parallelism = ranges or int(spark.sparkContext.defaultParallelism)
     backfill, found = start_backfill(config, backfill_id, parallelism)
     database = _database_of(config, backfill.sink)
@@ -129,6 +149,10 @@ def run_backfill(spark: Any, config_path: str, backfill_id: int, ranges: int | N
         current = store.get_backfill(conn, schema, backfill_id)
         if current.state != "running":
             log.info("backfill %d is %s", backfill_id, current.state)
+            return current
+        if stopping is not None and stopping.is_set():
+            log.warning("backfill %d: the app stopped before the backfill finished; it stays running (%s) and"
+                        " resumes from its cursors when run again", backfill_id, progress_line(current))
             return current
         if error is None and all(r.done for r in store.backfill_ranges(conn, schema, backfill_id)):
             final = store.transition_backfill(conn, schema, backfill_id, "completed")
@@ -168,8 +192,11 @@ def _report_progress(dsn: str, schema: str, backfill_id: int, stop: threading.Ev
 
 def run_backfill_app(config_path: str | None, backfill_id: int, master: str | None = None, ranges: int | None = None,
                      max_page_rows: int = DEFAULT_MAX_PAGE_ROWS, window_timeout: float = DEFAULT_WINDOW_TIMEOUT) -> int:
-    """The ``spark_apps/backfill.py`` entry point; returns the process exit code (0: completed)."""
-    from sequin_provider.spark.app import spark_session
+    """The ``spark_apps/backfill.py`` entry point; returns the process exit code (0: completed; 1: not
+    completed: failed, cancelled, or stopped because its supervisor is gone; 2: bad input; 3: another
+    app runs this backfill). Under a supervisor (``$SEQUIN_SUPERVISOR_PID``) the app stops once the
+    supervisor is gone, leaving the backfill running for the supervisor's retry to resume."""
+    from sequin_provider.spark.app import spark_session, stop_when_supervisor_exits
 
     logging.basicConfig(level=os.environ.get("SEQUIN_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -180,8 +207,18 @@ def run_backfill_app(config_path: str | None, backfill_id: int, master: str | No
         log.error("%s", exc)
         return 2
     spark = spark_session(f"sequin-backfill-{backfill_id}", master)
+    stopping = threading.Event()
+
+    def stop() -> None:
+        stopping.set()
+        spark.sparkContext.cancelAllJobs()  # the range tasks stop mid-page; their cursors stay where they were
+
+    stop_when_supervisor_exits(stop)
     try:
-        final = run_backfill(spark, path, backfill_id, ranges, max_page_rows, window_timeout)
+        final = run_backfill(spark, path, backfill_id, ranges, max_page_rows, window_timeout, stopping)
+    except BackfillBusy as exc:
+        log.error("%s", exc)
+        return 3
     except (BackfillError, BackfillStopped) as exc:
         log.error("%s", exc)
         return 2
