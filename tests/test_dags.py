@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -250,6 +251,8 @@ def test_dag_test_full_backfill_delivers_every_row_as_a_read(airflow_env: dict[s
     assert task["state"] == "success"
     final = backfill(dsn, int(task["xcom"]))
     assert (final.state, final.kind, final.rows_processed, final.max_query_ms) == ("completed", "full", 3000, 5000)
+    # the task instance that asked, as a retry of it would find the backfill (dag/task/run, no map index)
+    assert re.fullmatch(r"airflow:sequin_backfill/backfill/manual__[^/\[]+", final.requested_by or ""), final.requested_by
     reads = [m for m in sink_messages(dsn, "items_sink") if m["action"] == "read"]
     assert sorted(m["record"]["id"] for m in reads) == list(range(1, 3001))
     assert all(m["changes"] is None and m["record"]["name"] == f"item {m['record']['id']}" for m in reads)
