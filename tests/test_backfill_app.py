@@ -616,28 +616,37 @@ def test_reads_the_task_writes_equal_the_pipelines_byte_for_byte(kind: str, dsn:
         assert [json.loads(r[4])["metadata"]["record_pks"][0] for r in by_task] == TRICKY_KEYS
 
 
+def tricky_reads(sink: Any, backfill_id: int, lsn: int) -> Any:
+    """The ``StoreReads`` of a page of ``tricky`` read at position ``lsn``."""
+    from sequin_provider.watermarks import page_reads
+
+    return page_reads(sink, "app", backfill_id, "public", "tricky", "2026-11-22T08:00:00.000000Z", lsn)
+
+
+def change(lsn: int, key: str) -> tuple:
+    """A change of the ``tricky`` row ``(key, "1")`` at ``lsn``, as the stream app writes it for sink ``s``."""
+    return ("s", lsn, 0, f'public.tricky:["{key}","1"]', f"{lsn}:0", json.dumps({"record": {"k": key, "n": 1}}))
+
+
+def receive(conn: psycopg.Connection) -> list[tuple[str, str]]:
+    """What a consumer of sink ``s`` is served now (then acked): (action, key) in order."""
+    from sequin_provider import stream_queue
+
+    got = stream_queue.receive(conn, "sequin", "s", 10, 30.0, 1000)
+    for d in got:
+        stream_queue.ack(conn, "sequin", "s", [d.ack_id])
+    return [(json.loads(d.data).get("action", "change"), json.loads(d.data)["record"]["k"]) for d in got]
+
+
 def test_task_written_reads_wait_for_their_window_and_go_with_a_page_that_is_not_emitted(
         dsn: str, tmp_path: Path) -> None:
     """Reads the task wrote are served only once the stream app closed their window, and hold back
     their groups' later changes until then; a window not seen, or a backfill that stops, takes its
     pages' hidden reads back; a page taken back is not staged."""
-    from sequin_provider import stream_queue
-    from sequin_provider.watermarks import page_reads
-
     sink, backfill_id = tricky_backfill(dsn, tmp_path, STORE_RENDERED_SINKS["change"])
 
     def reads(lsn: int) -> Any:
-        return page_reads(sink, "app", backfill_id, "public", "tricky", "2026-11-22T08:00:00.000000Z", lsn)
-
-    def change(lsn: int, key: str) -> tuple:
-        return ("s", lsn, 0, f'public.tricky:["{key}","1"]', f"{lsn}:0", json.dumps({"record": {"k": key, "n": 1}}))
-
-    def receive(conn: psycopg.Connection) -> list[tuple[str, str]]:
-        got = stream_queue.receive(conn, "sequin", "s", 10, 30.0, 1000)
-        for d in got:
-            stream_queue.ack(conn, "sequin", "s", [d.ack_id])
-        return [(json.loads(d.data)["action"] if "action" in json.loads(d.data) else "change",
-                 json.loads(d.data)["record"]["k"]) for d in got]
+        return tricky_reads(sink, backfill_id, lsn)
 
     with psycopg.connect(dsn) as conn:
         def hidden() -> int:
@@ -666,3 +675,23 @@ def test_task_written_reads_wait_for_their_window_and_go_with_a_page_that_is_not
         assert store.get_backfill_page(conn, "sequin", stopped).state == "stale" and hidden() == 0
         assert not store.stage_backfill_page(conn, "sequin", late, [(["e", "1"], '{"k":"e","n":1}')], None, reads(4500))
         assert hidden() == 0 and receive(conn) == []
+
+
+def test_a_released_read_waits_for_the_batch_that_closed_its_window(dsn: str, tmp_path: Path) -> None:
+    """A page's reads sit just after its low watermark, so they lie inside the micro-batch that the
+    stream app is still writing when it meets the page's high watermark and releases them. The sink's
+    visibility watermark keeps them back until that batch is in the store: a change of the same row
+    earlier in that batch is served first."""
+    sink, backfill_id = tricky_backfill(dsn, tmp_path, STORE_RENDERED_SINKS["change"])
+    with psycopg.connect(dsn) as conn:
+        store.advance_visible_lsn(conn, "sequin", ["s"], 5000)  # the last batch in the store ended at 5000
+        page = stage(conn, backfill_id, [(["g", "1"], '{"k":"g","n":2}')], tricky_reads(sink, backfill_id, 6000))
+        # the next batch (5000, 7000] holds a change of g at 5500, the page's window and its high mark at 6500
+        assert store.close_backfill_window(conn, "sequin", page, True, set(), 6500) is not None
+        assert store.get_backfill_page(conn, "sequin", page).state == "closing"
+        assert receive(conn) == []  # released, but above the visible position: the batch is not in yet
+        store.insert_stream_messages(conn, "sequin", [change(5500, "g")])
+        conn.commit()
+        store.advance_visible_lsn(conn, "sequin", ["s"], 7000)  # the batch is in the store
+        assert receive(conn) == [("change", "g")]
+        assert receive(conn) == [("read", "g")]
