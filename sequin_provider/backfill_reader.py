@@ -2,13 +2,13 @@
 
 ``split_key_ranges`` cuts a table's primary-key space into ranges of similar size from a
 sample (any key type, composite keys included). ``RangeReader`` walks one range with keyset
-pages under ``statement_timeout = max_query_ms``, sized by ``PageSizeOptimizer``, and runs each
-page through the watermark window protocol: open the page, emit the low watermark, select, stage
-the rows in the store, emit the high watermark; the stream app then marks the page emitted (the
-cursor advances) or stale (the page is read again). For a plain Sequin Stream sink the staging
-writes the page's reads themselves, at a position just after the low watermark (``read_position``)
-and hidden until the window closes, so the stream app only takes back the few whose key changed. A few pages are in flight at once. Rows are
-rendered to record JSON by the source's SQL (``backfill_sql``), or, for tables with a column it does
+pages, each query under ``statement_timeout = max_query_ms``, sized by ``PageSizeOptimizer``, and
+runs each page through the watermark window protocol: open the page, emit the low watermark,
+select, stage the rows in the store, emit the high watermark; the stream app then marks the page
+emitted (the cursor advances) or stale (the page is read again). For a plain Sequin Stream sink
+the staging writes the page's reads themselves, at a position just after the low watermark
+(``read_position``) and hidden until the window closes, so the stream app only takes back the few
+whose key changed. A few pages are in flight at once. Rows are rendered to record JSON by the source's SQL (``backfill_sql``), or, for tables with a column it does
 not render, by the pgoutput decoder's own converters, so a read looks exactly like a change of the
 same row. Plain Python (no Spark): the Spark app runs one ``RangeReader`` per task.
 """
@@ -326,7 +326,6 @@ class RangeReader:
         self.on_page = on_page
         self.pages_in_flight = max(1, pages_in_flight)
         self.schema = config.store.schema
-        self._read_sink: SinkConfig | None = None  # a sink whose reads the task writes (``delivery.reads_render_in_store``)
 
     def run(self) -> RangeResult:
         """Read the range to its end (resuming from its stored cursor)."""
@@ -354,7 +353,8 @@ class RangeReader:
                                         list(shape.primary_key))
             record = record_sql(rel, shape.type_kinds)
             sink = next((x for x in self.config.sinks if x.name == backfill.sink), None)
-            self._read_sink = sink if sink is not None and reads_render_in_store(sink, shape.schema, shape.name) else None
+            # a sink whose reads the task writes itself (``delivery.reads_render_in_store``)
+            read_sink = sink if sink is not None and reads_render_in_store(sink, shape.schema, shape.name) else None
             log.info("backfill %d range %d: rows of %s.%s rendered by %s", self.backfill_id, self.range_idx,
                      shape.schema, shape.name, "the source's SQL" if record is not None else "the decoder (Python)")
             order = ((backfill.sort_column,) if backfill.sort_column else ()) + shape.primary_key
@@ -372,7 +372,7 @@ class RangeReader:
                     raise BackfillStopped(f"backfill {self.backfill_id} is {state}")
                 if not read_all:
                     page = self._stage(source, store_conn, shape, rel, decoder, query, positions, optimizer, cursor,
-                                       record)
+                                       record, read_sink)
                     if page is None:  # timed out: the same page again, smaller
                         continue
                     read_all = page.rows < page.size
@@ -412,11 +412,12 @@ class RangeReader:
     def _stage(self, source: psycopg.Connection[Any], store_conn: psycopg.Connection[Any], shape: TableShape,
                rel: Relation, decoder: PgOutputDecoder, query: PageQuery, positions: list[int],
                optimizer: PageSizeOptimizer, cursor: list[str] | None,
-               record: sql.Composable | None = None) -> StagedPage | None:
+               record: sql.Composable | None = None, read_sink: SinkConfig | None = None) -> StagedPage | None:
         """One page into the window protocol, up to its high watermark: the page staged (with 0 rows
         at the end of the range), or None to read it again (it timed out). With ``record``
         (``backfill_sql.record_sql``) the source renders the rows and they are staged as bytes;
-        without it the decoder renders them in Python."""
+        without it the decoder renders them in Python. With ``read_sink`` the page's reads are
+        written for that sink now, hidden until the window closes."""
         size = optimizer.size
         page_id = store.open_backfill_page(store_conn, self.schema, self.backfill_id, self.range_idx)
         mark = Watermark(self.backfill_id, page_id, self.range_idx, shape.schema, shape.name, shape.primary_key)
@@ -424,9 +425,9 @@ class RangeReader:
         last = False  # the page ends its range
         try:
             reads: StoreReads | None = None
-            if self._read_sink is not None:  # the task writes the reads itself, hidden until the window closes
+            if read_sink is not None:
                 position, stamp = read_position(source)
-                reads = page_reads(self._read_sink, self.database.name, self.backfill_id, shape.schema, shape.name,
+                reads = page_reads(read_sink, self.database.name, self.backfill_id, shape.schema, shape.name,
                                    stamp, position)
             wait_for_snapshot_horizon(source)
             started = time.monotonic()
