@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -133,6 +134,9 @@ def test_full_backfill_delivers_every_row_once_in_key_order_per_range(
     with psycopg.connect(dsn) as conn:
         ranges = store.backfill_ranges(conn, "sequin", created.id)
     assert len(ranges) == 2 and all(r.done for r in ranges)
+    # the stream app's source runs in a Python worker of its own; its lines reach the app's log
+    assert re.search(f"backfill {created.id} page [0-9]+: [0-9]+ reads released \\(written by the task\\)",
+                     app.log_path.read_text(errors="replace")), app.log_tail()
     assert sum(r.rows_processed for r in ranges) == 100_000
     # in key order within each range: position order == key order
     bound = int(ranges[0].upper_key[0])  # type: ignore[index]

@@ -16,6 +16,7 @@ import psycopg
 
 from sequin_provider import store
 from sequin_provider.config import ConfigError, load_config
+from sequin_provider.logs import configure_logging
 from sequin_provider.provisioning import initialize
 from sequin_provider.replication import ReplicationError
 
@@ -80,8 +81,7 @@ def progress_listener() -> Any:
 def run_stream_app(config_path: str | None, database: str | None, checkpoint: str | None,
                    master: str | None = None) -> int:
     """Run the stream app for one database; returns the process exit code."""
-    logging.basicConfig(level=os.environ.get("SEQUIN_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    configure_logging()
     try:
         path = str(Path(config_path or os.environ.get("SEQUIN_CONFIG") or "sequin.yaml").absolute())
         config = load_config(path)

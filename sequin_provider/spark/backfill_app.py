@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from sequin_provider.backfill_reader import (
     table_shape,
 )
 from sequin_provider.config import ConfigError, SequinConfig, load_config
+from sequin_provider.logs import configure_logging
 from sequin_provider.store import BackfillError
 
 log = logging.getLogger("sequin.backfill")
@@ -47,8 +47,7 @@ def read_ranges(config_path: str, database: str, backfill_id: int, max_page_rows
     """The task body: read each range of the partition; yields one summary row per range."""
 
     def run(ranges: Iterator[int]) -> Iterator[tuple[int, int, int, int, bool]]:
-        logging.basicConfig(level=os.environ.get("SEQUIN_LOG_LEVEL", "INFO"),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+        configure_logging()
         config = load_config(config_path)
         for range_idx in ranges:
             result = RangeReader(config, database, backfill_id, range_idx, max_page_rows, window_timeout).run()
@@ -198,8 +197,7 @@ def run_backfill_app(config_path: str | None, backfill_id: int, master: str | No
     supervisor is gone, leaving the backfill running for the supervisor's retry to resume."""
     from sequin_provider.spark.app import spark_session, stop_when_supervisor_exits
 
-    logging.basicConfig(level=os.environ.get("SEQUIN_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    configure_logging()
     path = str(Path(config_path or os.environ.get("SEQUIN_CONFIG") or "sequin.yaml").absolute())
     try:
         load_config(path)

@@ -32,6 +32,7 @@ import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 
 from sequin_provider.config import DatabaseConfig, SequinConfig, StreamConfig, load_config
+from sequin_provider.logs import configure_logging
 from sequin_provider.messages import CHANGE_ARROW_SCHEMA, CHANGE_COLUMNS, CHANGE_SCHEMA_DDL, rows_to_arrow
 from sequin_provider.replication import ChangeReader, SourceUnavailableError, confirmed_flush_lsn
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
@@ -127,6 +128,7 @@ class ReplicationStreamReader(DataSourceStreamReader):
     """Reads whole transactions per micro-batch, spools them, and acknowledges the slot on commit."""
 
     def __init__(self, options: dict[str, str]) -> None:
+        configure_logging()  # this runs in a Python worker of its own, whose records would go nowhere
         self.options = options
         self.config_path = options["config"]
         self.database_name = options.get("database") or None
