@@ -487,8 +487,8 @@ def test_backfill_app_stops_when_its_supervisor_is_gone_and_leaves_the_backfill_
 def open_pages(dsn: str, backfill_id: int) -> bool:
     """Whether the backfill has a page in its window (staged, waiting for the stream app)."""
     with psycopg.connect(dsn) as conn:
-        return bool(conn.execute("SELECT count(*) FROM sequin.backfill_pages WHERE backfill_id = %s AND state = 'open'",
-                                 (backfill_id,)).fetchone()[0])
+        return bool(conn.execute("SELECT count(*) FROM sequin.backfill_pages WHERE backfill_id = %s"
+                                 " AND state IN ('open', 'staged')", (backfill_id,)).fetchone()[0])
 
 
 def test_bad_backfill_requests_fail_clearly_through_the_cli(app_db: tuple[str, StreamApp, Path]) -> None:
