@@ -438,6 +438,22 @@ def test_a_second_app_for_a_backfill_that_is_being_run_is_refused_and_changes_no
     with psycopg.connect(dsn) as conn:
         assert store.get_backfill(conn, "sequin", created.id).state == "pending"
         assert store.backfill_ranges(conn, "sequin", created.id) == []
+    # the app's supervisor goes while the app waits for the lock: once it has the lock, it starts nothing
+    stopping, outcome = threading.Event(), []
+    assert holder.acquire()
+    try:
+        waiting = threading.Thread(target=lambda: outcome.append(
+            run(spark, config, created.id, lock_wait=60, stopping=stopping)))
+        waiting.start()
+        time.sleep(1.0)
+        stopping.set()
+    finally:
+        holder.release()
+    waiting.join(timeout=120)
+    assert [b.state for b in outcome] == ["pending"]
+    with psycopg.connect(dsn) as conn:
+        assert store.get_backfill(conn, "sequin", created.id).state == "pending"
+        assert store.backfill_ranges(conn, "sequin", created.id) == []
     assert run(spark, config, created.id).state == "completed"  # once the lock is free
 
 

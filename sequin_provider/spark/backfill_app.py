@@ -56,11 +56,13 @@ def read_ranges(config_path: str, database: str, backfill_id: int, max_page_rows
     return run
 
 
-def start_backfill(config: SequinConfig, backfill_id: int, ranges: int) -> tuple[store.Backfill, list[store.BackfillRange]]:
-    """Move a pending backfill to running with its ranges, or return a running one's ranges (resume)."""
-    with psycopg.connect(config.store_dsn(_database_of(config, _sink_of(config, backfill_id))), connect_timeout=10) as conn:
+def start_backfill(config: SequinConfig, database_name: str, backfill_id: int,
+                   ranges: int) -> tuple[store.Backfill, list[store.BackfillRange]]:
+    """Move a pending backfill to running with its ranges, or return a running one's ranges (resume).
+    ``database_name``: the database whose store holds the backfill (``database_of_backfill``)."""
+    with psycopg.connect(config.store_dsn(database_name), connect_timeout=10) as conn:
         backfill = store.get_backfill(conn, config.store.schema, backfill_id)
-        database = config.database(_database_of(config, backfill.sink))
+        database = config.database(database_name)
         if backfill.state in ("completed", "failed", "cancelled"):
             return backfill, store.backfill_ranges(conn, config.store.schema, backfill_id)
         with psycopg.connect(database.dsn, autocommit=True, connect_timeout=10) as source:
@@ -81,15 +83,17 @@ def start_backfill(config: SequinConfig, backfill_id: int, ranges: int) -> tuple
         return backfill, found
 
 
-def _sink_of(config: SequinConfig, backfill_id: int) -> str:
-    """The sink of a backfill, looked up in the store of whichever database holds it."""
+def database_of_backfill(config: SequinConfig, backfill_id: int) -> str:
+    """The database of a backfill's sink, found through the store of whichever database holds it."""
     errors = []
     for db in config.databases:
         try:
             with psycopg.connect(config.store_dsn(db.name), connect_timeout=10) as conn:
-                return store.get_backfill(conn, config.store.schema, backfill_id).sink
+                sink = store.get_backfill(conn, config.store.schema, backfill_id).sink
         except BackfillError as exc:
             errors.append(str(exc))
+            continue
+        return _database_of(config, sink)
     raise BackfillError(errors[0] if errors else f"no backfill with id {backfill_id}")
 
 
@@ -103,23 +107,30 @@ def run_backfill(spark: Any, config_path: str, backfill_id: int, ranges: int | N
     supervisor is gone) the Spark job is cancelled by the caller and the backfill stays ``running``,
     to be resumed from its cursors."""
     config = load_config(config_path)
-    database = _database_of(config, _sink_of(config, backfill_id))
+    database = database_of_backfill(config, backfill_id)
     lock = run_lock(config.store_dsn(database), config.store.schema, backfill_id,
                     f"sequin-backfill-{backfill_id} pid {os.getpid()}")
     if not lock.acquire_within(lock_wait):
         raise BackfillBusy(f"backfill {backfill_id} is being run by another app (its lock {lock.name!r} is held by"
                            f" {lock.holder()}); it was left as it is")
     try:
-        return _run_locked(spark, config, config_path, backfill_id, ranges, max_page_rows, window_timeout, stopping)
+        return _run_locked(spark, config, config_path, database, backfill_id, ranges, max_page_rows, window_timeout,
+                           stopping)
     finally:
         lock.release()
 
 
-def _run_locked(spark: Any, config: SequinConfig, config_path: str, backfill_id: int, ranges: int | None,
-                max_page_rows: int, window_timeout: float, stopping: threading.Event | None) -> store.Backfill:
+def _run_locked(spark: Any, config: SequinConfig, config_path: str, database: str, backfill_id: int,
+                ranges: int | None, max_page_rows: int, window_timeout: float,
+                stopping: threading.Event | None) -> store.Backfill:
+    if stopping is not None and stopping.is_set():  # the supervisor went while the lock was awaited
+        with psycopg.connect(config.store_dsn(database), connect_timeout=10) as conn:
+            current = store.get_backfill(conn, config.store.schema, backfill_id)
+        log.warning("backfill %d: the app stopped before it started the backfill; it was left %s", backfill_id,
+                    current.state)
+        return current
     parallelism = ranges or int(spark.sparkContext.defaultParallelism)
-    backfill, found = start_backfill(config, backfill_id, parallelism)
-    database = _database_of(config, backfill.sink)
+    backfill, found = start_backfill(config, database, backfill_id, parallelism)
     dsn = config.store_dsn(database)
     schema = config.store.schema
     if backfill.state != "running":
@@ -134,7 +145,7 @@ def _run_locked(spark: Any, config: SequinConfig, config_path: str, backfill_id:
     reporter.start()
     error: str | None = None
     try:
-        if todo:
+        if todo and not (stopping is not None and stopping.is_set()):  # gone while the ranges were set up
             spark.sparkContext.setJobDescription(f"sequin backfill {backfill_id}")
             rdd = spark.sparkContext.parallelize(todo, len(todo))
             rdd.mapPartitions(read_ranges(str(Path(config_path).absolute()), database, backfill_id, max_page_rows,
@@ -205,11 +216,18 @@ def run_backfill_app(config_path: str | None, backfill_id: int, master: str | No
         log.error("%s", exc)
         return 2
     spark = spark_session(f"sequin-backfill-{backfill_id}", master)
-    stopping = threading.Event()
+    stopping, finished = threading.Event(), threading.Event()
 
     def stop() -> None:
         stopping.set()
-        spark.sparkContext.cancelAllJobs()  # the range tasks stop mid-page; their cursors stay where they were
+        # the range tasks stop mid-page, their cursors where they were; cancelled again until the app
+        # ends, in case the job was being submitted just as the flag was set
+        while not finished.is_set():
+            try:
+                spark.sparkContext.cancelAllJobs()
+            except Exception:  # noqa: BLE001 - the context is stopping with the app
+                return
+            finished.wait(1.0)
 
     stop_when_supervisor_exits(stop)
     try:
@@ -221,5 +239,6 @@ def run_backfill_app(config_path: str | None, backfill_id: int, master: str | No
         log.error("%s", exc)
         return 2
     finally:
+        finished.set()
         spark.stop()
     return 0 if final.state == "completed" else 1
