@@ -165,3 +165,32 @@ def test_spool_payload_rows_name_their_place_and_a_lost_file_is_put_back(tmp_pat
     os.unlink(spooled.partitions(start, end)[0].path)  # type: ignore[attr-defined]
     assert through_references() == full
     assert Path(spooled.partitions(start, end)[0].path).exists()  # type: ignore[attr-defined]
+
+
+def test_materialize_takes_rows_from_several_spool_files_in_the_batchs_order(tmp_path: Path) -> None:
+    """A batch whose references name more than one spool file (runs of rows from each, interleaved):
+    every selected row is taken from its own file, at its own place, in the batch's order."""
+    from sequin_provider.messages import rows_to_arrow
+    from sequin_provider.spark.pipeline import materialize
+    from sequin_provider.spark.source import SPOOL_REFERENCE_SCHEMA, write_spool
+
+    def change(lsn: int, idx: int, v: int) -> tuple:
+        return (lsn, idx, "2026-01-01T00:00:00Z", 7, "public", "kv", "insert", f'{{"id":{v}}}', None, [str(v)],
+                [], None, None)
+
+    files = {name: [change(lsn, i, lsn * 10 + i) for i in range(4)] for name, lsn in (("a", 100), ("b", 200))}
+    for name, rows in files.items():
+        write_spool(str(tmp_path / f"{name}.arrow"), rows_to_arrow(rows))
+    # (file, row in it, taken by the sink): runs a a | b | a | b b, one row no sink takes
+    refs = [("a", 2, True), ("a", 0, True), ("b", 3, True), ("a", 1, False), ("a", 3, True), ("b", 0, True),
+            ("b", 1, True)]
+    columns = [[files[f][r][0] for f, r, _ in refs], [files[f][r][1] for f, r, _ in refs], ["public"] * len(refs),
+               ["kv"] * len(refs), ["insert"] * len(refs), [None] * len(refs),
+               [str(tmp_path / f"{f}.arrow") for f, _, _ in refs], [r for _, r, _ in refs]]
+    batch = pa.RecordBatch.from_arrays([pa.array(c, type=f.type) for c, f in zip(columns, SPOOL_REFERENCE_SCHEMA)],
+                                       schema=SPOOL_REFERENCE_SCHEMA)
+    batch = batch.append_column("_select_0", pa.array([taken for _, _, taken in refs]))
+    out = materialize(batch)
+    assert out.schema.names == [*CHANGE_ARROW_SCHEMA.names, "_select_0"]
+    got = [(r["commit_lsn"], r["commit_idx"], r["record"]) for r in out.to_pylist()]
+    assert got == [(files[f][r][0], files[f][r][1], files[f][r][7]) for f, r, taken in refs if taken]
