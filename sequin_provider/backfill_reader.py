@@ -193,20 +193,21 @@ class PageQuery:
             sql.SQL(", ").join(sql.Identifier(c) for c in self.order), sql.Literal(limit))
 
 
-def copy_out(conn: psycopg.Connection[Any], query: sql.Composed, budget_ms: int | None = None) -> bytes:
-    """Run a ``COPY … TO STDOUT`` and return its text-format output.
+def copy_out(conn: psycopg.Connection[Any], query: sql.Composed, budget_ms: int | None = None) -> bytearray:
+    """Run a ``COPY … TO STDOUT`` and return its text-format output (one buffer, grown in place:
+    a page is tens of megabytes, and every copy of it costs).
 
     With ``budget_ms``, that statement alone runs under ``statement_timeout`` (a timeout raises
     ``QueryCanceled``): a page's budget must not cancel the watermarks around it, which would
     fail the backfill on a slow commit instead of reading a smaller page."""
-    chunks: list[bytes] = []
+    out = bytearray()
     with conn.transaction():
         if budget_ms is not None:
             conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(budget_ms)))
         with conn.cursor() as cur, cur.copy(query) as copy:
-            for data in copy:
-                chunks.append(bytes(data))
-    return b"".join(chunks)
+            while data := copy.read():
+                out += data
+    return out
 
 
 def read_page(conn: psycopg.Connection[Any], query: sql.Composed, budget_ms: int | None = None
@@ -215,23 +216,27 @@ def read_page(conn: psycopg.Connection[Any], query: sql.Composed, budget_ms: int
     return [parse_copy_line(line) for line in copy_out(conn, query, budget_ms).decode("utf-8").split("\n") if line]
 
 
-def staged_page_end(data: bytes) -> tuple[int, list[str] | None]:
+def staged_page_end(data: bytes | bytearray) -> tuple[int, list[str] | None]:
     """(rows, the last row's order key) of a page rendered by ``PageQuery.staging_sql``."""
     if not data:
         return 0, None
-    last = parse_copy_line(data.rstrip(b"\n").rpartition(b"\n")[2].decode("utf-8"))[-1]
+    end = len(data) - 1 if data.endswith(b"\n") else len(data)
+    last = parse_copy_line(bytes(data[data.rfind(b"\n", 0, end) + 1:end]).decode("utf-8"))[-1]
     if last is None:
         raise BackfillError("a rendered backfill page ends without its order key")
     return data.count(b"\n"), [str(v) for v in parse_array_literal(last)]
 
 
-def without_order_key(data: bytes) -> bytes:
+def without_order_key(data: bytes | bytearray) -> bytearray:
     """COPY text lines from ``PageQuery.reads_sql`` without their last column, the order key (null
     on every line but the last; a null field is ``\\N``, and tabs and newlines inside fields are
-    escaped, so a line ending in a tab and ``\\N`` is a null last column)."""
-    head, _, last = data.rstrip(b"\n").rpartition(b"\n")
-    last_line = last.rpartition(b"\t")[0] + b"\n"
-    return (head + b"\n").replace(b"\t\\N\n", b"\n") + last_line if head else last_line
+    escaped, so a line ending in a tab and ``\\N`` is a null last column, and the last line's last
+    tab is the one before its order key). One copy of the page: the null keys go in one pass."""
+    body = bytearray(data.replace(b"\t\\N\n", b"\n")) if isinstance(data, bytes) else data.replace(b"\t\\N\n", b"\n")
+    if not body.endswith(b"\n"):
+        body += b"\n"
+    del body[body.rfind(b"\t"):-1]  # the last line's order key
+    return body
 
 
 def wait_for_snapshot_horizon(conn: psycopg.Connection[Any], timeout: float = SNAPSHOT_WAIT) -> None:
