@@ -206,7 +206,7 @@ def run_backfill_app(config_path: str | None, backfill_id: int, master: str | No
     completed: failed, cancelled, or stopped because its supervisor is gone; 2: bad input; 3: another
     app runs this backfill). Under a supervisor (``$SEQUIN_SUPERVISOR_PID``) the app stops once the
     supervisor is gone, leaving the backfill running for the supervisor's retry to resume."""
-    from sequin_provider.spark.app import spark_session, stop_when_supervisor_exits
+    from sequin_provider.spark.app import BACKFILL_JAVA_OPTIONS, spark_session, stop_when_supervisor_exits
 
     configure_logging()
     path = str(Path(config_path or os.environ.get("SEQUIN_CONFIG") or "sequin.yaml").absolute())
@@ -215,7 +215,7 @@ def run_backfill_app(config_path: str | None, backfill_id: int, master: str | No
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
-    spark = spark_session(f"sequin-backfill-{backfill_id}", master)
+    spark = spark_session(f"sequin-backfill-{backfill_id}", master, BACKFILL_JAVA_OPTIONS)
     stopping, finished = threading.Event(), threading.Event()
 
     def stop() -> None:
