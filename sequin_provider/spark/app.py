@@ -32,8 +32,8 @@ def _under_spark_submit() -> bool:
 STREAM_JAVA_OPTIONS = "-XX:+UseParallelGC"
 BACKFILL_JAVA_OPTIONS = "-XX:+UseParallelGC -XX:TieredStopAtLevel=1"
 """The backfill app's JVM only schedules Python tasks: the quick JIT tier alone saves it about 3 s
-of CPU at start-up (7.6 -> 4.3 s, bench/backfill_throughput.py), CPU the backfill's own
-databases share on small machines."""
+of CPU at start-up (7.6 -> 4.3-5.0 s, sampled per process during bench/backfill_throughput.py's
+run (b); README: Detailed benchmarks), CPU the backfill's own databases share on small machines."""
 
 
 def spark_session(app_name: str, master: str | None = None, java_options: str = STREAM_JAVA_OPTIONS) -> Any:
