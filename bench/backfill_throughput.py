@@ -73,11 +73,14 @@ def running_seconds(store_dsn: str, sink: str) -> float:
 
 
 def run_backfill(config_path: Path, rows: int, sink: str = "events") -> tuple[float, str]:
-    """``sequin backfill start`` as a user runs it (its own local Spark); returns (seconds, last progress line)."""
+    """``sequin backfill start`` as a user runs it (its own local Spark); returns (seconds, last progress line).
+    Its log goes to ``backfill-<sink>-<n>.log`` beside the config (kept with ``--keep``)."""
     started = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "sequin_provider.cli", "--config", str(config_path), "backfill",
                           "start", sink, "events"], capture_output=True, text=True)
     seconds = time.monotonic() - started
+    runs = len(list(config_path.parent.glob(f"backfill-{sink}-*.log")))
+    (config_path.parent / f"backfill-{sink}-{runs + 1}.log").write_text(out.stderr)
     if out.returncode != 0:
         raise SystemExit(f"backfill failed:\n{out.stderr[-4000:]}")
     lines = [line for line in out.stderr.splitlines() if "completed" in line]
@@ -127,7 +130,12 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--write-rate", type=int, default=2_000, help="updates/s during run (c)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (the stream app's log) for a look")
+    parser.add_argument("--only", default="idle,spark,busy",
+                        help="which backfill runs, comma-separated: idle (b), spark (b'), busy (c)")
     args = parser.parse_args()
+    runs = set(args.only.split(","))
+    if not runs or not runs <= {"idle", "spark", "busy"}:
+        parser.error("--only takes idle, spark and busy, comma-separated")
     work = Path(tempfile.mkdtemp(prefix="sequin-bench-backfill-"))
     results: dict[str, object] = {"rows": args.rows}
     with EmbeddedPostgres(use_env_dsn=False) as pg:
@@ -159,40 +167,44 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
         app = StreamAppProcess(config_path, work / "app.log").start()
         try:
             app.wait_streaming(store_dsn)
-            seconds, line = run_backfill(config_path, args.rows)
-            running = running_seconds(store_dsn, "events")
-            results.update(idle_seconds=seconds, idle_rate=args.rows / seconds, idle_progress=line,
-                           idle_running_seconds=running, idle_running_rate=args.rows / running)
-            print(f"bench: backfill, table idle: {seconds:.1f}s ({args.rows / seconds:,.0f} rows/s; running"
-                  f" {running:.1f}s, {args.rows / running:,.0f} rows/s) -- {line}", flush=True)
-            seconds_s, line_s = run_backfill(config_path, args.rows, "events_filtered")
-            running_s = running_seconds(store_dsn, "events_filtered")
-            results.update(spark_seconds=seconds_s, spark_rate=args.rows / seconds_s, spark_progress=line_s,
-                           spark_running_seconds=running_s, spark_running_rate=args.rows / running_s)
-            print(f"bench: backfill into a sink with a filter (reads through Spark): {seconds_s:.1f}s"
-                  f" ({args.rows / seconds_s:,.0f} rows/s; running {running_s:.1f}s) -- {line_s}", flush=True)
-            stop, counter = threading.Event(), [0]
-            thread = threading.Thread(target=writer, args=(dsn, args.rows, args.write_rate, stop, counter))
-            thread.start()
-            try:
-                seconds_w, line_w = run_backfill(config_path, args.rows)
-            finally:
-                stop.set()
-                thread.join()
-            running_w = running_seconds(store_dsn, "events")
-            results.update(busy_seconds=seconds_w, busy_rate=args.rows / seconds_w, busy_progress=line_w,
-                           concurrent_updates=counter[0], busy_running_seconds=running_w,
-                           busy_running_rate=args.rows / running_w)
-            print(f"bench: backfill with {counter[0]:,} concurrent updates: {seconds_w:.1f}s "
-                  f"({args.rows / seconds_w:,.0f} rows/s) -- {line_w}", flush=True)
+            if "idle" in runs:
+                seconds, line = run_backfill(config_path, args.rows)
+                running = running_seconds(store_dsn, "events")
+                results.update(idle_seconds=seconds, idle_rate=args.rows / seconds, idle_progress=line,
+                               idle_running_seconds=running, idle_running_rate=args.rows / running)
+                print(f"bench: backfill, table idle: {seconds:.1f}s ({args.rows / seconds:,.0f} rows/s; running"
+                      f" {running:.1f}s, {args.rows / running:,.0f} rows/s) -- {line}", flush=True)
+            if "spark" in runs:
+                seconds_s, line_s = run_backfill(config_path, args.rows, "events_filtered")
+                running_s = running_seconds(store_dsn, "events_filtered")
+                results.update(spark_seconds=seconds_s, spark_rate=args.rows / seconds_s, spark_progress=line_s,
+                               spark_running_seconds=running_s, spark_running_rate=args.rows / running_s)
+                print(f"bench: backfill into a sink with a filter (reads through Spark): {seconds_s:.1f}s"
+                      f" ({args.rows / seconds_s:,.0f} rows/s; running {running_s:.1f}s) -- {line_s}", flush=True)
+            if "busy" in runs:
+                stop, counter = threading.Event(), [0]
+                thread = threading.Thread(target=writer, args=(dsn, args.rows, args.write_rate, stop, counter))
+                thread.start()
+                try:
+                    seconds_w, line_w = run_backfill(config_path, args.rows)
+                finally:
+                    stop.set()
+                    thread.join()
+                running_w = running_seconds(store_dsn, "events")
+                results.update(busy_seconds=seconds_w, busy_rate=args.rows / seconds_w, busy_progress=line_w,
+                               concurrent_updates=counter[0], busy_running_seconds=running_w,
+                               busy_running_rate=args.rows / running_w, busy_update_rate=counter[0] / seconds_w)
+                print(f"bench: backfill with {counter[0]:,} concurrent updates ({counter[0] / seconds_w:,.0f}/s):"
+                      f" {seconds_w:.1f}s ({args.rows / seconds_w:,.0f} rows/s) -- {line_w}", flush=True)
         finally:
             app.stop()
     if args.keep:
         print(f"bench: work folder kept: {work}", flush=True)
     else:
         shutil.rmtree(work, ignore_errors=True)
-    (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
-    (ROOT / "bench" / "results" / "backfill_throughput.json").write_text(json.dumps(results, indent=2))
+    if runs == {"idle", "spark", "busy"}:  # a partial run leaves the recorded results alone
+        (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
+        (ROOT / "bench" / "results" / "backfill_throughput.json").write_text(json.dumps(results, indent=2))
     print()
     print("| measure | rows/s, end to end | seconds | rows/s while running | vs COPY (running) |")
     print("|---|---:|---:|---:|---:|")
@@ -201,6 +213,8 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
     for key, label in (("idle", "(b) backfill into the Sequin Stream sink, table idle (reads written by the task)"),
                        ("spark", "(b') the same into a sink with a filter (reads through the stream app's Spark)"),
                        ("busy", f"(c) (b) while {args.write_rate:,} updates/s hit the table")):
+        if key not in runs:
+            continue
         rate, running = float(results[f"{key}_rate"]), float(results[f"{key}_running_rate"])  # type: ignore[arg-type]
         print(f"| {label} | {rate:,.0f} | {results[f'{key}_seconds']:.1f} | {running:,.0f} |"
               f" {running / float(results['copy_rate']):.2f} |")  # type: ignore[arg-type]

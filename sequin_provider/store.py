@@ -552,9 +552,12 @@ def close_backfill_window(conn: psycopg.Connection[Any], schema: str, page_id: i
             result = None
         elif row[5] is not None:
             keys = [idempotency_key(0, 0, int(row[1]), k) for k in changed]
+            # Never prepared: a generic plan tests each of the page's reads against the keys one
+            # by one (thousands under concurrent writes: seconds per page, in the stream app's
+            # reader); a custom plan sees the array and hashes it.
             dropped = [r[0] for r in conn.execute(sql.SQL(
                 "DELETE FROM {}.stream_messages WHERE sink = %s AND commit_lsn = %s AND idempotency_key = ANY(%s)"
-                " RETURNING commit_idx").format(s), (row[2], row[5], keys)).fetchall()] if keys else []
+                " RETURNING commit_idx").format(s), (row[2], row[5], keys), prepare=False).fetchall()] if keys else []
             kept = _close_page(conn, s, page_id, high_lsn, sorted(dropped), None)
             result = ClosedWindow(page_id, int(row[1]), str(row[2]), [], in_store=kept)
         else:

@@ -715,3 +715,25 @@ def test_a_released_read_waits_for_the_batch_that_closed_its_window(dsn: str, tm
         store.advance_visible_lsn(conn, "sequin", ["s"], 7000)  # the batch is in the store
         assert receive(conn) == [("change", "g")]
         assert receive(conn) == [("read", "g")]
+
+
+def test_a_windows_close_keeps_a_custom_plan_however_many_pages_it_closes(dsn: str, tmp_path: Path) -> None:
+    """The stream app closes every page on one store connection. The close deletes the reads whose
+    key changed inside the window, matched against thousands of keys under concurrent writes; a
+    prepared (generic) plan compares each read with every key (seconds per page, measured in
+    ``bench/backfill_throughput.py`` (c)), so the delete must never be prepared. Each close still
+    takes back exactly the changed keys' reads."""
+    sink, backfill_id = tricky_backfill(dsn, tmp_path, STORE_RENDERED_SINKS["change"])
+    with psycopg.connect(dsn) as conn:
+        for n in range(12):  # psycopg prepares a statement on its 6th execution
+            keys = [f"p{n}k{i}" for i in range(30)]
+            page = stage(conn, backfill_id, [([k, "1"], json.dumps({"k": k, "n": 1})) for k in keys],
+                         tricky_reads(sink, backfill_id, 1000 * (n + 1)))
+            changed = {(k, "1") for k in keys[::3]} | {(f"elsewhere{i}", "1") for i in range(50)}
+            closed = store.close_backfill_window(conn, "sequin", page, True, changed, 1000 * (n + 1) + 500)
+            assert closed is not None and closed.in_store == 20
+            left = [r[0] for r in conn.execute("SELECT data::json #>> '{record,k}' FROM sequin.stream_messages"
+                                               " WHERE backfill_page = %s ORDER BY commit_idx", (page,))]
+            assert left == [k for i, k in enumerate(keys) if i % 3]
+        prepared = [r[0] for r in conn.execute("SELECT statement FROM pg_prepared_statements")]
+        assert not [s for s in prepared if "DELETE FROM" in s and "idempotency_key" in s], prepared
