@@ -32,10 +32,17 @@ def _table_match(schema: str, name: str) -> str:
     return f"(table_schema = {sql_string(schema)} AND table_name = {sql_string(name)})"
 
 
+def selected_actions(sink: SinkConfig) -> list[str]:
+    """The change actions a sink takes (record sinks never get deletes); reads are taken from the
+    sink's own backfills only."""
+    return [a for a in sink.actions if not (sink.message_kind == "record" and a == "delete")]
+
+
 def selection_predicate(sink: SinkConfig) -> str:
-    """SQL predicate: this sink's tables and actions (record sinks never get deletes), its own
-    backfills' reads (a backfill is for one sink), and its filter."""
-    actions = [a for a in sink.actions if not (sink.message_kind == "record" and a == "delete")]
+    """SQL predicate: this sink's tables and actions (``selected_actions``), its own backfills'
+    reads (a backfill is for one sink), and its filter. ``message_render.selection`` is the same
+    selection without a filter, over Arrow columns."""
+    actions = selected_actions(sink)
     tables = " OR ".join(_table_match(t.schema, t.name) for t in sink.tables)
     predicate = (f"({tables}) AND (action IN ({', '.join(sql_string(a) for a in actions) or 'NULL'})"
                  f" OR (action = 'read' AND backfill_sink = {sql_string(sink.name)}))")

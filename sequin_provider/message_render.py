@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sequin_provider.config import SinkConfig
-from sequin_provider.delivery import message_kind
+from sequin_provider.delivery import message_kind, selected_actions
 from sequin_provider.messages import json_text, idempotency_key, metadata_head, metadata_tail
 
 _NEEDS_ESCAPE = r'[\x00-\x1f"\\]'
@@ -59,6 +59,7 @@ class SinkRendering:
     tables: tuple[str, ...]  # "schema\0name", index-aligned with heads
     heads: tuple[str, ...]
     tail: str
+    actions: tuple[str, ...] = ()  # the change actions it takes (``delivery.selected_actions``)
 
     @classmethod
     def of(cls, sink: SinkConfig, database_name: str) -> SinkRendering:
@@ -66,7 +67,19 @@ class SinkRendering:
         return cls(sink.name, message_kind(sink), sink.message_grouping,
                    tuple(f"{t.schema}\0{t.name}" for t in sink.tables),
                    tuple(metadata_head(t.schema, t.name) for t in sink.tables),
-                   metadata_tail(sink.consumer_id, sink.name, database_name))
+                   metadata_tail(sink.consumer_id, sink.name, database_name), tuple(selected_actions(sink)))
+
+
+def selection(batch: pa.RecordBatch, sink: SinkRendering) -> pa.BooleanArray:
+    """Which change rows of ``batch`` the sink takes: its tables, its actions and its own backfills'
+    reads, as ``delivery.selection_predicate`` says for a sink without a filter (a sink with one is
+    selected by Spark SQL). Never null."""
+    tables = pc.is_in(pc.binary_join_element_wise(batch.column("table_schema"), batch.column("table_name"), "\0"),
+                      value_set=pa.array(sink.tables, pa.string()))
+    action = batch.column("action")
+    taken = pc.is_in(action, value_set=pa.array(sink.actions, pa.string()))
+    own_read = pc.and_kleene(pc.equal(action, "read"), pc.equal(batch.column("backfill_sink"), sink.name))
+    return pc.fill_null(pc.and_kleene(tables, pc.or_kleene(taken, own_read)), False)
 
 
 @dataclass(frozen=True)

@@ -122,75 +122,37 @@ def test_empty_range_is_read_without_the_slot(tmp_path: Path, dsn: str, dbname: 
     reader.stop()
 
 
-def test_spool_payload_rows_name_their_place_and_a_lost_file_is_put_back(tmp_path: Path, dsn: str,
-                                                                         dbname: str) -> None:
-    """``payload=spool``: Spark gets only the selection columns and each row's place in the spool
-    file, and the executors' writers take the change rows from the file. A batch replayed after
-    the file was lost re-reads the slot and writes the file back, so the places still resolve."""
-    from sequin_provider.spark.pipeline import materialize
-    from sequin_provider.spark.source import SPOOL_REFERENCE_SCHEMA
+def test_spool_payload_rows_name_slices_and_a_lost_file_is_put_back(tmp_path: Path, dsn: str, dbname: str) -> None:
+    """``payload=spool``: Spark gets one row per slice of the spool file (no change row crosses into
+    the JVM), and the executors' writers take the change rows from the file, in order, in chunks.
+    A batch replayed after the file was lost re-reads the slot and writes the file back, so the
+    slices still resolve."""
+    from sequin_provider.spark.source import SLICE_CHUNK_ROWS, SPOOL_SLICE_SCHEMA, spool_slice_rows
 
     reader, _ = reader_for(tmp_path, dsn, dbname)
     start = reader.initialOffset()
-    execute(dsn, "INSERT INTO kv SELECT g, g FROM generate_series(1, 25000) g")  # one transaction: one batch
+    execute(dsn, "INSERT INTO kv SELECT g, g FROM generate_series(1, 45000) g")  # one transaction: one batch
     end = next_offset(reader, start)
     full = rows_of(reader, start, end)
-    assert [r["record"] for r in full] == [f'{{"id":{i},"v":{i}}}' for i in range(1, 25001)]
+    assert [r["record"] for r in full] == [f'{{"id":{i},"v":{i}}}' for i in range(1, 45001)]
     spooled = ReplicationStreamReader({**reader.options, "payload": "spool", "partitions": "2"})
     spooled._spooled_rows = dict(reader._spooled_rows)  # the same process's bookkeeping, as in the app
 
-    def through_references() -> list[dict]:
+    def through_slices() -> list[dict]:
         partitions = spooled.partitions(start, end)
         assert len(partitions) == 2  # slices of one file
         rows: list[dict] = []
         for partition in partitions:
-            for batch in spooled.read(partition):
-                assert batch.schema == SPOOL_REFERENCE_SCHEMA
-                assert "record" not in batch.schema.names
-                selected = batch.append_column("_select_0", pa.array([True] * batch.num_rows))
-                rows += pa.Table.from_batches([materialize(selected)]).drop_columns(["_select_0"]).to_pylist()
+            (slice_row,) = spooled.read(partition)
+            assert slice_row.schema == SPOOL_SLICE_SCHEMA and slice_row.num_rows == 1
+            chunks = list(spool_slice_rows(slice_row))
+            assert [c.num_rows for c in chunks] == [SLICE_CHUNK_ROWS, 22500 - SLICE_CHUNK_ROWS]
+            assert all(c.schema == CHANGE_ARROW_SCHEMA for c in chunks)
+            rows += pa.Table.from_batches(chunks).to_pylist()
         return rows
 
-    assert through_references() == full
-    # rows no sink takes are not taken from the file; the others keep their order
-    (first, _) = spooled.partitions(start, end)
-    refs = next(iter(spooled.read(first)))
-    flags = pa.array([i % 3 == 0 for i in range(refs.num_rows)])
-    taken = materialize(refs.append_column("_select_0", flags).append_column("_select_1", pa.array([False] * refs.num_rows)))
-    assert taken.column("record").to_pylist() == [r["record"] for r in full[:refs.num_rows:3]]
-    assert taken.column("_select_1").to_pylist() == [False] * len(taken)
-    none = materialize(refs.append_column("_select_0", pa.array([False] * refs.num_rows)))  # e.g. only watermarks
-    assert none.num_rows == 0 and none.schema.names == list(CHANGE_ARROW_SCHEMA.names) + ["_select_0"]
+    assert through_slices() == full
     reader.stop()
     os.unlink(spooled.partitions(start, end)[0].path)  # type: ignore[attr-defined]
-    assert through_references() == full
+    assert through_slices() == full
     assert Path(spooled.partitions(start, end)[0].path).exists()  # type: ignore[attr-defined]
-
-
-def test_materialize_takes_rows_from_several_spool_files_in_the_batchs_order(tmp_path: Path) -> None:
-    """A batch whose references name more than one spool file (runs of rows from each, interleaved):
-    every selected row is taken from its own file, at its own place, in the batch's order."""
-    from sequin_provider.messages import rows_to_arrow
-    from sequin_provider.spark.pipeline import materialize
-    from sequin_provider.spark.source import SPOOL_REFERENCE_SCHEMA, write_spool
-
-    def change(lsn: int, idx: int, v: int) -> tuple:
-        return (lsn, idx, "2026-01-01T00:00:00Z", 7, "public", "kv", "insert", f'{{"id":{v}}}', None, [str(v)],
-                [], None, None)
-
-    files = {name: [change(lsn, i, lsn * 10 + i) for i in range(4)] for name, lsn in (("a", 100), ("b", 200))}
-    for name, rows in files.items():
-        write_spool(str(tmp_path / f"{name}.arrow"), rows_to_arrow(rows))
-    # (file, row in it, taken by the sink): runs a a | b | a | b b, one row no sink takes
-    refs = [("a", 2, True), ("a", 0, True), ("b", 3, True), ("a", 1, False), ("a", 3, True), ("b", 0, True),
-            ("b", 1, True)]
-    columns = [[files[f][r][0] for f, r, _ in refs], [files[f][r][1] for f, r, _ in refs], ["public"] * len(refs),
-               ["kv"] * len(refs), ["insert"] * len(refs), [None] * len(refs),
-               [str(tmp_path / f"{f}.arrow") for f, _, _ in refs], [r for _, r, _ in refs]]
-    batch = pa.RecordBatch.from_arrays([pa.array(c, type=f.type) for c, f in zip(columns, SPOOL_REFERENCE_SCHEMA)],
-                                       schema=SPOOL_REFERENCE_SCHEMA)
-    batch = batch.append_column("_select_0", pa.array([taken for _, _, taken in refs]))
-    out = materialize(batch)
-    assert out.schema.names == [*CHANGE_ARROW_SCHEMA.names, "_select_0"]
-    got = [(r["commit_lsn"], r["commit_idx"], r["record"]) for r in out.to_pylist()]
-    assert got == [(files[f][r][0], files[f][r][1], files[f][r][7]) for f, r, taken in refs if taken]

@@ -45,11 +45,12 @@ from sequin_provider.message_render import (
     SinkRendering,
     copy_binary_tuple,
     render,
+    selection,
     stream_rows_copy_binary,
 )
-from sequin_provider.messages import CHANGE_ARROW_SCHEMA, CHANGE_FIELD_NAMES, CHANGE_SCHEMA_DDL
+from sequin_provider.messages import CHANGE_FIELD_NAMES, CHANGE_SCHEMA_DDL
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
-from sequin_provider.spark.source import SPOOL_REFERENCE_DDL, spool_table
+from sequin_provider.spark.source import SPOOL_SLICE_DDL, spool_slice_rows
 from sequin_provider.sinks.webhook import WebhookClient
 
 log = logging.getLogger(__name__)
@@ -67,9 +68,10 @@ def group_in_jvm(sink: SinkConfig) -> bool:
 
 
 def payload_mode(sinks: tuple[SinkConfig, ...]) -> str:
-    """The source's ``payload`` for these sinks: ``spool`` (rows name their place in the spool file
-    and the executors' writers take the records from there) when no sink's Spark SQL reads record
-    values and no push sink repartitions the batch; otherwise ``full``."""
+    """The source's ``payload`` for these sinks: ``spool`` (Spark carries one row per slice of the
+    spool file; the executors' writers take the change rows from there and select them,
+    ``message_render.selection``) when no sink needs Spark SQL (a filter, custom group columns)
+    and no push sink repartitions the batch; otherwise ``full``."""
     if any(s.destination.type != "sequin_stream" or needs_parsed_record(s) for s in sinks):
         return "full"
     return "spool"
@@ -78,13 +80,12 @@ def payload_mode(sinks: tuple[SinkConfig, ...]) -> str:
 def project_batch(df: DataFrame, sinks: tuple[SinkConfig, ...]) -> DataFrame:
     """The change columns messages are rendered from (or, from a ``payload=spool`` source, the
     rows' places in the spool file), and per sink ``i`` ``_select_i`` (whether the sink takes the
-    change: tables, actions, filter) and, where Spark computes it, ``_group_i``."""
-    if "spool_row" in df.columns:
+    change: tables, actions, filter) and, where Spark computes it, ``_group_i``. A ``payload=spool``
+    batch (slices of spool files) passes as it is: the writers select its rows."""
+    if "spool_rows" in df.columns:
         if any(group_in_jvm(s) or needs_parsed_record(s) for s in sinks):
             raise ValueError("a payload=spool batch carries no record values for these sinks' SQL")
-        return df.select(F.col("commit_lsn"), F.col("spool_path"), F.col("spool_row"),
-                         *(F.coalesce(F.expr(selection_predicate(s)), F.lit(False)).alias(f"_select_{i}")
-                           for i, s in enumerate(sinks)))
+        return df
     others = [c for c in CHANGE_FIELD_NAMES if c not in JSON_COLUMNS]
     columns: list[Column] = [F.col(c) for c in others]
     columns += [F.col(c).alias(f"{c}_json") for c in JSON_COLUMNS]
@@ -99,37 +100,16 @@ def project_batch(df: DataFrame, sinks: tuple[SinkConfig, ...]) -> DataFrame:
     return df.select(*out)
 
 
-def materialize(batch: pa.RecordBatch) -> pa.RecordBatch:
-    """A batch of ``project_batch`` rows with the change columns: taken from the spool files the rows
-    name when the source sent only references (``payload=spool``), else the batch itself."""
-    if "spool_row" not in batch.schema.names:
-        return batch
-    selects = [n for n in batch.schema.names if n.startswith("_select_") or n.startswith("_group_")]
-    flags = [batch.column(n) for n in selects if n.startswith("_select_")]
-    wanted = flags[0] if flags else pa.array([False] * batch.num_rows)
+def with_selections(changes: pa.RecordBatch, renderings: list[SinkRendering]) -> pa.RecordBatch:
+    """Change rows of a ``payload=spool`` slice with each sink's ``_select_i``
+    (``message_render.selection``, where Spark SQL would have computed it), less the rows no sink takes."""
+    flags = [selection(changes, r) for r in renderings]
+    selected = pa.RecordBatch.from_arrays(changes.columns + flags,
+                                          names=changes.schema.names + [f"_select_{i}" for i in range(len(flags))])
+    wanted = flags[0] if flags else pa.array([False] * changes.num_rows)
     for flag in flags[1:]:
         wanted = pc.or_(wanted, flag)
-    if not pc.all(wanted).as_py():  # rows no sink takes are not taken from the file
-        batch = batch.filter(wanted)
-    paths = batch.column("spool_path")
-    rows = batch.column("spool_row")
-    unique = pc.unique(paths).to_pylist()
-    if not unique:  # no sink takes any of the rows (watermarks, heartbeats, other tables)
-        changes = pa.Table.from_batches([], CHANGE_ARROW_SCHEMA)
-    elif len(unique) == 1:  # the norm: a task reads one slice of one file
-        changes = spool_table(unique[0]).take(rows)
-    else:  # runs of rows from one file each, in the batch's order
-        names, pieces, first = paths.to_pylist(), [], 0
-        for j in range(1, len(names) + 1):
-            if j == len(names) or names[j] != names[first]:
-                pieces.append(spool_table(names[first]).take(rows.slice(first, j - first)))
-                first = j
-        changes = pa.concat_tables(pieces)
-    changes = changes.combine_chunks()
-    columns = [changes.column(c).chunk(0) if changes.num_rows else pa.array([], changes.schema.field(c).type)
-               for c in changes.schema.names]
-    return pa.RecordBatch.from_arrays(columns + [batch.column(n) for n in selects],
-                                      names=list(changes.schema.names) + selects)
+    return selected if pc.all(wanted).as_py() else selected.filter(wanted)
 
 
 def _rendered(batch: pa.RecordBatch, i: int, rendering: SinkRendering) -> RenderedRows:
@@ -208,12 +188,14 @@ class StreamWriter:
         def chunks() -> Iterator[bytes | memoryview]:
             yield COPY_BINARY_HEADER
             for batch in batches:
-                if not batch.num_rows:
-                    continue
-                stats["rows"] += batch.num_rows
-                top = pc.max(batch.column("commit_lsn")).as_py()
-                stats["max_lsn"] = top if stats["max_lsn"] is None else max(stats["max_lsn"], top)
-                yield from self.payload(materialize(batch))
+                spooled = "spool_rows" in batch.schema.names  # payload=spool: slices to read and select
+                for changes in spool_slice_rows(batch) if spooled else (batch,):
+                    if not changes.num_rows:
+                        continue
+                    stats["rows"] += changes.num_rows
+                    top = pc.max(changes.column("commit_lsn")).as_py()
+                    stats["max_lsn"] = top if stats["max_lsn"] is None else max(stats["max_lsn"], top)
+                    yield from self.payload(with_selections(changes, self.renderings) if spooled else changes)
             yield COPY_BINARY_TRAILER
 
         started = time.monotonic()
@@ -318,7 +300,7 @@ class Pipeline:
 
     def validate(self, spark: Any) -> None:
         """Analyse every sink's SQL on an empty batch, so a bad filter fails at start with its sink named."""
-        empty = spark.createDataFrame([], SPOOL_REFERENCE_DDL if self.payload == "spool" else CHANGE_SCHEMA_DDL)
+        empty = spark.createDataFrame([], SPOOL_SLICE_DDL if self.payload == "spool" else CHANGE_SCHEMA_DDL)
         for i, sink in enumerate(self.sinks):
             try:
                 project_batch(empty, (sink,)).schema  # noqa: B018 - forces analysis

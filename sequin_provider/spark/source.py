@@ -13,9 +13,9 @@ Offsets are ``{"lsn": <end LSN of the last complete transaction>}``.
 Options: ``config`` (path of sequin.yaml), ``database``, ``spool`` (a folder of this database
 that the executors can read; the app passes ``<checkpoint>/sequin-spool`` or
 ``stream.spool_location/<database>``), ``partitions`` (slices per large batch), ``payload``
-(``full``, the default: every change column; ``spool``: only what a sink's selection needs, plus
-each row's place in its spool file, from which the executors' writers take the rest: the
-records never cross into the JVM). The DSN is resolved from the config in the reader's process,
+(``full``, the default: every change column; ``spool``: one row per slice of the spool file, its
+path, first row and row count, from which the executors' writers take the change rows and select
+them: no change row crosses into the JVM). The DSN is resolved from the config in the reader's process,
 so it never appears in Spark plans.
 """
 
@@ -33,7 +33,7 @@ from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPart
 
 from sequin_provider.config import DatabaseConfig, SequinConfig, StreamConfig, load_config
 from sequin_provider.logs import configure_logging
-from sequin_provider.messages import CHANGE_ARROW_SCHEMA, CHANGE_COLUMNS, CHANGE_SCHEMA_DDL, rows_to_arrow
+from sequin_provider.messages import CHANGE_ARROW_SCHEMA, CHANGE_SCHEMA_DDL, rows_to_arrow
 from sequin_provider.replication import ChangeReader, SourceUnavailableError, confirmed_flush_lsn
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
 from sequin_provider import store
@@ -54,13 +54,10 @@ heartbeats): a backfill emits several per second, and each micro-batch costs the
 much as a backfill page costs the store. Such a batch is held open (the windows in it still close
 at once) until a change, a backfill's Spark-path read or the high watermark ending a range arrives,
 or until this long after the last batch (``watermarks.holdable``)."""
-SPOOL_REFERENCE_COLUMNS = ("commit_lsn", "commit_idx", "table_schema", "table_name", "action", "backfill_sink")
-"""The change columns a ``payload=spool`` row carries: what sinks' selections read (no record values)."""
-SPOOL_REFERENCE_SCHEMA = pa.schema([CHANGE_ARROW_SCHEMA.field(c) for c in SPOOL_REFERENCE_COLUMNS]
-                                   + [pa.field("spool_path", pa.string()), pa.field("spool_row", pa.int64())])
-SPOOL_REFERENCE_DDL = ", ".join(
-    [f"{name} {ddl}" for name, ddl, _ in CHANGE_COLUMNS if name in SPOOL_REFERENCE_COLUMNS]
-    + ["spool_path string", "spool_row bigint"])
+SPOOL_SLICE_SCHEMA = pa.schema([pa.field("spool_path", pa.string()), pa.field("spool_offset", pa.int64()),
+                                pa.field("spool_rows", pa.int64())])
+"""A ``payload=spool`` row: a slice of a batch's spool file (the executors' writers read its rows)."""
+SPOOL_SLICE_DDL = "spool_path string, spool_offset bigint, spool_rows bigint"
 
 
 class SequinReplicationDataSource(DataSource):
@@ -71,7 +68,7 @@ class SequinReplicationDataSource(DataSource):
         return "sequin_replication"
 
     def schema(self) -> str:
-        return SPOOL_REFERENCE_DDL if self.options.get("payload") == "spool" else CHANGE_SCHEMA_DDL
+        return SPOOL_SLICE_DDL if self.options.get("payload") == "spool" else CHANGE_SCHEMA_DDL
 
     def streamReader(self, schema: Any) -> DataSourceStreamReader:
         return ReplicationStreamReader(dict(self.options))
@@ -111,17 +108,25 @@ def spool_table(path: str) -> pa.Table:
         return pa.ipc.open_file(source).read_all()
 
 
-def spool_references(path: str, table: pa.Table, first_row: int) -> Iterator[pa.RecordBatch]:
-    """``payload=spool`` rows of ``table`` (rows from ``first_row`` of the spool file ``path``)."""
-    import numpy as np
+def spool_slice(path: str, offset: int, rows: int) -> Iterator[pa.RecordBatch]:
+    """The ``payload=spool`` row naming ``rows`` rows of the spool file ``path`` from ``offset``
+    (nothing for an empty slice)."""
+    if rows > 0:
+        yield pa.RecordBatch.from_arrays([pa.array([path]), pa.array([offset], pa.int64()),
+                                          pa.array([rows], pa.int64())], schema=SPOOL_SLICE_SCHEMA)
 
-    position = first_row
-    for batch in table.to_batches():
-        rows = pa.array(np.arange(position, position + batch.num_rows, dtype=np.int64))
-        position += batch.num_rows
-        yield pa.RecordBatch.from_arrays(
-            [batch.column(c) for c in SPOOL_REFERENCE_COLUMNS] + [pa.array([path] * batch.num_rows, pa.string()), rows],
-            schema=SPOOL_REFERENCE_SCHEMA)
+
+SLICE_CHUNK_ROWS = 20_000
+"""Rows per Arrow batch a slice is handed on in (as Spark's ``arrow.maxRecordsPerBatch`` in the
+app): a writer renders the next chunk while the store copies the last."""
+
+
+def spool_slice_rows(batch: pa.RecordBatch) -> Iterator[pa.RecordBatch]:
+    """The change rows of each slice a batch of ``payload=spool`` rows names, in order."""
+    for path, offset, rows in zip(batch.column("spool_path").to_pylist(), batch.column("spool_offset").to_pylist(),
+                                  batch.column("spool_rows").to_pylist()):
+        table = spool_table(path).slice(offset, rows).combine_chunks()
+        yield from table.to_batches(max_chunksize=SLICE_CHUNK_ROWS) if table.num_rows else ()
 
 
 class ReplicationStreamReader(DataSourceStreamReader):
@@ -268,7 +273,7 @@ class ReplicationStreamReader(DataSourceStreamReader):
             # the disk): re-read the range from the slot, deterministically from the offsets.
             log.warning("spool file %s unusable (%s): re-reading the range from the slot", partition.path, exc)
         else:
-            yield from (spool_references(partition.path, table, partition.offset) if self.references
+            yield from (spool_slice(partition.path, partition.offset, table.num_rows) if self.references
                         else table.to_batches())
             return
         replay = ReplicationStreamReader(partition.options)
@@ -280,7 +285,7 @@ class ReplicationStreamReader(DataSourceStreamReader):
                         else rows_to_arrow([]))
         # the re-read is deterministic, so each slice takes its own rows of it
         table = whole.slice(partition.offset, partition.length)
-        yield from (spool_references(partition.path, table, partition.offset) if self.references
+        yield from (spool_slice(partition.path, partition.offset, table.num_rows) if self.references
                     else table.to_batches())
 
     def reread_from_slot(self, start: dict, end: dict) -> Iterator[pa.RecordBatch]:

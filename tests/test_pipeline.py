@@ -1,0 +1,77 @@
+"""spark/pipeline: the executors' selection of ``payload=spool`` slices, held equal to Spark SQL's.
+
+End to end the pipeline is exercised by test_stream_app and test_backfill_app; here the one piece of
+logic that exists twice, a sink's selection (``delivery.selection_predicate`` evaluated by Spark for
+``payload=full``, ``message_render.selection`` over Arrow for ``payload=spool``), is compared row by
+row over every combination of table, action and backfill sink.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from pyspark.sql import functions as F
+
+from sequin_provider.config import load_config
+from sequin_provider.delivery import selection_predicate
+from sequin_provider.message_render import SinkRendering, selection
+from sequin_provider.messages import CHANGE_SCHEMA_DDL, rows_to_arrow
+from sequin_provider.spark.pipeline import with_selections
+from tests.conftest import write_config
+
+TABLES = [("public", "t"), ("other", "t2"), ("public", "unlisted"), ("", "sequin:backfill:low")]
+ACTIONS = ["insert", "update", "delete", "read", "message"]
+BACKFILL_SINKS = [None, "changes", "rows", "somebody_else"]
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    """Spark in local mode, as the stream app runs it."""
+    from sequin_provider.spark.app import spark_session
+
+    session = spark_session("sequin-pipeline-tests", "local[2]")
+    yield session
+    session.stop()
+
+
+def rows() -> list[tuple]:
+    """One change row per (table, action, backfill sink), in position order."""
+    out = []
+    for n, ((schema, table), action, backfill_sink) in enumerate(itertools.product(TABLES, ACTIONS, BACKFILL_SINKS)):
+        out.append((1000 + n, 0, "2026-11-24T08:00:00Z", 7, schema, table, action, f'{{"id":{n}}}', None, [str(n)],
+                    [], 3 if action == "read" else None, backfill_sink))
+    return out
+
+
+def test_the_executors_selection_equals_spark_sqls_for_every_sink_without_a_filter(tmp_path: Path, spark: Any) -> None:
+    """For every sink ``payload=spool`` serves (no filter, no custom groups), the Arrow selection takes
+    exactly the rows the SQL predicate takes: its tables, its actions (a record sink no deletes),
+    reads of its own backfills only, never a logical message."""
+    config = load_config(write_config(tmp_path / "sequin.yaml", """
+        databases: [{name: app, dsn: "postgresql://u@localhost/app"}]
+        sinks:
+          - {name: changes, tables: [public.t, other.t2], destination: {type: sequin_stream}}
+          - {name: rows, tables: [public.t], message_kind: record, destination: {type: sequin_stream}}
+          - {name: inserts, tables: [other.t2], actions: [insert], destination: {type: sequin_stream}}
+          - {name: deletes, tables: [public.t], actions: [delete], transform: record_only,
+             destination: {type: sequin_stream}}
+        """))
+    batch = rows_to_arrow(rows())
+    frame = spark.createDataFrame(rows(), CHANGE_SCHEMA_DDL)
+    for sink in config.sinks:
+        by_sql = [r[0] for r in frame.select(F.coalesce(F.expr(selection_predicate(sink)), F.lit(False))).collect()]
+        by_arrow = selection(batch, SinkRendering.of(sink, "app")).to_pylist()
+        assert by_arrow == by_sql, sink.name
+        assert 0 < sum(by_sql) < len(by_sql), sink.name  # the comparison means something for each sink
+
+    renderings = [SinkRendering.of(s, "app") for s in config.sinks]
+    selected = with_selections(batch, renderings)
+    flags = [selection(batch, r).to_pylist() for r in renderings]
+    kept = [n for n in range(batch.num_rows) if any(f[n] for f in flags)]
+    assert selected.column("commit_lsn").to_pylist() == [1000 + n for n in kept]  # rows no sink takes go, in order
+    for i, f in enumerate(flags):
+        assert selected.column(f"_select_{i}").to_pylist() == [f[n] for n in kept]
+    assert with_selections(rows_to_arrow(rows()[-4:]), renderings).num_rows == 0  # only logical messages
