@@ -176,7 +176,7 @@ def cpu_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, 
 def batch_breakdown(log_text: str) -> dict[str, float]:
     """Sums of the pipeline's per-batch figures and Spark's phase timings from the app log."""
     batch = re.compile(r"batch \d+: (\d+) changes -> \d+ new messages in ([\d.]+)s \(store COPY ([\d.]+)s")
-    progress = re.compile(r"progress batch \d+: (\d+) rows, (.*)")
+    progress = re.compile(r"progress batch \d+: (\d+) input rows, (.*)")
     totals: dict[str, float] = {"batches": 0.0, "rows": 0.0, "foreach_batch": 0.0, "store_copy": 0.0}
     for m in batch.finditer(log_text):
         totals["batches"] += 1

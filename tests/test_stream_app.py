@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 import subprocess
 import threading
 import time
@@ -245,6 +246,26 @@ def test_5mb_toasted_value_updated_without_touching_it(shop: tuple[str, StreamAp
     assert full_update["record"] == {"id": 1, "body": body, "n": 1}
     assert full_update["changes"] == {"n": 0}
     assert "unchanged_toast_columns" not in full_update["metadata"]
+
+
+def test_every_batch_with_changes_has_its_spark_phases_logged(shop: tuple[str, StreamApp, Path]) -> None:
+    """Spark's phase timings of each micro-batch that carried changes reach the app's log, polled
+    from the query (a Python listener cost the JVM more than the changes did); batches that end
+    between two polls are not skipped."""
+    dsn, app, _ = shop
+    for n in range(4):  # separate transactions, read while earlier batches run: several batches
+        execute(dsn, f"INSERT INTO accounts VALUES ({9000 + n}, 'progress {n}', 1)")
+        time.sleep(0.3)
+
+    def logged() -> tuple[set[str], set[str]] | None:
+        app.check_alive()
+        text = app.log_path.read_text(errors="replace")
+        batches = set(re.findall(r"INFO sequin_provider\.spark\.pipeline: batch (\d+): \d+ changes ->", text))
+        phases = set(re.findall(r"progress batch (\d+): \d+ input rows, .*latestOffset=\d+.*triggerExecution=\d+", text))
+        return (batches, phases) if len(batches) >= 2 and batches <= phases else None
+
+    batches, phases = wait_for(logged, 60, what="every batch with changes to have its phases logged")
+    assert batches == phases  # and no progress line for a batch without changes
 
 
 # ---------------------------------------------------------------------------------------------
