@@ -42,7 +42,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.backfill_throughput import copy_seconds, run_backfill, running_seconds, seed_events  # noqa: E402
 from bench.delivery_throughput import answers, fill, http_consumer, run_consumers  # noqa: E402
-from bench.stream_throughput import ROW, TABLE, current_lsn, run_pg_recvlogical, sink_count, write_workload  # noqa: E402
+from bench.stream_throughput import (  # noqa: E402
+    ROW, TABLE, check_sink, current_lsn, run_pg_recvlogical, sink_count, write_workload)
 from sequin_provider import stream_queue  # noqa: E402
 from sequin_provider.config import load_config  # noqa: E402
 from sequin_provider.embedded_postgres import EmbeddedPostgres, free_port  # noqa: E402
@@ -199,7 +200,10 @@ class OurStreamSink(Contender):
         self.app.wait_streaming(self.store_dsn)
 
     def stop(self) -> None:
-        self.app.stop()
+        try:
+            check_sink(self.store_dsn)  # the counter polled during the runs agrees with the sink's rows
+        finally:
+            self.app.stop()
 
     def latencies(self, mark: int, first_id: int, last_id: int) -> list[float]:
         with psycopg.connect(self.store_dsn) as conn:

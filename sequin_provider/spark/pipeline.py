@@ -78,10 +78,10 @@ def payload_mode(sinks: tuple[SinkConfig, ...]) -> str:
 
 
 def project_batch(df: DataFrame, sinks: tuple[SinkConfig, ...]) -> DataFrame:
-    """The change columns messages are rendered from (or, from a ``payload=spool`` source, the
-    rows' places in the spool file), and per sink ``i`` ``_select_i`` (whether the sink takes the
-    change: tables, actions, filter) and, where Spark computes it, ``_group_i``. A ``payload=spool``
-    batch (slices of spool files) passes as it is: the writers select its rows."""
+    """The change columns messages are rendered from, and per sink ``i`` ``_select_i`` (whether the
+    sink takes the change: tables, actions, filter) and, where Spark computes it, ``_group_i``. A
+    ``payload=spool`` batch (slices of spool files) passes as it is: the writers read and select
+    its rows (``with_selections``)."""
     if "spool_rows" in df.columns:
         if any(group_in_jvm(s) or needs_parsed_record(s) for s in sinks):
             raise ValueError("a payload=spool batch carries no record values for these sinks' SQL")
