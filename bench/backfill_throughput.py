@@ -167,35 +167,31 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
         app = StreamAppProcess(config_path, work / "app.log").start()
         try:
             app.wait_streaming(store_dsn)
-            if "idle" in runs:
-                seconds, line = run_backfill(config_path, args.rows)
-                running = running_seconds(store_dsn, "events")
-                results.update(idle_seconds=seconds, idle_rate=args.rows / seconds, idle_progress=line,
-                               idle_running_seconds=running, idle_running_rate=args.rows / running)
-                print(f"bench: backfill, table idle: {seconds:.1f}s ({args.rows / seconds:,.0f} rows/s; running"
+            def measured(key: str, sink: str, label: str) -> float:
+                """Run one backfill into ``sink``, record it under ``key`` and print it; its seconds."""
+                seconds, line = run_backfill(config_path, args.rows, sink)
+                running = running_seconds(store_dsn, sink)
+                results.update({f"{key}_seconds": seconds, f"{key}_rate": args.rows / seconds, f"{key}_progress": line,
+                                f"{key}_running_seconds": running, f"{key}_running_rate": args.rows / running})
+                print(f"bench: backfill, {label}: {seconds:.1f}s ({args.rows / seconds:,.0f} rows/s; running"
                       f" {running:.1f}s, {args.rows / running:,.0f} rows/s) -- {line}", flush=True)
+                return seconds
+
+            if "idle" in runs:
+                measured("idle", "events", "table idle")
             if "spark" in runs:
-                seconds_s, line_s = run_backfill(config_path, args.rows, "events_filtered")
-                running_s = running_seconds(store_dsn, "events_filtered")
-                results.update(spark_seconds=seconds_s, spark_rate=args.rows / seconds_s, spark_progress=line_s,
-                               spark_running_seconds=running_s, spark_running_rate=args.rows / running_s)
-                print(f"bench: backfill into a sink with a filter (reads through Spark): {seconds_s:.1f}s"
-                      f" ({args.rows / seconds_s:,.0f} rows/s; running {running_s:.1f}s) -- {line_s}", flush=True)
+                measured("spark", "events_filtered", "into a sink with a filter (reads through Spark)")
             if "busy" in runs:
                 stop, counter = threading.Event(), [0]
                 thread = threading.Thread(target=writer, args=(dsn, args.rows, args.write_rate, stop, counter))
                 thread.start()
                 try:
-                    seconds_w, line_w = run_backfill(config_path, args.rows)
+                    seconds_w = measured("busy", "events", f"{args.write_rate:,} updates/s requested")
                 finally:
                     stop.set()
                     thread.join()
-                running_w = running_seconds(store_dsn, "events")
-                results.update(busy_seconds=seconds_w, busy_rate=args.rows / seconds_w, busy_progress=line_w,
-                               concurrent_updates=counter[0], busy_running_seconds=running_w,
-                               busy_running_rate=args.rows / running_w, busy_update_rate=counter[0] / seconds_w)
-                print(f"bench: backfill with {counter[0]:,} concurrent updates ({counter[0] / seconds_w:,.0f}/s):"
-                      f" {seconds_w:.1f}s ({args.rows / seconds_w:,.0f} rows/s) -- {line_w}", flush=True)
+                results.update(concurrent_updates=counter[0], busy_update_rate=counter[0] / seconds_w)
+                print(f"bench: {counter[0]:,} concurrent updates ({counter[0] / seconds_w:,.0f}/s)", flush=True)
         finally:
             app.stop()
     if args.keep:
