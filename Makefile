@@ -13,7 +13,7 @@ export PYSPARK_DRIVER_PYTHON := $(CURDIR)/$(PY)
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml requirements.lock
+$(STAMP): pyproject.toml setup.py requirements.lock sequin_provider/_pgoutput_c.c
 	@command -v java >/dev/null || { echo "Java 17+ is required for Spark (apt-get install openjdk-17-jre-headless)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

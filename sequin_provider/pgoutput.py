@@ -96,7 +96,7 @@ def as_timestamptz(text: str) -> str:
     date_time = text.replace(" ", "T", 1)
     if date_time.endswith("+00"):
         return f'"{date_time[:-3]}Z"'
-    return _json_string(_iso_offset(date_time, date_time.index("T")))
+    return _json_string(_iso_offset(date_time, max(date_time.find("T"), 0)))
 
 
 def as_timestamp(text: str) -> str:
@@ -272,6 +272,7 @@ class Relation:
     converters: list[Converter] = field(default_factory=list)
     prefixes: list[str] = field(default_factory=list)
     pk_positions: list[int] = field(default_factory=list)
+    kinds: bytes = b""  # CONVERTER_KINDS of the converters, for the compiled renderer
 
 
 @dataclass(frozen=True)
@@ -319,15 +320,102 @@ class DecodeError(ValueError):
     """A payload that is not valid pgoutput (or refers to an unknown relation)."""
 
 
+# ---------------------------------------------------------------------------------------------
+# The per-change hot path: reference definitions, and their compiled counterparts when built
+
+
+CONVERTER_KINDS: dict[Converter, int] = {as_raw: 1, as_string: 2, as_bool: 3, as_number: 4, as_timestamptz: 5,
+                                         as_timestamp: 6}
+"""Converters the compiled renderer applies itself (the same codes as in ``_pgoutput_c.c``); any
+other converter (0) is called from it."""
+
+
+def parse_tuple(buf: bytes, pos: int) -> tuple[list[object], int]:
+    """A TupleData at ``pos``: its values (text, None, ``UNCHANGED_TOAST``) and the position after it."""
+    n = _UNPACK_I16(buf, pos)[0]
+    pos += 2
+    values: list[object] = []
+    append = values.append
+    size = len(buf)
+    for _ in range(n):
+        kind = buf[pos]
+        pos += 1
+        if kind == 116 or kind == 98:  # 't' text / 'b' binary
+            length = _UNPACK_I32(buf, pos)[0]
+            pos += 4
+            if length < 0 or length > size - pos:
+                raise DecodeError(f"truncated pgoutput tuple: value bytes ({length} at {pos} of {size})")
+            append(buf[pos:pos + length].decode("utf-8"))
+            pos += length
+        elif kind == 110:  # 'n' null
+            append(None)
+        elif kind == 117:  # 'u' unchanged toast
+            append(UNCHANGED_TOAST)
+        else:
+            raise DecodeError(f"unknown tuple value kind {chr(kind)!r}")
+    return values, pos
+
+
+def render_record(values: list[object], kinds: bytes, prefixes: list[str], converters: list[Converter],
+                  columns: list[str], only: Iterable[int] | None, fill: list[object] | None) -> tuple[str, list[str]]:
+    """Record JSON of a row's ``values`` (of ``only`` those positions); an unchanged TOAST value is
+    taken from ``fill`` or its column is reported in the returned list. ``kinds`` is unused here:
+    it tells the compiled counterpart which converters it may apply itself."""
+    parts: list[str] = []
+    missing: list[str] = []
+    for i in (range(len(values)) if only is None else only):
+        if i < 0:
+            raise IndexError(f"negative column position {i}")
+        v = values[i]
+        if v is UNCHANGED_TOAST and fill is not None and i < len(fill) and fill[i] is not UNCHANGED_TOAST:
+            v = fill[i]
+        if v is None:
+            parts.append(prefixes[i] + "null")
+        elif v is UNCHANGED_TOAST:
+            missing.append(columns[i])
+        else:
+            parts.append(prefixes[i] + converters[i](v))  # type: ignore[arg-type]
+    return "{" + ",".join(parts) + "}", missing
+
+
+def render_tuple(buf: bytes, pos: int, kinds: bytes, prefixes: list[str], converters: list[Converter],
+                 columns: list[str], pk_positions: list[int]) -> tuple[str, list[str], list[str]]:
+    """A whole TupleData at ``pos`` rendered: record JSON, ``record_pks``, unchanged TOAST columns
+    (inserts, updates without old values, deletes with the full old row)."""
+    values, _ = parse_tuple(buf, pos)
+    record, missing = render_record(values, kinds, prefixes, converters, columns, None, None)
+    pks = [str(values[i]) for i in pk_positions if values[i] is not None and values[i] is not UNCHANGED_TOAST]
+    return record, pks, missing
+
+
+try:  # built by `pip install` from _pgoutput_c.c (optional: without a compiler the references run)
+    from sequin_provider import _pgoutput_c
+except ImportError:  # pragma: no cover - depends on the build
+    _pgoutput_c = None  # type: ignore[assignment]
+else:
+    _pgoutput_c.configure(UNCHANGED_TOAST, DecodeError)
+
+COMPILED = _pgoutput_c is not None
+"""Whether the compiled decoder hot path is available (``PgOutputDecoder`` uses it by default)."""
+
+
 class PgOutputDecoder:
     """Stateful decoder of one replication stream.
 
     ``decode(payload)`` returns a ``ChangeRow`` for Insert/Update/Delete, a ``Begin``/``Commit``/
     ``LogicalMessage``/``Truncate`` object for those, and None for Relation/Type/Origin.
     ``primary_key(relid, schema, name)`` tells the primary-key columns of a table (catalog).
+    ``compiled`` chooses the compiled tuple parser and renderer (default: when built) or the
+    Python references, which define what both do.
     """
 
-    def __init__(self, types: TypeRegistry, primary_key: Callable[[int, str, str], list[str]] | None = None) -> None:
+    def __init__(self, types: TypeRegistry, primary_key: Callable[[int, str, str], list[str]] | None = None,
+                 compiled: bool = COMPILED) -> None:
+        if compiled and not COMPILED:
+            raise RuntimeError("the compiled pgoutput decoder (sequin_provider._pgoutput_c) is not built")
+        self._parse_tuple = _pgoutput_c.parse_tuple if compiled else parse_tuple
+        self._render_record = _pgoutput_c.render if compiled else render_record
+        self._render_tuple = _pgoutput_c.render_tuple if compiled else render_tuple
         self.types = types
         self._primary_key = primary_key
         self.relations: dict[int, Relation] = {}
@@ -396,12 +484,14 @@ class PgOutputDecoder:
         """A ``Relation`` with its renderers; also used by backfills to render rows read by SELECT."""
         rel = Relation(relid, schema, name, replica_identity, columns, type_oids, key_flags, primary_key)
         rel.converters = [self.types.converter(o) for o in type_oids]
+        rel.kinds = bytes(CONVERTER_KINDS.get(c, 0) for c in rel.converters)
         rel.prefixes = [_json_string(c) + ":" for c in columns]
         rel.pk_positions = [columns.index(c) for c in primary_key if c in columns]
         return rel
 
     def render_values(self, rel: Relation, values: list[object]) -> tuple[str, list[str]]:
         """Record JSON and ``record_pks`` of a full row of text values (as a change would carry them)."""
+        values = values if type(values) is list else list(values)
         return self._render(rel, values)[0], self._pks(rel, values)
 
     def _rel(self, buf: bytes) -> Relation:
@@ -412,45 +502,10 @@ class PgOutputDecoder:
         return rel
 
     # -- tuples -----------------------------------------------------------------------------
-    @staticmethod
-    def _tuple(buf: bytes, pos: int) -> tuple[list[object], int]:
-        n = _UNPACK_I16(buf, pos)[0]
-        pos += 2
-        values: list[object] = []
-        append = values.append
-        for _ in range(n):
-            kind = buf[pos]
-            pos += 1
-            if kind == 116 or kind == 98:  # 't' text / 'b' binary
-                length = _UNPACK_I32(buf, pos)[0]
-                pos += 4
-                append(buf[pos:pos + length].decode("utf-8"))
-                pos += length
-            elif kind == 110:  # 'n' null
-                append(None)
-            elif kind == 117:  # 'u' unchanged toast
-                append(UNCHANGED_TOAST)
-            else:
-                raise DecodeError(f"unknown tuple value kind {chr(kind)!r}")
-        return values, pos
-
     def _render(self, rel: Relation, values: list[object], only: Iterable[int] | None = None,
                 fill: list[object] | None = None) -> tuple[str, list[str]]:
         """Record JSON of ``values``; unchanged TOAST filled from ``fill`` or reported."""
-        parts: list[str] = []
-        missing: list[str] = []
-        convs, prefixes = rel.converters, rel.prefixes
-        for i in (range(len(values)) if only is None else only):
-            v = values[i]
-            if v is UNCHANGED_TOAST and fill is not None and i < len(fill) and fill[i] is not UNCHANGED_TOAST:
-                v = fill[i]
-            if v is None:
-                parts.append(prefixes[i] + "null")
-            elif v is UNCHANGED_TOAST:
-                missing.append(rel.columns[i])
-            else:
-                parts.append(prefixes[i] + convs[i](v))  # type: ignore[arg-type]
-        return "{" + ",".join(parts) + "}", missing
+        return self._render_record(values, rel.kinds, rel.prefixes, rel.converters, rel.columns, only, fill)
 
     def _pks(self, rel: Relation, values: list[object]) -> list[str]:
         return [str(values[i]) for i in rel.pk_positions if values[i] is not None and values[i] is not UNCHANGED_TOAST]
@@ -464,46 +519,45 @@ class PgOutputDecoder:
 
     def _insert(self, buf: bytes) -> ChangeRow:
         rel = self._rel(buf)
-        values, _ = self._tuple(buf, 6)  # 'N' at 5
-        record, missing = self._render(rel, values)
-        return self._row(rel, "insert", record, None, self._pks(rel, values), missing)
+        record, pks, missing = self._render_tuple(buf, 6, rel.kinds, rel.prefixes, rel.converters, rel.columns,
+                                                  rel.pk_positions)  # 'N' at 5
+        return self._row(rel, "insert", record, None, pks, missing)
 
     def _update(self, buf: bytes) -> ChangeRow:
         rel = self._rel(buf)
         pos = 5
-        old: list[object] | None = None
         old_kind = buf[pos]
-        if old_kind in (75, 79):  # 'K' key / 'O' old
-            old, pos = self._tuple(buf, pos + 1)
-        new, _ = self._tuple(buf, pos + 1)  # 'N'
+        if old_kind not in (75, 79):  # no old values: the new tuple ('N') at 5
+            record, pks, missing = self._render_tuple(buf, 6, rel.kinds, rel.prefixes, rel.converters, rel.columns,
+                                                      rel.pk_positions)
+            return self._row(rel, "update", record, "{}", pks, missing)
+        old, pos = self._parse_tuple(buf, pos + 1)  # 'K' key / 'O' old
+        new, _ = self._parse_tuple(buf, pos + 1)  # 'N'
         fill = old
         if old is not None and old_kind == 75:
             # a key tuple carries only the replica identity columns; its other entries are null
             # placeholders, not values, so they must not fill unchanged TOAST columns
             fill = [o if key else UNCHANGED_TOAST for o, key in zip(old, rel.key_flags)]
         record, missing = self._render(rel, new, fill=fill)
-        if old is None:
-            changes = "{}"
-        else:
-            changed = []
-            for i, (o, n) in enumerate(zip(old, new)):
-                if o is UNCHANGED_TOAST or n is UNCHANGED_TOAST:
-                    continue
-                if old_kind == 75 and not rel.key_flags[i]:
-                    continue  # a key tuple carries only the replica identity columns
-                if o != n:
-                    changed.append(i)
-            changes, _ = self._render(rel, old, only=changed)
+        changed = []
+        for i, (o, n) in enumerate(zip(old, new)):
+            if o is UNCHANGED_TOAST or n is UNCHANGED_TOAST:
+                continue
+            if old_kind == 75 and not rel.key_flags[i]:
+                continue  # a key tuple carries only the replica identity columns
+            if o != n:
+                changed.append(i)
+        changes, _ = self._render(rel, old, only=changed)
         return self._row(rel, "update", record, changes, self._pks(rel, new), missing)
 
     def _delete(self, buf: bytes) -> ChangeRow:
         rel = self._rel(buf)
-        old_kind = buf[5]
-        old, _ = self._tuple(buf, 6)
-        if old_kind == 75:  # key only: the record carries the replica identity columns
-            record, missing = self._render(rel, old, only=[i for i, k in enumerate(rel.key_flags) if k])
-        else:
-            record, missing = self._render(rel, old)
+        if buf[5] != 75:  # the full old row ('O')
+            record, pks, missing = self._render_tuple(buf, 6, rel.kinds, rel.prefixes, rel.converters, rel.columns,
+                                                      rel.pk_positions)
+            return self._row(rel, "delete", record, None, pks, missing)
+        old, _ = self._parse_tuple(buf, 6)  # key only: the record carries the replica identity columns
+        record, missing = self._render(rel, old, only=[i for i, k in enumerate(rel.key_flags) if k])
         return self._row(rel, "delete", record, None, self._pks(rel, old), missing)
 
     # -- other ------------------------------------------------------------------------------

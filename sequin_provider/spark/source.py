@@ -21,6 +21,7 @@ so it never appears in Spark plans.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -54,6 +55,12 @@ heartbeats): a backfill emits several per second, and each micro-batch costs the
 much as a backfill page costs the store. Such a batch is held open (the windows in it still close
 at once) until a change, a backfill's Spark-path read or the high watermark ending a range arrives,
 or until this long after the last batch (``watermarks.holdable``)."""
+READER_GC_THRESHOLDS = (100_000, 10, 10)
+"""Cyclic GC thresholds of the reader's process. Each change is a tuple holding two lists, and a
+batch holds up to ``stream.max_batch_rows`` of them: at Python's default (a young collection every
+700 allocations) the collector spent more time walking them than the compiled decoder spent
+decoding (2.75 against 1.18 us per change, measured in one process). Nothing in the reader makes
+reference cycles in bulk; a young collection every 100,000 allocations is still frequent."""
 SPOOL_SLICE_SCHEMA = pa.schema([pa.field("spool_path", pa.string()), pa.field("spool_offset", pa.int64()),
                                 pa.field("spool_rows", pa.int64())])
 """A ``payload=spool`` row: a slice of a batch's spool file (the executors' writers read its rows)."""
@@ -134,6 +141,7 @@ class ReplicationStreamReader(DataSourceStreamReader):
 
     def __init__(self, options: dict[str, str]) -> None:
         configure_logging()  # this runs in a Python worker of its own, whose records would go nowhere
+        gc.set_threshold(*READER_GC_THRESHOLDS)  # the process is the reader's alone
         self.options = options
         self.config_path = options["config"]
         self.database_name = options.get("database") or None
