@@ -1,11 +1,11 @@
 # Airflow 3 with this provider, Java for spark-submit, and the Sequin CLI (used by docker-compose.yaml).
 FROM apache/airflow:3.3.2-python3.11
 USER root
-RUN apt-get update && apt-get install -y --no-install-recommends openjdk-17-jre-headless \
+RUN apt-get update && apt-get install -y --no-install-recommends openjdk-17-jre-headless gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 ENV JAVA_HOME=/usr/lib/jvm/java-17-openjdk-amd64
 USER airflow
-COPY --chown=airflow:root requirements.lock pyproject.toml /opt/sequin/
+COPY --chown=airflow:root requirements.lock pyproject.toml setup.py /opt/sequin/
 COPY --chown=airflow:root sequin_provider /opt/sequin/sequin_provider
 COPY --chown=airflow:root spark_apps /opt/sequin/spark_apps
 RUN pip install --no-cache-dir "pyspark==4.2.0" "pyspark-client==4.2.0" \
