@@ -75,3 +75,29 @@ def test_the_executors_selection_equals_spark_sqls_for_every_sink_without_a_filt
     for i, f in enumerate(flags):
         assert selected.column(f"_select_{i}").to_pylist() == [f[n] for n in kept]
     assert with_selections(rows_to_arrow(rows()[-4:]), renderings).num_rows == 0  # only logical messages
+
+
+def test_a_worker_keeps_its_writers_across_tasks(tmp_path: Path) -> None:
+    """Spark ships the ``mapInArrow`` functions to every task pickled (by value, with copies of the
+    globals they name); a Python worker must still make its writers, each with its store connection,
+    once, not once per task (that was a new store backend per task and micro-batch)."""
+    import pickle
+
+    from pyspark import cloudpickle
+
+    from sequin_provider.spark import pipeline
+
+    config_path = str(write_config(tmp_path / "sequin.yaml", """
+        databases: [{name: app, dsn: "postgresql://u@localhost/app"}]
+        sinks:
+          - {name: changes, tables: [public.t], destination: {type: sequin_stream}}
+          - {name: hook, tables: [public.t], destination: {type: webhook, url: "http://localhost:9/hook"}}
+    """))
+    shipped = [cloudpickle.dumps(pipeline.write_partitions(config_path, "app")),
+               cloudpickle.dumps(pipeline.push_partitions(config_path, "app", "hook"))]
+    seen: list[tuple[int, int]] = []
+    for _task in range(3):
+        write, push = (pickle.loads(p) for p in shipped)
+        write(iter([])), push(iter([]))  # generators: the writers are made, nothing is written yet
+        seen.append((id(pipeline._WRITERS[(config_path, "app")]), id(pipeline._PUSHERS[(config_path, "app", "hook")])))
+    assert len(set(seen)) == 1

@@ -257,15 +257,35 @@ _WRITERS: dict[tuple[str, str], StreamWriter] = {}
 _PUSHERS: dict[tuple[str, str, str], PushWriter] = {}
 
 
+def stream_writer(config_path: str, database: str) -> StreamWriter:
+    """This Python worker's writer of ``database`` (its config, renderings and store connection are
+    made once per worker, not per task).
+
+    A module-level function on purpose: the ``mapInArrow`` closures below are pickled by value, with
+    a copy of the module globals they name, so a cache they read directly would be a new, empty
+    dict in every task; this function is pickled by reference and reads the module's own cache."""
+    key = (config_path, database)
+    writer = _WRITERS.get(key)
+    if writer is None:
+        writer = _WRITERS[key] = StreamWriter(config_path, database)
+    return writer
+
+
+def push_writer(config_path: str, database: str, sink: str) -> PushWriter:
+    """This Python worker's writer of push sink ``sink`` (as ``stream_writer``)."""
+    key = (config_path, database, sink)
+    writer = _PUSHERS.get(key)
+    if writer is None:
+        writer = _PUSHERS[key] = PushWriter(config_path, database, sink)
+    return writer
+
+
 def push_partitions(config_path: str, database: str, sink: str) -> Callable[[Iterator[pa.RecordBatch]],
                                                                               Iterator[pa.RecordBatch]]:
     """The ``mapInArrow`` function of a push sink: a writer per Python worker process."""
 
     def push(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        key = (config_path, database, sink)
-        if key not in _PUSHERS:
-            _PUSHERS[key] = PushWriter(config_path, database, sink)
-        return _PUSHERS[key].write(batches)
+        return push_writer(config_path, database, sink).write(batches)
 
     return push
 
@@ -274,10 +294,7 @@ def write_partitions(config_path: str, database: str) -> Callable[[Iterator[pa.R
     """The ``mapInArrow`` function: a writer per Python worker process, kept across micro-batches."""
 
     def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        key = (config_path, database)
-        if key not in _WRITERS:
-            _WRITERS[key] = StreamWriter(config_path, database)
-        return _WRITERS[key].write(batches)
+        return stream_writer(config_path, database).write(batches)
 
     return write
 
