@@ -174,6 +174,49 @@ static PyObject *truncated(const char *what) {
     return NULL;
 }
 
+/* The next TupleData value at *pos: its kind ('t'/'b', 'n', 'u') and, for text/binary, its bytes. */
+static int next_value(const unsigned char *buf, Py_ssize_t size, Py_ssize_t *pos, unsigned char *kind,
+                      const char **s, Py_ssize_t *len) {
+    *s = NULL;
+    *len = -1;
+    if (*pos >= size) {
+        truncated("value kind");
+        return -1;
+    }
+    *kind = buf[(*pos)++];
+    if (*kind == 't' || *kind == 'b') {
+        if (*pos + 4 > size) {
+            truncated("value length");
+            return -1;
+        }
+        int32_t length = (int32_t)(((uint32_t)buf[*pos] << 24) | ((uint32_t)buf[*pos + 1] << 16) |
+                                   ((uint32_t)buf[*pos + 2] << 8) | (uint32_t)buf[*pos + 3]);
+        *pos += 4;
+        if (length < 0 || length > size - *pos) {
+            truncated("value bytes");
+            return -1;
+        }
+        *s = (const char *)buf + *pos;
+        *len = length;
+        *pos += length;
+    } else if (*kind != 'n' && *kind != 'u') {
+        PyErr_Format(decode_error, "unknown tuple value kind '%c'", *kind);
+        return -1;
+    }
+    return 0;
+}
+
+/* The column count of the TupleData at *pos. */
+static int column_count(const unsigned char *buf, Py_ssize_t size, Py_ssize_t *pos, int *n) {
+    if (*pos < 0 || *pos + 2 > size) {
+        truncated("column count");
+        return -1;
+    }
+    *n = (int16_t)((buf[*pos] << 8) | buf[*pos + 1]);
+    *pos += 2;
+    return 0;
+}
+
 static PyObject *parse_tuple(PyObject *self, PyObject *args) {
     Py_buffer view;
     Py_ssize_t pos;
@@ -181,47 +224,20 @@ static PyObject *parse_tuple(PyObject *self, PyObject *args) {
         return NULL;
     const unsigned char *buf = view.buf;
     Py_ssize_t size = view.len;
+    int n;
     PyObject *values = NULL;
-    if (pos < 0 || pos + 2 > size) {
-        truncated("column count");
-        goto fail;
-    }
-    int n = (int16_t)((buf[pos] << 8) | buf[pos + 1]);
-    pos += 2;
-    values = PyList_New(0);
-    if (values == NULL)
+    if (column_count(buf, size, &pos, &n) < 0 || (values = PyList_New(0)) == NULL)
         goto fail;
     for (int i = 0; i < n; i++) {
-        if (pos >= size) {
-            truncated("value kind");
+        unsigned char kind;
+        const char *s;
+        Py_ssize_t len;
+        if (next_value(buf, size, &pos, &kind, &s, &len) < 0)
             goto fail;
-        }
-        unsigned char kind = buf[pos++];
-        PyObject *value;
-        if (kind == 't' || kind == 'b') {
-            if (pos + 4 > size) {
-                truncated("value length");
-                goto fail;
-            }
-            int32_t length = (int32_t)(((uint32_t)buf[pos] << 24) | ((uint32_t)buf[pos + 1] << 16) |
-                                       ((uint32_t)buf[pos + 2] << 8) | (uint32_t)buf[pos + 3]);
-            pos += 4;
-            if (length < 0 || length > size - pos) {
-                truncated("value bytes");
-                goto fail;
-            }
-            value = PyUnicode_DecodeUTF8((const char *)buf + pos, length, "strict");
-            if (value == NULL)
-                goto fail;
-            pos += length;
-        } else if (kind == 'n') {
-            value = Py_NewRef(Py_None);
-        } else if (kind == 'u') {
-            value = Py_NewRef(toast_marker);
-        } else {
-            PyErr_Format(decode_error, "unknown tuple value kind '%c'", kind);
+        PyObject *value = s ? PyUnicode_DecodeUTF8(s, len, "strict")
+                            : Py_NewRef(kind == 'n' ? Py_None : toast_marker);
+        if (value == NULL)
             goto fail;
-        }
         int rc = PyList_Append(values, value);
         Py_DECREF(value);
         if (rc < 0)
@@ -235,13 +251,82 @@ fail:
     return NULL;
 }
 
+/* Raise UnicodeDecodeError when bytes that are not copied into the output are not UTF-8. */
+static int check_utf8(const char *s, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if ((unsigned char)s[i] >= 0x80) {
+            PyObject *text = PyUnicode_DecodeUTF8(s, n, "strict");
+            if (text == NULL)
+                return -1;
+            Py_DECREF(text);
+            return 0;
+        }
+    }
+    return 0;
+}
+
+/* What render() and render_tuple() need of a relation (pgoutput.Relation's lists). */
+typedef struct {
+    const char *kinds;
+    Py_ssize_t nkinds;
+    PyObject *prefixes, *converters, *columns;
+} Columns;
+
+static int index_error(void) {
+    PyErr_SetString(PyExc_IndexError, "list index out of range");
+    return -1;
+}
+
+/* An unchanged TOAST value: its column is reported, not rendered. */
+static int append_missing(PyObject *missing, const Columns *rel, Py_ssize_t i) {
+    if (i >= PyList_GET_SIZE(rel->columns))
+        return index_error();
+    return PyList_Append(missing, PyList_GET_ITEM(rel->columns, i));
+}
+
+/* Column i's `"name":value` into out. The value is `value` (a Python object: None, str, or anything
+ * a converter takes) or, with value NULL, the UTF-8 bytes s[0:len] of the payload (s NULL: null). */
+static int append_column(Buf *out, int *first, const Columns *rel, Py_ssize_t i, PyObject *value, const char *s,
+                         Py_ssize_t len) {
+    int is_null = value ? value == Py_None : s == NULL;
+    if (i >= PyList_GET_SIZE(rel->prefixes) ||
+        (!is_null && (i >= PyList_GET_SIZE(rel->converters) || i >= rel->nkinds)))
+        return index_error();
+    if ((!*first && buf_putc(out, ',') < 0) || buf_put_str(out, PyList_GET_ITEM(rel->prefixes, i)) < 0)
+        return -1;
+    *first = 0;
+    if (is_null)
+        return buf_put(out, "null", 4);
+    if (value && PyUnicode_CheckExact(value)) {
+        s = PyUnicode_AsUTF8AndSize(value, &len);
+        if (s == NULL)
+            return -1;
+    } else if (value == NULL && rel->kinds[i] == KIND_BOOL && check_utf8(s, len) < 0) {
+        return -1;  /* the payload's bytes: only what is copied to the output is validated with it */
+    }
+    int handled = s ? convert_native(out, rel->kinds[i], s, len) : 0;
+    if (handled != 0)
+        return handled < 0 ? -1 : 0;
+    PyObject *arg = value ? Py_NewRef(value) : PyUnicode_DecodeUTF8(s, len, "strict");
+    if (arg == NULL)
+        return -1;
+    PyObject *json = PyObject_CallOneArg(PyList_GET_ITEM(rel->converters, i), arg);
+    Py_DECREF(arg);
+    if (json == NULL)
+        return -1;
+    int rc = PyUnicode_Check(json) ? buf_put_str(out, json) : -1;
+    if (rc < 0 && !PyErr_Occurred())
+        PyErr_SetString(PyExc_TypeError, "a converter must return str");
+    Py_DECREF(json);
+    return rc;
+}
+
 static PyObject *render(PyObject *self, PyObject *args) {
     PyObject *values, *kinds_obj, *prefixes, *converters, *columns, *only, *fill;
     if (!PyArg_ParseTuple(args, "O!SO!O!O!OO", &PyList_Type, &values, &kinds_obj, &PyList_Type, &prefixes,
                           &PyList_Type, &converters, &PyList_Type, &columns, &only, &fill))
         return NULL;
-    const char *kinds = PyBytes_AS_STRING(kinds_obj);
-    Py_ssize_t nkinds = PyBytes_GET_SIZE(kinds_obj);
+    Columns rel = {PyBytes_AS_STRING(kinds_obj), PyBytes_GET_SIZE(kinds_obj), prefixes, converters, columns};
     Py_ssize_t nvalues = PyList_GET_SIZE(values);
     Py_ssize_t nfill = fill == Py_None ? 0 : PyList_Size(fill);
     if (nfill < 0)
@@ -268,7 +353,7 @@ static PyObject *render(PyObject *self, PyObject *args) {
                 goto fail;
         }
         if (i < 0 || i >= nvalues) {
-            PyErr_SetString(PyExc_IndexError, "list index out of range");
+            index_error();
             goto fail;
         }
         PyObject *v = PyList_GET_ITEM(values, i);
@@ -277,50 +362,9 @@ static PyObject *render(PyObject *self, PyObject *args) {
             if (f != toast_marker)
                 v = f;
         }
-        if (v == toast_marker) {
-            if (i >= PyList_GET_SIZE(columns)) {
-                PyErr_SetString(PyExc_IndexError, "list index out of range");
-                goto fail;
-            }
-            if (PyList_Append(missing, PyList_GET_ITEM(columns, i)) < 0)
-                goto fail;
-            continue;
-        }
-        if (i >= PyList_GET_SIZE(prefixes) || (v != Py_None && (i >= PyList_GET_SIZE(converters) || i >= nkinds))) {
-            PyErr_SetString(PyExc_IndexError, "list index out of range");
+        if (v == toast_marker ? append_missing(missing, &rel, i) < 0
+                              : append_column(&out, &first, &rel, i, v, NULL, 0) < 0)
             goto fail;
-        }
-        if (!first && buf_putc(&out, ',') < 0)
-            goto fail;
-        first = 0;
-        if (buf_put_str(&out, PyList_GET_ITEM(prefixes, i)) < 0)
-            goto fail;
-        if (v == Py_None) {
-            if (buf_put(&out, "null", 4) < 0)
-                goto fail;
-            continue;
-        }
-        int handled = 0;
-        if (PyUnicode_CheckExact(v)) {
-            Py_ssize_t n;
-            const char *s = PyUnicode_AsUTF8AndSize(v, &n);
-            if (s == NULL)
-                goto fail;
-            handled = convert_native(&out, kinds[i], s, n);
-            if (handled < 0)
-                goto fail;
-        }
-        if (!handled) {
-            PyObject *json = PyObject_CallOneArg(PyList_GET_ITEM(converters, i), v);
-            if (json == NULL)
-                goto fail;
-            int rc = PyUnicode_Check(json) ? buf_put_str(&out, json) : -1;
-            if (rc < 0 && !PyErr_Occurred())
-                PyErr_SetString(PyExc_TypeError, "a converter must return str");
-            Py_DECREF(json);
-            if (rc < 0)
-                goto fail;
-        }
     }
     if (buf_putc(&out, '}') < 0)
         goto fail;
@@ -339,20 +383,6 @@ fail:
     return NULL;
 }
 
-/* Raise UnicodeDecodeError when bytes that are not copied into the output are not UTF-8. */
-static int check_utf8(const char *s, Py_ssize_t n) {
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if ((unsigned char)s[i] >= 0x80) {
-            PyObject *text = PyUnicode_DecodeUTF8(s, n, "strict");
-            if (text == NULL)
-                return -1;
-            Py_DECREF(text);
-            return 0;
-        }
-    }
-    return 0;
-}
-
 static PyObject *render_tuple(PyObject *self, PyObject *args) {
     Py_buffer view;
     Py_ssize_t pos;
@@ -362,159 +392,75 @@ static PyObject *render_tuple(PyObject *self, PyObject *args) {
         return NULL;
     const unsigned char *buf = view.buf;
     Py_ssize_t size = view.len;
-    const char *kinds = PyBytes_AS_STRING(kinds_obj);
-    Py_ssize_t nkinds = PyBytes_GET_SIZE(kinds_obj);
+    Columns rel = {PyBytes_AS_STRING(kinds_obj), PyBytes_GET_SIZE(kinds_obj), prefixes, converters, columns};
     Py_ssize_t npk = PyList_GET_SIZE(pk_positions);
-    PyObject *missing = NULL, *pks = NULL, *pk_values = NULL, *record = NULL;
+    PyObject *missing = NULL, *pks = NULL, *record = NULL;
     Buf out = {NULL, 0, 0};
-    /* per pk position: the value's offset and length in buf (-1: null or unchanged TOAST) */
-    Py_ssize_t pk_off[16], pk_len[16];
-    Py_ssize_t *pk_at = NULL;
-    if (npk > 16) {
-        pk_at = PyMem_Malloc(sizeof(Py_ssize_t) * 2 * (size_t)npk);
-        if (pk_at == NULL) {
-            PyErr_NoMemory();
-            goto fail;
-        }
-    }
-    Py_ssize_t *offs = pk_at ? pk_at : pk_off, *lens = pk_at ? pk_at + npk : pk_len;
-    Py_ssize_t *pk_col = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(npk ? npk : 1));
+    /* per primary-key position: its column, and its value's offset and length in buf (offset -1:
+     * null or unchanged TOAST; -2: not seen, the tuple is shorter than the position) */
+    Py_ssize_t *pk_col = PyMem_Malloc(sizeof(Py_ssize_t) * 3 * (size_t)(npk ? npk : 1));
     if (pk_col == NULL) {
         PyErr_NoMemory();
         goto fail;
     }
+    Py_ssize_t *offs = pk_col + npk, *lens = pk_col + 2 * npk;
     for (Py_ssize_t j = 0; j < npk; j++) {
         pk_col[j] = PyLong_AsSsize_t(PyList_GET_ITEM(pk_positions, j));
         if (pk_col[j] == -1 && PyErr_Occurred())
-            goto fail_cols;
-        offs[j] = -2; /* not seen: the tuple is shorter than the position */
+            goto fail;
+        offs[j] = -2;
         lens[j] = 0;
     }
-    missing = PyList_New(0);
-    if (missing == NULL)
-        goto fail_cols;
-    if (pos < 0 || pos + 2 > size) {
-        truncated("column count");
-        goto fail_cols;
-    }
-    int n = (int16_t)((buf[pos] << 8) | buf[pos + 1]);
-    pos += 2;
-    if (buf_putc(&out, '{') < 0)
-        goto fail_cols;
-    int first = 1;
+    int n, first = 1;
+    if ((missing = PyList_New(0)) == NULL || column_count(buf, size, &pos, &n) < 0 || buf_putc(&out, '{') < 0)
+        goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (pos >= size) {
-            truncated("value kind");
-            goto fail_cols;
-        }
-        unsigned char kind = buf[pos++];
-        const char *s = NULL;
-        Py_ssize_t len = -1;
-        if (kind == 't' || kind == 'b') {
-            if (pos + 4 > size) {
-                truncated("value length");
-                goto fail_cols;
-            }
-            int32_t length = (int32_t)(((uint32_t)buf[pos] << 24) | ((uint32_t)buf[pos + 1] << 16) |
-                                       ((uint32_t)buf[pos + 2] << 8) | (uint32_t)buf[pos + 3]);
-            pos += 4;
-            if (length < 0 || length > size - pos) {
-                truncated("value bytes");
-                goto fail_cols;
-            }
-            s = (const char *)buf + pos;
-            len = length;
-            pos += length;
-        } else if (kind != 'n' && kind != 'u') {
-            PyErr_Format(decode_error, "unknown tuple value kind '%c'", kind);
-            goto fail_cols;
-        }
+        unsigned char kind;
+        const char *s;
+        Py_ssize_t len;
+        if (next_value(buf, size, &pos, &kind, &s, &len) < 0)
+            goto fail;
         for (Py_ssize_t j = 0; j < npk; j++) {
             if (pk_col[j] == i) {
                 offs[j] = s ? (Py_ssize_t)(s - (const char *)buf) : -1;
                 lens[j] = len;
             }
         }
-        if (kind == 'u') {
-            if (i >= PyList_GET_SIZE(columns)) {
-                PyErr_SetString(PyExc_IndexError, "list index out of range");
-                goto fail_cols;
-            }
-            if (PyList_Append(missing, PyList_GET_ITEM(columns, i)) < 0)
-                goto fail_cols;
-            continue;
-        }
-        if (i >= PyList_GET_SIZE(prefixes) || (s && (i >= PyList_GET_SIZE(converters) || i >= nkinds))) {
-            PyErr_SetString(PyExc_IndexError, "list index out of range");
-            goto fail_cols;
-        }
-        if (!first && buf_putc(&out, ',') < 0)
-            goto fail_cols;
-        first = 0;
-        if (buf_put_str(&out, PyList_GET_ITEM(prefixes, i)) < 0)
-            goto fail_cols;
-        if (s == NULL) {
-            if (buf_put(&out, "null", 4) < 0)
-                goto fail_cols;
-            continue;
-        }
-        if (kinds[i] == KIND_BOOL && check_utf8(s, len) < 0)
-            goto fail_cols;
-        int handled = convert_native(&out, kinds[i], s, len);
-        if (handled < 0)
-            goto fail_cols;
-        if (!handled) {
-            PyObject *text = PyUnicode_DecodeUTF8(s, len, "strict");
-            if (text == NULL)
-                goto fail_cols;
-            PyObject *json = PyObject_CallOneArg(PyList_GET_ITEM(converters, i), text);
-            Py_DECREF(text);
-            if (json == NULL)
-                goto fail_cols;
-            int rc = PyUnicode_Check(json) ? buf_put_str(&out, json) : -1;
-            if (rc < 0 && !PyErr_Occurred())
-                PyErr_SetString(PyExc_TypeError, "a converter must return str");
-            Py_DECREF(json);
-            if (rc < 0)
-                goto fail_cols;
-        }
+        if (kind == 'u' ? append_missing(missing, &rel, i) < 0 : append_column(&out, &first, &rel, i, NULL, s, len) < 0)
+            goto fail;
     }
     if (buf_putc(&out, '}') < 0)
-        goto fail_cols;
+        goto fail;
     record = PyUnicode_DecodeUTF8(out.data, out.len, "strict");
     if (record == NULL)
-        goto fail_cols;
+        goto fail;
     pks = PyList_New(0);
     if (pks == NULL)
-        goto fail_cols;
+        goto fail;
     for (Py_ssize_t j = 0; j < npk; j++) {
         if (offs[j] == -2) {
-            PyErr_SetString(PyExc_IndexError, "list index out of range");
-            goto fail_cols;
+            index_error();
+            goto fail;
         }
         if (offs[j] < 0)
             continue;
         PyObject *text = PyUnicode_DecodeUTF8((const char *)buf + offs[j], lens[j], "strict");
         if (text == NULL)
-            goto fail_cols;
+            goto fail;
         int rc = PyList_Append(pks, text);
         Py_DECREF(text);
         if (rc < 0)
-            goto fail_cols;
+            goto fail;
     }
     PyMem_Free(pk_col);
-    PyMem_Free(pk_at);
     PyMem_Free(out.data);
     PyBuffer_Release(&view);
     return Py_BuildValue("(NNN)", record, pks, missing);
-fail_cols:
-    PyMem_Free(pk_col);
 fail:
-    PyMem_Free(pk_at);
+    PyMem_Free(pk_col);
     PyMem_Free(out.data);
     Py_XDECREF(record);
     Py_XDECREF(pks);
-    Py_XDECREF(pk_values);
     Py_XDECREF(missing);
     PyBuffer_Release(&view);
     return NULL;
