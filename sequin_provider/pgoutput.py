@@ -384,8 +384,12 @@ def render_tuple(buf: bytes, pos: int, kinds: bytes, prefixes: list[str], conver
     (inserts, updates without old values, deletes with the full old row)."""
     values, _ = parse_tuple(buf, pos)
     record, missing = render_record(values, kinds, prefixes, converters, columns, None, None)
-    pks = [str(values[i]) for i in pk_positions if values[i] is not None and values[i] is not UNCHANGED_TOAST]
-    return record, pks, missing
+    return record, pk_texts(values, pk_positions), missing
+
+
+def pk_texts(values: list[object], pk_positions: list[int]) -> list[str]:
+    """``record_pks``: the text of each primary-key value present (not null, not unchanged TOAST)."""
+    return [str(values[i]) for i in pk_positions if values[i] is not None and values[i] is not UNCHANGED_TOAST]
 
 
 try:  # built by `pip install` from _pgoutput_c.c (optional: without a compiler the references run)
@@ -508,7 +512,7 @@ class PgOutputDecoder:
         return self._render_record(values, rel.kinds, rel.prefixes, rel.converters, rel.columns, only, fill)
 
     def _pks(self, rel: Relation, values: list[object]) -> list[str]:
-        return [str(values[i]) for i in rel.pk_positions if values[i] is not None and values[i] is not UNCHANGED_TOAST]
+        return pk_texts(values, rel.pk_positions)
 
     def _row(self, rel: Relation, action: str, record: str, changes: str | None, pks: list[str],
              missing: list[str]) -> ChangeRow:
