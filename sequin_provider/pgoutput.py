@@ -538,7 +538,7 @@ class PgOutputDecoder:
         old, pos = self._parse_tuple(buf, pos + 1)  # 'K' key / 'O' old
         new, _ = self._parse_tuple(buf, pos + 1)  # 'N'
         fill = old
-        if old is not None and old_kind == 75:
+        if old_kind == 75:
             # a key tuple carries only the replica identity columns; its other entries are null
             # placeholders, not values, so they must not fill unchanged TOAST columns
             fill = [o if key else UNCHANGED_TOAST for o, key in zip(old, rel.key_flags)]
