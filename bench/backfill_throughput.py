@@ -27,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +38,7 @@ from sequin_provider.embedded_postgres import EmbeddedPostgres  # noqa: E402
 from sequin_provider.provisioning import initialize  # noqa: E402
 from sequin_provider.stream_process import StreamAppProcess  # noqa: E402
 
-from bench.stream_throughput import ROW, TABLE  # noqa: E402 - the same table as the stream benchmark
+from bench.stream_throughput import ROW, TABLE, process_class  # noqa: E402 - the same table as the stream benchmark
 
 
 def seed_events(dsn: str, rows: int) -> None:
@@ -112,6 +113,89 @@ def page_breakdown(log: str) -> dict[str, float] | None:
             "stage_s": sum(t[1] for t in per_range.values()) / n, "window_s": sum(t[2] for t in per_range.values()) / n}
 
 
+def backfill_process_class(proc: psutil.Process) -> str | None:
+    """``process_class``, with Postgres backends told apart by database (source or store) and the
+    backfill app's processes (children of its CLI) by their own class."""
+    klass = process_class(proc)
+    try:
+        cmd = " ".join(proc.cmdline())
+        parents = proc.parents()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    if klass is not None and klass.startswith("postgres: other"):
+        database = cmd.split()[2] if cmd.startswith("postgres: ") and len(cmd.split()) > 2 else ""
+        return {"bench": "postgres: source backends (page SELECTs, watermarks)",
+                "bench_store": "postgres: store backends (reads COPY, pages, stream writes)"}.get(
+                    database, "postgres: other backends")
+    if any(_is_backfill_cli(_cmdline(p)) for p in parents) or _is_backfill_cli(proc.cmdline()):
+        if cmd.split(" ", 1)[0].endswith("java"):  # not proc.name(): psutil keeps the launcher's (bash) name
+            return "backfill app: JVM"
+        return "backfill app: Python (CLI, range tasks)"
+    if klass == "this benchmark (workload client, polling)":
+        return "this benchmark (its CPU sampler, the concurrent writer)"
+    return klass
+
+
+def _is_backfill_cli(argv: list[str]) -> bool:
+    """``python -m sequin_provider.cli … backfill start …`` (``run_backfill``)."""
+    return "sequin_provider.cli" in argv and "backfill" in argv
+
+
+def _cmdline(proc: psutil.Process) -> list[str]:
+    try:
+        return proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
+
+
+class CpuSampler:
+    """CPU seconds per process class over a run, sampled every ``interval`` s: processes that exit
+    during the run (the backfill app, its sessions) count up to their last sample."""
+
+    def __init__(self, interval: float = 0.5) -> None:
+        self.interval = interval
+        self._first: dict[int, float] = {}
+        self._last: dict[int, tuple[str, float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> CpuSampler:
+        self._sample(first=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def _sample(self, first: bool = False) -> None:
+        for proc in psutil.process_iter():
+            klass = backfill_process_class(proc)  # again each time: a launcher becomes java by exec
+            if klass is None:
+                continue
+            try:
+                times = proc.cpu_times()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if proc.pid not in self._last:
+                self._first[proc.pid] = times.user + times.system if first else 0.0
+            elif self._last[proc.pid][0].startswith("backfill app") and not klass.startswith("backfill app"):
+                klass = self._last[proc.pid][0]  # its JVM can outlive the CLI for a moment, reparented
+            self._last[proc.pid] = (klass, times.user + times.system)
+
+    def totals(self) -> dict[str, float]:
+        """CPU seconds per class."""
+        out: dict[str, float] = {}
+        for pid, (klass, seconds) in self._last.items():
+            out[klass] = out.get(klass, 0.0) + seconds - self._first.get(pid, 0.0)
+        return out
+
+
 def writer(dsn: str, rows: int, rate: int, stop: threading.Event, counter: list[int]) -> None:
     rng = random.Random(7)
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -169,8 +253,13 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
             app.wait_streaming(store_dsn)
             def measured(key: str, sink: str, label: str) -> float:
                 """Run one backfill into ``sink``, record it under ``key`` and print it; its seconds."""
-                seconds, line = run_backfill(config_path, args.rows, sink)
+                with CpuSampler() as cpu:
+                    seconds, line = run_backfill(config_path, args.rows, sink)
                 running = running_seconds(store_dsn, sink)
+                per_row = {k: v / args.rows * 1e6 for k, v in sorted(cpu.totals().items(), key=lambda kv: -kv[1])}
+                results[f"{key}_cpu_us_per_row"] = per_row
+                print(f"bench: CPU per row during {key}: {sum(per_row.values()):.1f} us in all; "
+                      + "; ".join(f"{k} {v:.1f}" for k, v in per_row.items()), flush=True)
                 results.update({f"{key}_seconds": seconds, f"{key}_rate": args.rows / seconds, f"{key}_progress": line,
                                 f"{key}_running_seconds": running, f"{key}_running_rate": args.rows / running})
                 print(f"bench: backfill, {label}: {seconds:.1f}s ({args.rows / seconds:,.0f} rows/s; running"

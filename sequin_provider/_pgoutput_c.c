@@ -1,7 +1,7 @@
 /*
  * Compiled hot path of the pgoutput decoder (sequin_provider/pgoutput.py).
  *
- * Three functions, each the exact counterpart of a pure-Python reference in pgoutput.py, which
+ * Four functions, each the exact counterpart of a pure-Python reference in pgoutput.py, which
  * stays the definition (tests/test_pgoutput.py holds both equal on the same payloads, hostile
  * ones included):
  *
@@ -11,6 +11,9 @@
  *   render_tuple(buf, pos, kinds, prefixes, converters, columns, pk_positions)
  *                          ~ pgoutput.render_tuple: a whole tuple straight to (record, pks, missing),
  *                            the path of inserts, most updates and full-row deletes
+ *   render_copy(data, kinds, prefixes, converters, columns, pk_positions)
+ *                          ~ pgoutput.render_copy: a backfill page's COPY text lines straight to the
+ *                            rows' record JSON and record_pks JSON, as Arrow string buffers
  *
  * render() converts the common types here (kinds, see pgoutput.CONVERTER_KINDS) and calls the
  * Python converter for every other value. configure(toast_marker, decode_error) is called once
@@ -466,6 +469,161 @@ fail:
     return NULL;
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* Backfill pages: COPY ... TO STDOUT text lines straight to record JSON (see render_copy) */
+
+/* One field of a COPY text line, s[0:n], unescaped into scratch (as backfill_reader.parse_copy_line:
+ * \b \f \n \r \t \v \\ are decoded, a backslash before any other character is dropped); *out points
+ * at the value (s itself when it holds no backslash). */
+static int copy_unescape(Buf *scratch, const char *s, Py_ssize_t n, const char **out) {
+    if (memchr(s, '\\', (size_t)n) == NULL) {
+        *out = s;
+        return 0;
+    }
+    scratch->len = 0;
+    if (buf_reserve(scratch, n) < 0)
+        return -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char c = s[i];
+        if (c == '\\' && i + 1 < n) {
+            c = s[++i];
+            switch (c) {
+            case 'b': c = '\b'; break;
+            case 'f': c = '\f'; break;
+            case 'n': c = '\n'; break;
+            case 'r': c = '\r'; break;
+            case 't': c = '\t'; break;
+            case 'v': c = '\v'; break;
+            default: break;
+            }
+        }
+        scratch->data[scratch->len++] = c;
+    }
+    *out = scratch->data;
+    return 0;
+}
+
+static int put_offset(Buf *offsets, Py_ssize_t at) {
+    if (at > INT32_MAX) {
+        PyErr_SetString(decode_error, "a backfill page renders to more than 2 GiB");
+        return -1;
+    }
+    int32_t v = (int32_t)at;
+    return buf_put(offsets, (const char *)&v, sizeof v);
+}
+
+static PyObject *render_copy(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    PyObject *kinds_obj, *prefixes, *converters, *columns, *pk_positions;
+    if (!PyArg_ParseTuple(args, "y*SO!O!O!O!", &view, &kinds_obj, &PyList_Type, &prefixes, &PyList_Type,
+                          &converters, &PyList_Type, &columns, &PyList_Type, &pk_positions))
+        return NULL;
+    Columns rel = {PyBytes_AS_STRING(kinds_obj), PyBytes_GET_SIZE(kinds_obj), prefixes, converters, columns};
+    Py_ssize_t ncols = PyList_GET_SIZE(columns), npk = PyList_GET_SIZE(pk_positions);
+    const char *data = view.buf, *end = data + view.len;
+    Buf records = {NULL, 0, 0}, record_offsets = {NULL, 0, 0}, pks = {NULL, 0, 0}, pk_offsets = {NULL, 0, 0};
+    Buf scratch = {NULL, 0, 0};
+    Py_ssize_t rows = 0;
+    /* per column: the field's start and length in the line (start NULL: \N) */
+    const char **starts = PyMem_Malloc(sizeof(char *) * (size_t)(ncols ? ncols : 1));
+    Py_ssize_t *lens = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(ncols ? ncols : 1));
+    Py_ssize_t *pk_col = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(npk ? npk : 1));
+    if (starts == NULL || lens == NULL || pk_col == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t j = 0; j < npk; j++) {
+        pk_col[j] = PyLong_AsSsize_t(PyList_GET_ITEM(pk_positions, j));
+        if (pk_col[j] == -1 && PyErr_Occurred())
+            goto fail;
+        if (pk_col[j] < 0 || pk_col[j] >= ncols) {
+            index_error();
+            goto fail;
+        }
+    }
+    if (put_offset(&record_offsets, 0) < 0 || put_offset(&pk_offsets, 0) < 0)
+        goto fail;
+    const char *line = data;
+    while (line < end) {
+        const char *eol = memchr(line, '\n', (size_t)(end - line));
+        if (eol == NULL)
+            eol = end;  /* a last line without its newline */
+        Py_ssize_t n = 0;
+        for (const char *f = line;; n++) {
+            const char *tab = memchr(f, '\t', (size_t)(eol - f));
+            const char *stop = tab ? tab : eol;
+            if (n < ncols) {
+                int is_null = stop - f == 2 && f[0] == '\\' && f[1] == 'N';
+                starts[n] = is_null ? NULL : f;
+                lens[n] = is_null ? 0 : stop - f;
+            }
+            if (tab == NULL)
+                break;
+            f = tab + 1;
+        }
+        if (n + 1 != ncols) {
+            PyErr_Format(decode_error, "a COPY line of %zd fields for a table of %zd columns", n + 1, ncols);
+            goto fail;
+        }
+        int first = 1;
+        if (buf_putc(&records, '{') < 0)
+            goto fail;
+        for (Py_ssize_t i = 0; i < ncols; i++) {
+            const char *s = starts[i];
+            if (s != NULL && copy_unescape(&scratch, starts[i], lens[i], &s) < 0)
+                goto fail;
+            Py_ssize_t len = s == scratch.data && s != NULL ? scratch.len : lens[i];
+            if (append_column(&records, &first, &rel, i, NULL, s, len) < 0)
+                goto fail;
+        }
+        if (buf_putc(&records, '}') < 0 || put_offset(&record_offsets, records.len) < 0 || buf_putc(&pks, '[') < 0)
+            goto fail;
+        int any = 0;
+        for (Py_ssize_t j = 0; j < npk; j++) {
+            Py_ssize_t i = pk_col[j];
+            if (starts[i] == NULL)
+                continue;  /* as pgoutput.pk_texts: a null key part is left out */
+            const char *s;
+            if (copy_unescape(&scratch, starts[i], lens[i], &s) < 0)
+                goto fail;
+            if ((any && buf_putc(&pks, ',') < 0) ||
+                buf_json_string(&pks, s, s == scratch.data ? scratch.len : lens[i]) < 0)
+                goto fail;
+            any = 1;
+        }
+        if (buf_putc(&pks, ']') < 0 || put_offset(&pk_offsets, pks.len) < 0)
+            goto fail;
+        rows++;
+        line = eol + 1;
+    }
+    if (check_utf8(records.data, records.len) < 0 || check_utf8(pks.data, pks.len) < 0)
+        goto fail;
+    PyObject *result = Py_BuildValue("(y#y#y#y#n)", records.data ? records.data : "", records.len,
+                                     record_offsets.data, record_offsets.len, pks.data ? pks.data : "", pks.len,
+                                     pk_offsets.data, pk_offsets.len, rows);
+    PyMem_Free(starts);
+    PyMem_Free(lens);
+    PyMem_Free(pk_col);
+    PyMem_Free(records.data);
+    PyMem_Free(record_offsets.data);
+    PyMem_Free(pks.data);
+    PyMem_Free(pk_offsets.data);
+    PyMem_Free(scratch.data);
+    PyBuffer_Release(&view);
+    return result;
+fail:
+    PyMem_Free(starts);
+    PyMem_Free(lens);
+    PyMem_Free(pk_col);
+    PyMem_Free(records.data);
+    PyMem_Free(record_offsets.data);
+    PyMem_Free(pks.data);
+    PyMem_Free(pk_offsets.data);
+    PyMem_Free(scratch.data);
+    PyBuffer_Release(&view);
+    return NULL;
+}
+
 static PyObject *configure(PyObject *self, PyObject *args) {
     PyObject *marker, *error;
     if (!PyArg_ParseTuple(args, "OO", &marker, &error))
@@ -483,6 +641,9 @@ static PyMethodDef methods[] = {
      "see pgoutput.render_tuple."},
     {"render", render, METH_VARARGS,
      "render(values, kinds, prefixes, converters, columns, only, fill) -> (record, missing); see pgoutput.render_record."},
+    {"render_copy", render_copy, METH_VARARGS,
+     "render_copy(data, kinds, prefixes, converters, columns, pk_positions) -> (records, record_offsets, pks, "
+     "pk_offsets, rows); see pgoutput.render_copy."},
     {NULL, NULL, 0, NULL},
 };
 

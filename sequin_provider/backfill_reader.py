@@ -16,21 +16,23 @@ same row. Plain Python (no Spark): the Spark app runs one ``RangeReader`` per ta
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import psycopg
+import pyarrow as pa
 from psycopg import sql
 
 from sequin_provider import store
 from sequin_provider.backfill import PageSizeOptimizer
 from sequin_provider.backfill_sql import record_sql, text_array_sql
 from sequin_provider.config import SequinConfig, SinkConfig
+from sequin_provider.message_render import COPY_BINARY_HEADER, COPY_BINARY_TRAILER, read_rows_copy_binary
 from sequin_provider.delivery import reads_render_in_store
-from sequin_provider.pgoutput import PgOutputDecoder, Relation, TypeRegistry, lsn_to_int, parse_array_literal
+from sequin_provider.pgoutput import (PgOutputDecoder, Relation, TypeRegistry, lsn_to_int, parse_array_literal,
+                                      parse_copy_line)
 from sequin_provider.replication import REPLICATION_SESSION_OPTIONS, _Catalog, emit_message, primary_key_columns
 from sequin_provider.store import BackfillError, StoreReads
 from sequin_provider.watermarks import HIGH_PREFIX, LOW_PREFIX, Watermark, page_reads, watermark_content
@@ -77,23 +79,6 @@ def table_shape(conn: psycopg.Connection[Any], schema: str, name: str) -> TableS
     return TableShape(oid, schema, name, tuple(r[1] for r in rows), tuple(int(r[2]) for r in rows),
                       {r[1]: str(r[3]) for r in rows}, tuple(primary_key_columns(conn, oid)),
                       tuple(str(r[4]) for r in rows))
-
-
-_COPY_ESCAPE = re.compile(r"\\(.)")
-_COPY_CODES = {"b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v", "\\": "\\"}
-
-
-def parse_copy_line(line: str) -> list[str | None]:
-    """One line of ``COPY ... TO STDOUT`` text format as the columns' text values (None for NULL)."""
-    out: list[str | None] = []
-    for field in line.split("\t"):
-        if field == "\\N":
-            out.append(None)
-        elif "\\" in field:
-            out.append(_COPY_ESCAPE.sub(lambda m: _COPY_CODES.get(m.group(1), m.group(1)), field))
-        else:
-            out.append(field)
-    return out
 
 
 def _cast_row(shape: TableShape, columns: Sequence[str], values: Sequence[str]) -> sql.Composed:
@@ -214,6 +199,27 @@ def read_page(conn: psycopg.Connection[Any], query: sql.Composed, budget_ms: int
               ) -> list[list[str | None]]:
     """Run a page's COPY (under ``budget_ms``, as ``copy_out``) and return its rows as text values."""
     return [parse_copy_line(line) for line in copy_out(conn, query, budget_ms).decode("utf-8").split("\n") if line]
+
+
+def page_end(data: bytes | bytearray, positions: Sequence[int]) -> tuple[int, list[str] | None]:
+    """(rows, the last row's order key: its values at ``positions``) of a page of ``PageQuery.sql``."""
+    if not data:
+        return 0, None
+    end = len(data) - 1 if data.endswith(b"\n") else len(data)
+    last = parse_copy_line(bytes(data[data.rfind(b"\n", 0, end) + 1:end]).decode("utf-8"))
+    return data.count(b"\n"), [str(last[p]) for p in positions]
+
+
+def rendered_reads(decoder: PgOutputDecoder, rel: Relation, data: bytes | bytearray, reads: StoreReads,
+                   page_id: int) -> tuple[int, list[bytes | memoryview]]:
+    """A page of ``PageQuery.sql`` as its reads for a plain Sequin Stream sink, rendered in this
+    task (``PgOutputDecoder.render_copy``, then ``message_render.read_rows_copy_binary``): the row
+    count and the COPY binary chunks for ``store.stage_page_reads_copy``."""
+    records, record_offsets, pks, pk_offsets, rows = decoder.render_copy(rel, data)
+    body = read_rows_copy_binary(
+        reads, page_id, pa.StringArray.from_buffers(rows, pa.py_buffer(record_offsets), pa.py_buffer(records)),
+        pa.StringArray.from_buffers(rows, pa.py_buffer(pk_offsets), pa.py_buffer(pks)))
+    return rows, [COPY_BINARY_HEADER, memoryview(body), COPY_BINARY_TRAILER]
 
 
 def staged_page_end(data: bytes | bytearray) -> tuple[int, list[str] | None]:
@@ -356,12 +362,16 @@ class RangeReader:
             rel = decoder.make_relation(shape.oid, shape.schema, shape.name, "d", list(shape.columns),
                                         list(shape.type_oids), [c in shape.primary_key for c in shape.columns],
                                         list(shape.primary_key))
-            record = record_sql(rel, shape.type_kinds)
             sink = next((x for x in self.config.sinks if x.name == backfill.sink), None)
             # a sink whose reads the task writes itself (``delivery.reads_render_in_store``)
             read_sink = sink if sink is not None and reads_render_in_store(sink, shape.schema, shape.name) else None
+            # its reads are rendered here from the page's plain COPY text by the compiled decoder;
+            # otherwise by the source's SQL where it can, else by the decoder in Python
+            record = None if read_sink is not None and decoder.compiled else record_sql(rel, shape.type_kinds)
             log.info("backfill %d range %d: rows of %s.%s rendered by %s", self.backfill_id, self.range_idx,
-                     shape.schema, shape.name, "the source's SQL" if record is not None else "the decoder (Python)")
+                     shape.schema, shape.name,
+                     "this task's compiled decoder" if read_sink is not None and decoder.compiled
+                     else "the source's SQL" if record is not None else "the decoder (Python)")
             order = ((backfill.sort_column,) if backfill.sort_column else ()) + shape.primary_key
             query = PageQuery(shape, order, rng.lower_key, rng.upper_key, backfill.sort_column, backfill.start_position)
             positions = [shape.columns.index(c) for c in order]
@@ -437,7 +447,9 @@ class RangeReader:
             wait_for_snapshot_horizon(source)
             started = time.monotonic()
             try:
-                if record is not None:
+                if reads is not None and decoder.compiled:
+                    data = copy_out(source, query.sql(cursor, size), optimizer.max_query_ms)
+                elif record is not None:
                     data = copy_out(source, query.staging_sql(cursor, size, page_id, record) if reads is None
                                     else query.reads_sql(cursor, size, page_id, record, reads), optimizer.max_query_ms)
                 else:
@@ -454,10 +466,18 @@ class RangeReader:
                 return None
             optimizer.observe(size, (time.monotonic() - started) * 1000.0)
             staged = True
-            if record is not None:
+            if reads is not None and decoder.compiled:
+                rows, cursor_after = page_end(data, positions)
+                if rows:
+                    rendered, chunks = rendered_reads(decoder, rel, data, reads, page_id)
+                    if rendered != rows:
+                        raise BackfillError(f"page {page_id}: {rendered} rows rendered of {rows} read")
+                    staged = store.stage_page_reads_copy(store_conn, self.schema, page_id, chunks, rows, cursor_after,
+                                                         reads.commit_lsn, binary=True)
+            elif record is not None:
                 rows, cursor_after = staged_page_end(data)
                 if rows and reads is not None:
-                    staged = store.stage_page_reads_copy(store_conn, self.schema, page_id, without_order_key(data), rows,
+                    staged = store.stage_page_reads_copy(store_conn, self.schema, page_id, (without_order_key(data),), rows,
                                                          cursor_after, reads.commit_lsn)
                 elif rows:
                     staged = store.stage_backfill_copy(store_conn, self.schema, page_id, data, rows, cursor_after)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -22,6 +22,9 @@ import pyarrow.compute as pc
 from sequin_provider.config import SinkConfig
 from sequin_provider.delivery import message_kind, selected_actions
 from sequin_provider.messages import json_text, idempotency_key, metadata_head, metadata_tail
+
+if TYPE_CHECKING:
+    from sequin_provider.store import StoreReads
 
 _NEEDS_ESCAPE = r'[\x00-\x1f"\\]'
 
@@ -188,3 +191,38 @@ def copy_binary_tuple(row: Sequence[object]) -> bytes:
     return (_FIELDS_6 + struct.pack("!i", len(sink)) + sink + struct.pack("!iqii", 8, lsn, 4, idx)
             + struct.pack("!i", len(group)) + group + struct.pack("!i", len(key)) + key
             + struct.pack("!i", len(data)) + data)
+
+
+_FIELDS_7 = struct.pack("!h", 7)
+
+
+def read_rows_copy_binary(reads: StoreReads, page_id: int, records: pa.Array, record_pks: pa.Array) -> pa.Buffer:
+    """A backfill page's reads for a plain Sequin Stream sink as COPY binary tuples of
+    ``store.READ_MESSAGE_COLUMNS``, without header or trailer: ``records`` are the rows' record
+    JSON texts and ``record_pks`` their keys as JSON arrays, in page order. The messages are
+    ``reads.template`` around them (``messages.read_message_template``), as ``render`` renders the
+    same reads through Spark (tested byte for byte); keyed ``backfill:<id>:<keys JSON>``."""
+    n = len(records)
+    if not n:
+        return pa.py_buffer(b"")
+    idx = pa.array(np.arange(reads.commit_idx + 1, reads.commit_idx + 1 + n, dtype=np.int64))
+    idx_text = pc.cast(idx, pa.string())
+    key = pc.binary_join_element_wise(f"backfill:{reads.backfill_id}:", record_pks, "")
+    group = (pc.binary_join_element_wise(reads.group_prefix, record_pks, "") if reads.group_prefix is not None
+             else pc.binary_join_element_wise(f"{reads.commit_lsn}:", idx_text, ""))
+    t = reads.template
+    if t.record_only:
+        data = records
+    else:
+        # the key as a JSON string: it holds a JSON text, whose only characters JSON escapes are '"' and '\'
+        key_json = pc.binary_join_element_wise('"', pc.replace_substring(pc.replace_substring(key, "\\", "\\\\"),
+                                                                         '"', '\\"'), '"', "")
+        data = pc.binary_join_element_wise(t.before_record, records, t.before_idx, idx_text, ',"idempotency_key":',
+                                           key_json, ',"record_pks":', record_pks, t.after_pks, "")
+    name = reads.sink.encode()
+    start = _FIELDS_7 + struct.pack("!i", len(name)) + name + struct.pack("!iq", 8, reads.commit_lsn)
+    page = struct.pack("!iq", 8, page_id)
+    tuples = pc.binary_join_element_wise(start, _fixed(idx, ">i4", 4), _length_prefixed(group), _length_prefixed(key),
+                                         _length_prefixed(data), page, b"")
+    joined = pc.binary_join(pa.ListArray.from_arrays(pa.array([0, len(tuples)], pa.int32()), tuples), b"")
+    return joined[0].as_buffer()

@@ -637,18 +637,21 @@ def write_page_reads(conn: psycopg.Connection[Any], s: sql.Identifier, page_id: 
             s, sql.Literal(page_id)))))
 
 
-def stage_page_reads_copy(conn: psycopg.Connection[Any], schema: str, page_id: int, data: bytes, rows: int,
-                          cursor_after: list[str] | None, read_lsn: int) -> bool:
-    """Job side: a page's read messages, rendered by the source (``read_messages_sql``) as COPY text,
-    written straight into the stream table, hidden until the page's window closes; the page is
-    then staged. False when the page is no longer open (nothing is written)."""
+def stage_page_reads_copy(conn: psycopg.Connection[Any], schema: str, page_id: int, data: Iterable[CopyChunk],
+                          rows: int, cursor_after: list[str] | None, read_lsn: int, binary: bool = False) -> bool:
+    """Job side: a page's read messages as COPY text (rendered by the source, ``read_messages_sql``)
+    or, with ``binary``, as COPY binary from header to trailer (``message_render.read_rows_copy_binary``),
+    in chunks, written straight into the stream table, hidden until the page's window closes; the
+    page is then staged. False when the page is no longer open (nothing is written)."""
     s = _ident(schema)
     with conn.transaction(), conn.cursor() as cur:
         if not _lock_open_page(cur, schema, page_id):
             return False
-        with cur.copy(sql.SQL("COPY {}.stream_messages ({}) FROM STDIN").format(
-                s, sql.SQL(", ").join(map(sql.Identifier, READ_MESSAGE_COLUMNS)))) as copy:
-            copy.write(data)
+        with cur.copy(sql.SQL("COPY {}.stream_messages ({}) FROM STDIN{}").format(
+                s, sql.SQL(", ").join(map(sql.Identifier, READ_MESSAGE_COLUMNS)),
+                sql.SQL(" (FORMAT binary)" if binary else ""))) as copy:
+            for chunk in data:
+                copy.write(chunk)
         _mark_staged(cur, s, page_id, rows, cursor_after, read_lsn)
     conn.commit()
     return True

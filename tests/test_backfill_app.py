@@ -572,16 +572,19 @@ def stage(conn: psycopg.Connection, backfill_id: int, rows: list[tuple[list[str]
 @pytest.mark.parametrize("kind", sorted(STORE_RENDERED_SINKS))
 def test_reads_the_task_writes_equal_the_pipelines_byte_for_byte(kind: str, dsn: str, tmp_path: Path,
                                                                  spark: Any) -> None:
-    """A page's reads written by the backfill task (plain Sequin Stream sinks), from staged rows or
-    rendered by the source's SQL, must be exactly what the Spark pipeline writes for the same reads at
+    """A page's reads written by the backfill task (plain Sequin Stream sinks), from staged rows,
+    rendered by the source's SQL or rendered in the task with Arrow, must be exactly what the Spark pipeline writes for the same reads at
     the same position: data, group, idempotency key.
     Keys include control characters that JSON escapes as ``\\u00xx`` (Spark's own JSON would write
     ``\\u001F``). (The task numbers a page's reads before the close drops any, so dropping is
     tested on its own below.)"""
     from psycopg import sql
 
+    import pyarrow as pa
+
     from sequin_provider.backfill_reader import copy_out
-    from sequin_provider.messages import CHANGE_SCHEMA_DDL
+    from sequin_provider.message_render import COPY_BINARY_HEADER, COPY_BINARY_TRAILER, read_rows_copy_binary
+    from sequin_provider.messages import CHANGE_SCHEMA_DDL, json_text
     from sequin_provider.spark.pipeline import StreamWriter, project_batch
     from sequin_provider.watermarks import page_reads, read_rows
 
@@ -625,13 +628,25 @@ def test_reads_the_task_writes_equal_the_pipelines_byte_for_byte(kind: str, dsn:
         data = copy_out(conn, sql.SQL("COPY ({}) TO STDOUT").format(
             store.read_messages_sql(reads, page, rows, json_typed=False)))
         conn.commit()
-        assert store.stage_page_reads_copy(conn, "sequin", page, data, len(staged), None, at[0])
+        assert store.stage_page_reads_copy(conn, "sequin", page, (data,), len(staged), None, at[0])
         assert store.close_backfill_window(conn, "sequin", page, True, set(), at[0] + 10).in_store == len(TRICKY_KEYS)
         by_source = written()
+
+        # rendered in the task from the records and keys (the compiled page path: COPY binary)
+        page = store.open_backfill_page(conn, "sequin", backfill_id, 0)
+        conn.commit()
+        body = read_rows_copy_binary(reads, page, pa.array([record for _, record in staged], pa.string()),
+                                     pa.array([json_text(pks) for pks, _ in staged], pa.string()))
+        assert store.stage_page_reads_copy(conn, "sequin", page, (COPY_BINARY_HEADER, memoryview(body),
+                                                                  COPY_BINARY_TRAILER), len(staged), None, at[0],
+                                           binary=True)
+        assert store.close_backfill_window(conn, "sequin", page, True, set(), at[0] + 10).in_store == len(TRICKY_KEYS)
+        by_arrow = written()
 
     assert len(through_spark) == len(TRICKY_KEYS)
     assert by_task == through_spark
     assert by_source == through_spark
+    assert by_arrow == through_spark
     if kind != "record_only":
         assert [json.loads(r[4])["metadata"]["record_pks"][0] for r in by_task] == TRICKY_KEYS
 

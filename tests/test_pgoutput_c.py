@@ -203,3 +203,88 @@ def test_bytes_that_are_not_utf8_fail_alike_in_every_converter() -> None:
     row = decoder.decode(insert_message(9, [v for _, v in types]))
     assert row[7] == ('{"c0":1,"c1":true,"c2":1.5,"c3":"a","c4":"2024-01-02T03:04:05Z","c5":"2024-01-02T03:04:05",'
                       '"c6":{},"c7":[1]}') and row[9] == ["1"]
+
+
+@pytest.fixture
+def copy_page(dsn: str) -> tuple[str, bytes]:
+    """A backfill page as ``COPY … TO STDOUT`` gives it (the walsender's session settings): the type
+    matrix, a row of NULLs, COPY's escapes (tab, newline, backslash) and JSON's, a composite key."""
+    columns = ", ".join(f"c{i} {typ}" for i, (typ, _, _) in enumerate(TYPE_MATRIX))
+    values = ", ".join(value for _, value, _ in TYPE_MATRIX)
+    nulls = ", ".join("NULL" for _ in TYPE_MATRIX)
+    execute(dsn, "CREATE TYPE mood AS ENUM ('sad', 'happy')", "CREATE DOMAIN posint AS int CHECK (VALUE > 0)",
+            "CREATE DOMAIN email AS text", f"CREATE TABLE page (k1 text, k2 int, {columns}, PRIMARY KEY (k2, k1))",
+            f"INSERT INTO page VALUES ('a', 1, {values}), (E'tab\\there\\nnew\\\\back \\x01 é', 2, {nulls}),"
+            f" ('\\N', 3, {values})")
+    with psycopg.connect(dsn, autocommit=True, options=REPLICATION_SESSION_OPTIONS) as conn, conn.cursor() as cur:
+        data = bytearray()
+        with cur.copy("COPY (SELECT * FROM page ORDER BY k2) TO STDOUT") as copy:
+            while chunk := copy.read():
+                data += chunk
+    return dsn, bytes(data)
+
+
+def page_decoders(dsn: str) -> tuple[PgOutputDecoder, PgOutputDecoder, pgoutput.Relation]:
+    """A compiled and a reference decoder, and the ``page`` table's relation as backfills make it."""
+    from sequin_provider.backfill_reader import table_shape
+
+    catalog = _Catalog(dsn)
+    try:
+        with psycopg.connect(dsn) as conn:
+            shape = table_shape(conn, "public", "page")
+        decoders = tuple(PgOutputDecoder(TypeRegistry(catalog.type_info), compiled=c) for c in (True, False))
+        rel = decoders[0].make_relation(shape.oid, shape.schema, shape.name, "d", list(shape.columns),
+                                        list(shape.type_oids), [c in shape.primary_key for c in shape.columns],
+                                        list(shape.primary_key))
+        for decoder in decoders:  # the converters look their types up once
+            decoder.render_copy(rel, b"")
+    finally:
+        catalog.close()
+    return decoders[0], decoders[1], rel
+
+
+def copy_outcome(decoder: PgOutputDecoder, rel: pgoutput.Relation, data: bytes) -> object:
+    try:
+        return decoder.render_copy(rel, data)
+    except Exception as exc:  # noqa: BLE001 - compared between the two implementations
+        return type(exc)
+
+
+def test_a_copy_page_renders_as_the_decoder_renders_each_row(copy_page: tuple[str, bytes]) -> None:
+    import pyarrow as pa
+
+    dsn, data = copy_page
+    compiled, reference, rel = page_decoders(dsn)
+    got = compiled.render_copy(rel, data)
+    assert got == reference.render_copy(rel, data)
+    records, record_offsets, pks, pk_offsets, rows = got
+    # what the backfill's Python path makes of each line: the decoder's record and record_pks
+    lines = data.decode().split("\n")[:-1]
+    want = [reference.render_values(rel, pgoutput.parse_copy_line(line)) for line in lines]
+    assert rows == 3
+    assert pa.StringArray.from_buffers(rows, pa.py_buffer(record_offsets), pa.py_buffer(records)).to_pylist() == [
+        w[0] for w in want]
+    assert pa.StringArray.from_buffers(rows, pa.py_buffer(pk_offsets), pa.py_buffer(pks)).to_pylist() == [
+        '["1","a"]', '["2","tab\\there\\nnew\\\\back \\u0001 é"]', '["3","\\\\N"]']
+    assert '"k1":"tab\\there\\nnew\\\\back \\u0001 é"' in want[1][0] and '"c29":[[1,null],[3,4]]' in want[0][0]
+    assert compiled.render_copy(rel, data[:-1]) == got  # a last line without its newline
+    assert compiled.render_copy(rel, b"")[4] == 0
+
+
+def test_hostile_copy_pages_fail_alike(copy_page: tuple[str, bytes]) -> None:
+    dsn, data = copy_page
+    compiled, reference, rel = page_decoders(dsn)
+    rng = random.Random(11)
+    variants = [data[:k] for k in rng.sample(range(len(data)), 400)]
+    for _ in range(1500):
+        mutated = bytearray(data)
+        for _ in range(rng.randint(1, 3)):
+            mutated[rng.randrange(len(mutated))] = rng.choice(b"\t\n\\N\xff\x80\xc3\x00{}[],\"tf" + bytes([rng.randrange(256)]))
+        variants.append(bytes(mutated))
+    outcomes = []
+    for variant in variants:
+        got, want = copy_outcome(compiled, rel, variant), copy_outcome(reference, rel, variant)
+        assert got == want, f"{variant!r}: compiled {got!r}, reference {want!r}"
+        outcomes.append(want)
+    assert {o for o in outcomes if isinstance(o, type)} == {DecodeError}  # every failure is a clear DecodeError
+    assert sum(isinstance(o, type) for o in outcomes) > 500 and sum(type(o) is tuple for o in outcomes) > 200
