@@ -38,7 +38,7 @@ from sequin_provider.embedded_postgres import EmbeddedPostgres  # noqa: E402
 from sequin_provider.provisioning import initialize  # noqa: E402
 from sequin_provider.stream_process import StreamAppProcess  # noqa: E402
 
-from bench.stream_throughput import ROW, TABLE, process_class  # noqa: E402 - the same table as the stream benchmark
+from bench.stream_throughput import ROW, TABLE, cpu_by_class, process_class  # noqa: E402 - the same table as the stream benchmark
 
 
 def seed_events(dsn: str, rows: int) -> None:
@@ -174,19 +174,13 @@ class CpuSampler:
             self._sample()
 
     def _sample(self, first: bool = False) -> None:
-        for proc in psutil.process_iter():
-            klass = backfill_process_class(proc)  # again each time: a launcher becomes java by exec
-            if klass is None:
-                continue
-            try:
-                times = proc.cpu_times()
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-            if proc.pid not in self._last:
-                self._first[proc.pid] = times.user + times.system if first else 0.0
-            elif self._last[proc.pid][0].startswith("backfill app") and not klass.startswith("backfill app"):
-                klass = self._last[proc.pid][0]  # its JVM can outlive the CLI for a moment, reparented
-            self._last[proc.pid] = (klass, times.user + times.system)
+        # classified again each time: a launcher becomes java by exec
+        for pid, (klass, seconds) in cpu_by_class(backfill_process_class, exited=False).items():
+            if pid not in self._last:
+                self._first[pid] = seconds if first else 0.0
+            elif self._last[pid][0].startswith("backfill app") and not klass.startswith("backfill app"):
+                klass = self._last[pid][0]  # its JVM can outlive the CLI for a moment, reparented
+            self._last[pid] = (klass, seconds)
 
     def totals(self) -> dict[str, float]:
         """CPU seconds per class."""

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 from pathlib import Path
 
 import psutil
@@ -172,11 +173,13 @@ def process_class(proc: psutil.Process) -> str | None:
     return None
 
 
-def cpu_by_class() -> dict[int, tuple[str, float]]:
-    """CPU seconds so far of every process that belongs to the pipeline."""
+def cpu_by_class(classify: Callable[[psutil.Process], str | None] = process_class,
+                 exited: bool = True) -> dict[int, tuple[str, float]]:
+    """CPU seconds so far of every process that belongs to the pipeline (``classify``), and with
+    ``exited`` of the servers' exited backends (their postmaster's reaped children)."""
     out: dict[int, tuple[str, float]] = {}
     for proc in psutil.process_iter():
-        klass = process_class(proc)
+        klass = classify(proc)
         if klass is None:
             continue
         try:
@@ -184,7 +187,7 @@ def cpu_by_class() -> dict[int, tuple[str, float]]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
         out[proc.pid] = (klass, times.user + times.system)
-        if klass.startswith("postgres") and proc.ppid() and _is_postmaster(proc):
+        if exited and klass.startswith("postgres") and proc.ppid() and _is_postmaster(proc):
             # backends that exited in between (per-task store connections, the writer's sessions)
             # are charged to their postmaster once reaped: their CPU would otherwise go unseen
             out[-proc.pid] = (EXITED_BACKENDS, times.children_user + times.children_system)

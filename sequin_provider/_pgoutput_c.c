@@ -524,6 +524,7 @@ static PyObject *render_copy(PyObject *self, PyObject *args) {
     Buf records = {NULL, 0, 0}, record_offsets = {NULL, 0, 0}, pks = {NULL, 0, 0}, pk_offsets = {NULL, 0, 0};
     Buf scratch = {NULL, 0, 0};
     Py_ssize_t rows = 0;
+    PyObject *result = NULL;
     /* per column: the field's start and length in the line (start NULL: \N) */
     const char **starts = PyMem_Malloc(sizeof(char *) * (size_t)(ncols ? ncols : 1));
     Py_ssize_t *lens = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(ncols ? ncols : 1));
@@ -596,21 +597,10 @@ static PyObject *render_copy(PyObject *self, PyObject *args) {
         rows++;
         line = eol + 1;
     }
-    if (check_utf8(records.data, records.len) < 0 || check_utf8(pks.data, pks.len) < 0)
-        goto fail;
-    PyObject *result = Py_BuildValue("(y#y#y#y#n)", records.data ? records.data : "", records.len,
-                                     record_offsets.data, record_offsets.len, pks.data ? pks.data : "", pks.len,
-                                     pk_offsets.data, pk_offsets.len, rows);
-    PyMem_Free(starts);
-    PyMem_Free(lens);
-    PyMem_Free(pk_col);
-    PyMem_Free(records.data);
-    PyMem_Free(record_offsets.data);
-    PyMem_Free(pks.data);
-    PyMem_Free(pk_offsets.data);
-    PyMem_Free(scratch.data);
-    PyBuffer_Release(&view);
-    return result;
+    if (check_utf8(records.data, records.len) == 0 && check_utf8(pks.data, pks.len) == 0)
+        result = Py_BuildValue("(y#y#y#y#n)", records.data ? records.data : "", records.len, record_offsets.data,
+                               record_offsets.len, pks.data ? pks.data : "", pks.len, pk_offsets.data, pk_offsets.len,
+                               rows);
 fail:
     PyMem_Free(starts);
     PyMem_Free(lens);
@@ -621,7 +611,7 @@ fail:
     PyMem_Free(pk_offsets.data);
     PyMem_Free(scratch.data);
     PyBuffer_Release(&view);
-    return NULL;
+    return result;
 }
 
 static PyObject *configure(PyObject *self, PyObject *args) {

@@ -8,9 +8,12 @@ select, stage the rows in the store, emit the high watermark; the stream app the
 emitted (the cursor advances) or stale (the page is read again). For a plain Sequin Stream sink
 the staging writes the page's reads themselves, at a position just after the low watermark
 (``read_position``) and hidden until the window closes, so the stream app only takes back the few
-whose key changed. A few pages are in flight at once. Rows are rendered to record JSON by the source's SQL (``backfill_sql``), or, for tables with a column it does
-not render, by the pgoutput decoder's own converters, so a read looks exactly like a change of the
-same row. Plain Python (no Spark): the Spark app runs one ``RangeReader`` per task.
+whose key changed. A few pages are in flight at once. Rows are rendered to record JSON with the
+pgoutput decoder's own converters, so a read looks exactly like a change of the same row: for a plain
+Sequin Stream sink, in this task from the page's plain COPY text (the compiled ``render_copy``, then
+``message_render.read_rows_copy_binary``), so the source only reads; otherwise by the source's SQL
+(``backfill_sql``), or in Python for tables with a column it does not render. Plain Python (no
+Spark): the Spark app runs one ``RangeReader`` per task.
 """
 
 from __future__ import annotations
