@@ -38,7 +38,7 @@ from sequin_provider.embedded_postgres import EmbeddedPostgres  # noqa: E402
 from sequin_provider.provisioning import initialize  # noqa: E402
 from sequin_provider.stream_process import StreamAppProcess  # noqa: E402
 
-from bench.stream_throughput import ROW, TABLE, cpu_by_class, process_class  # noqa: E402 - the same table as the stream benchmark
+from bench.stream_throughput import ROW, TABLE, add_pg_setting_argument, cpu_by_class, process_class  # noqa: E402 - the same table as the stream benchmark
 
 
 def seed_events(dsn: str, rows: int) -> None:
@@ -210,13 +210,14 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the work folder (the stream app's log) for a look")
     parser.add_argument("--only", default="idle,spark,busy",
                         help="which backfill runs, comma-separated: idle (b), spark (b'), busy (c)")
+    add_pg_setting_argument(parser)
     args = parser.parse_args()
     runs = set(args.only.split(","))
     if not runs or not runs <= {"idle", "spark", "busy"}:
         parser.error("--only takes idle, spark and busy, comma-separated")
     work = Path(tempfile.mkdtemp(prefix="sequin-bench-backfill-"))
-    results: dict[str, object] = {"rows": args.rows}
-    with EmbeddedPostgres(use_env_dsn=False) as pg:
+    results: dict[str, object] = {"rows": args.rows, "pg_settings": dict(args.pg_setting)}
+    with EmbeddedPostgres(use_env_dsn=False, settings=dict(args.pg_setting)) as pg:
         dsn, store_dsn = pg.create_database("bench"), pg.create_database("bench_store")
         seed_events(dsn, args.rows)
         config_path = work / "sequin.yaml"
@@ -297,6 +298,8 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
         rate, running = float(results[f"{key}_rate"]), float(results[f"{key}_running_rate"])  # type: ignore[arg-type]
         print(f"| {label} | {rate:,.0f} | {results[f'{key}_seconds']:.1f} | {running:,.0f} |"
               f" {running / float(results['copy_rate']):.2f} |")  # type: ignore[arg-type]
+    for name, value in args.pg_setting:
+        print(f"\nServer setting over the embedded cluster's defaults: `{name}={value}`.")
     print("\nEnd to end: from `sequin backfill start` to its exit, including the start of its own local Spark;"
           " while running: from the backfill's `running` to `completed` (the store's timestamps).")
     return 0

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from bench.backfill_throughput import copy_seconds, run_backfill, running_seconds, seed_events  # noqa: E402
 from bench.delivery_throughput import answers, fill, http_consumer, run_consumers  # noqa: E402
 from bench.stream_throughput import (  # noqa: E402
-    ROW, TABLE, check_sink, current_lsn, run_pg_recvlogical, sink_count, write_workload)
+    ROW, TABLE, add_pg_setting_argument, check_sink, current_lsn, run_pg_recvlogical, sink_count, write_workload)
 from sequin_provider import stream_queue  # noqa: E402
 from sequin_provider.config import load_config  # noqa: E402
 from sequin_provider.embedded_postgres import EmbeddedPostgres, free_port  # noqa: E402
@@ -365,7 +365,7 @@ stream: {{checkpoint_location: {work / ('ckpt-' + slot)}}}
 
 def stream_section(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     results = []
-    with EmbeddedPostgres(use_env_dsn=False) as pg:
+    with EmbeddedPostgres(use_env_dsn=False, settings=dict(args.pg_setting)) as pg:
         dsn = pg.create_database("bench")
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(TABLE)
@@ -397,7 +397,7 @@ def stream_section(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]
 
 def backfill_section(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     rows = args.backfill_rows
-    with EmbeddedPostgres(use_env_dsn=False) as pg:
+    with EmbeddedPostgres(use_env_dsn=False, settings=dict(args.pg_setting)) as pg:
         dsn, store_dsn = pg.create_database("bench"), pg.create_database("bench_store")
         seed_events(dsn, rows)
         config = work / "backfill.yaml"
@@ -424,7 +424,7 @@ def backfill_section(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def pull_api_section(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    with EmbeddedPostgres(use_env_dsn=False) as pg:
+    with EmbeddedPostgres(use_env_dsn=False, settings=dict(args.pg_setting)) as pg:
         dsn, store_dsn = pg.create_database("bench"), pg.create_database("bench_store")
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("CREATE TABLE events (id bigint PRIMARY KEY)")
@@ -460,7 +460,8 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
     stream = {r["name"]: r for r in results["stream"]}
     debezium = next(r for r in results["stream"] if r["name"].startswith("Debezium"))
     lines = [f"Workload: {args.changes:,} changes per run (inserts then updates, 500-row transactions) on one table;"
-             f" latency at {args.rate:,} changes/s for {args.seconds}s. Median of {args.runs} runs (min–max).", "",
+             f" latency at {args.rate:,} changes/s for {args.seconds}s. Median of {args.runs} runs (min–max)."
+             + ("".join(f" Server setting `{k}={v}`." for k, v in args.pg_setting)), "",
              "| pipeline | changes/s | vs Debezium | latency p50 | latency p99 |", "|---|---:|---:|---:|---:|"]
     for name, r in stream.items():
         ratio = r["throughput"]["median"] / debezium["throughput"]["median"]
@@ -490,6 +491,7 @@ def main() -> int:
     parser.add_argument("--api-seconds", type=float, default=5.0)
     parser.add_argument("--only", choices=["stream", "backfill", "api"], action="append",
                         help="run only these sections (repeatable)")
+    add_pg_setting_argument(parser)
     args = parser.parse_args()
     if args.runs < 1 or args.changes < 1000:
         parser.error("--runs must be >= 1 and --changes >= 1000")

@@ -229,6 +229,21 @@ def batch_breakdown(log_text: str) -> dict[str, float]:
     return totals
 
 
+def add_pg_setting_argument(parser: argparse.ArgumentParser) -> None:
+    """``--pg-setting NAME=VALUE`` (repeatable): a server setting of the benchmark's embedded cluster,
+    over its defaults (``EmbeddedPostgres``), to measure how the figures depend on the server's tuning."""
+    parser.add_argument("--pg-setting", action="append", default=[], metavar="NAME=VALUE", type=_pg_setting,
+                        help="a setting of the embedded cluster, e.g. shared_buffers=4GB (repeatable)")
+
+
+def _pg_setting(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    # pg_ctl hands the settings to a shell: names and values stay within these characters
+    if not sep or not re.fullmatch(r"[a-z_][a-z0-9_.]*", name) or not re.fullmatch(r"[A-Za-z0-9_.:/+-]+", value):
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE (letters, digits, _ . : / + -), got {text!r}")
+    return name, value
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--changes", type=int, default=300_000)
@@ -236,10 +251,11 @@ def main() -> int:
     parser.add_argument("--seconds", type=int, default=20)
     parser.add_argument("--runs", type=int, default=3, help="repetitions of (b); the median is reported")
     parser.add_argument("--warmup", type=int, default=100_000, help="changes streamed before measuring (JIT warm-up)")
+    add_pg_setting_argument(parser)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="sequin-bench-"))
-    results: dict[str, object] = {"changes": args.changes, "runs": args.runs}
-    with EmbeddedPostgres(use_env_dsn=False) as pg:
+    results: dict[str, object] = {"changes": args.changes, "runs": args.runs, "pg_settings": dict(args.pg_setting)}
+    with EmbeddedPostgres(use_env_dsn=False, settings=dict(args.pg_setting)) as pg:
         dsn, store_dsn = pg.create_database("bench"), pg.create_database("bench_store")
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(TABLE)

@@ -370,10 +370,10 @@ class RangeReader:
             read_sink = sink if sink is not None and reads_render_in_store(sink, shape.schema, shape.name) else None
             # its reads are rendered here from the page's plain COPY text by the compiled decoder;
             # otherwise by the source's SQL where it can, else by the decoder in Python
-            record = None if read_sink is not None and decoder.compiled else record_sql(rel, shape.type_kinds)
+            in_task = read_sink is not None and decoder.compiled
+            record = None if in_task else record_sql(rel, shape.type_kinds)
             log.info("backfill %d range %d: rows of %s.%s rendered by %s", self.backfill_id, self.range_idx,
-                     shape.schema, shape.name,
-                     "this task's compiled decoder" if read_sink is not None and decoder.compiled
+                     shape.schema, shape.name, "this task's compiled decoder" if in_task
                      else "the source's SQL" if record is not None else "the decoder (Python)")
             order = ((backfill.sort_column,) if backfill.sort_column else ()) + shape.primary_key
             query = PageQuery(shape, order, rng.lower_key, rng.upper_key, backfill.sort_column, backfill.start_position)
@@ -390,7 +390,7 @@ class RangeReader:
                     raise BackfillStopped(f"backfill {self.backfill_id} is {state}")
                 if not read_all:
                     page = self._stage(source, store_conn, shape, rel, decoder, query, positions, optimizer, cursor,
-                                       record, read_sink)
+                                       record, read_sink, in_task)
                     if page is None:  # timed out: the same page again, smaller
                         continue
                     read_all = page.rows < page.size
@@ -430,12 +430,14 @@ class RangeReader:
     def _stage(self, source: psycopg.Connection[Any], store_conn: psycopg.Connection[Any], shape: TableShape,
                rel: Relation, decoder: PgOutputDecoder, query: PageQuery, positions: list[int],
                optimizer: PageSizeOptimizer, cursor: list[str] | None,
-               record: sql.Composable | None = None, read_sink: SinkConfig | None = None) -> StagedPage | None:
+               record: sql.Composable | None = None, read_sink: SinkConfig | None = None,
+               in_task: bool = False) -> StagedPage | None:
         """One page into the window protocol, up to its high watermark: the page staged (with 0 rows
-        at the end of the range), or None to read it again (it timed out). With ``record``
+        at the end of the range), or None to read it again (it timed out). With ``read_sink`` the
+        page's reads are written for that sink now, hidden until the window closes: ``in_task``,
+        rendered here from the page's plain COPY text (``rendered_reads``). Otherwise, with ``record``
         (``backfill_sql.record_sql``) the source renders the rows and they are staged as bytes;
-        without it the decoder renders them in Python. With ``read_sink`` the page's reads are
-        written for that sink now, hidden until the window closes."""
+        without it the decoder renders them in Python."""
         size = optimizer.size
         page_id = store.open_backfill_page(store_conn, self.schema, self.backfill_id, self.range_idx)
         mark = Watermark(self.backfill_id, page_id, self.range_idx, shape.schema, shape.name, shape.primary_key)
@@ -450,7 +452,7 @@ class RangeReader:
             wait_for_snapshot_horizon(source)
             started = time.monotonic()
             try:
-                if reads is not None and decoder.compiled:
+                if in_task:
                     data = copy_out(source, query.sql(cursor, size), optimizer.max_query_ms)
                 elif record is not None:
                     data = copy_out(source, query.staging_sql(cursor, size, page_id, record) if reads is None
@@ -469,11 +471,11 @@ class RangeReader:
                 return None
             optimizer.observe(size, (time.monotonic() - started) * 1000.0)
             staged = True
-            if reads is not None and decoder.compiled:
+            if in_task and reads is not None:  # reads: set whenever in_task
                 rows, cursor_after = page_end(data, positions)
                 if rows:
                     rendered, chunks = rendered_reads(decoder, rel, data, reads, page_id)
-                    if rendered != rows:
+                    if rendered != rows:  # both count the page's lines; a mismatch would misstate progress
                         raise BackfillError(f"page {page_id}: {rendered} rows rendered of {rows} read")
                     staged = store.stage_page_reads_copy(store_conn, self.schema, page_id, chunks, rows, cursor_after,
                                                          reads.commit_lsn, binary=True)

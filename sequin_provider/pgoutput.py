@@ -64,7 +64,7 @@ def pg_timestamp_to_iso(micros: int) -> str:
 # Value converters: Postgres text output -> JSON text
 
 
-_json_string = json.JSONEncoder(ensure_ascii=False).encode
+_json_string = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # a string, or a list of them (record_pks)
 
 
 def as_string(text: str) -> str:
@@ -429,12 +429,8 @@ def render_copy(data: bytes, kinds: bytes, prefixes: list[str], converters: list
             raise DecodeError(f"a COPY line of {len(values)} fields for a table of {len(columns)} columns")
         record, _ = render_record(values, kinds, prefixes, converters, columns, None, None)  # type: ignore[arg-type]
         records.append(record.encode("utf-8"))
-        pks.append(_json_string_list(pk_texts(values, pk_positions)).encode("utf-8"))  # type: ignore[arg-type]
+        pks.append(_json_string(pk_texts(values, pk_positions)).encode("utf-8"))  # type: ignore[arg-type]
     return (b"".join(records), _offsets(records), b"".join(pks), _offsets(pks), len(lines))
-
-
-def _json_string_list(texts: list[str]) -> str:
-    return "[" + ",".join(_json_string(t) for t in texts) + "]"
 
 
 def _offsets(parts: list[bytes]) -> bytes:
