@@ -73,6 +73,7 @@ class LatencyServer(BaseHTTPRequestHandler):
 
     log_path = ""
     count = 0
+    protocol_version = "HTTP/1.1"  # keep-alive, as real endpoints: HTTP/1.0 made every request a new connection
 
     def log_message(self, *args: Any) -> None:
         pass

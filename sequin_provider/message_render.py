@@ -99,6 +99,21 @@ class RenderedRows:
         return len(self.commit_lsn)
 
 
+def group_ids(batch: pa.RecordBatch, sink: SinkRendering, position: pa.Array | None = None,
+              pks: pa.Array | None = None) -> pa.Array:
+    """The default group id of each change row (``delivery.default_group_sql``): its table and
+    primary key, or its position ("lsn:idx") when the sink does not group. ``position`` and
+    ``pks`` (the JSON arrays of ``record_pks``) are reused when the caller has them."""
+    if not sink.grouped:
+        if position is None:
+            position = pc.binary_join_element_wise(pc.cast(batch.column("commit_lsn"), pa.string()),
+                                                   pc.cast(batch.column("commit_idx"), pa.string()), ":")
+        return position
+    if pks is None:
+        pks = json_string_arrays(batch.column("record_pks"))
+    return pc.binary_join_element_wise(batch.column("table_schema"), ".", batch.column("table_name"), ":", pks, "")
+
+
 def render(batch: pa.RecordBatch, sink: SinkRendering, group: pa.Array | None = None) -> RenderedRows:
     """The stream rows of the change rows in ``batch`` (``messages.CHANGE_COLUMNS``, with
     ``record``/``changes`` JSON texts). ``group``: group ids computed elsewhere (custom group
@@ -119,7 +134,7 @@ def render(batch: pa.RecordBatch, sink: SinkRendering, group: pa.Array | None = 
         key, key_json = pa.array(keys, pa.string()), pa.array(keys_json, pa.string())
     schema_, table = batch.column("table_schema"), batch.column("table_name")
     if group is None:
-        group = (pc.binary_join_element_wise(schema_, ".", table, ":", pks, "") if sink.grouped else position)
+        group = group_ids(batch, sink, position, pks)
     record = batch.column("record")
     if sink.kind == "record_only":
         data = record

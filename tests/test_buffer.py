@@ -88,3 +88,20 @@ def test_two_retries_of_one_sink_do_not_run_at_once(dsn: str) -> None:
         holder.execute("SELECT pg_advisory_lock(hashtext('sequin-retry:' || 'sequin' || ':' || 'hook'))")
         report = buffer.retry_sink(config, sink, lambda m, d: None)  # type: ignore[arg-type]
     assert report.skipped and report.delivered == 0
+
+
+def test_parked_groups_names_exactly_the_asked_groups_with_parked_messages(dsn: str) -> None:
+    """Both ways of answering (the sink's few parked groups read and matched here; more parked
+    groups than asked about, matched by the store) give the same answer; discarded messages and
+    other sinks' do not block a group."""
+    _park(dsn, [(1, "a", 1), (2, "b", 0), (3, "c", 1), (4, "d", 1)])
+    with psycopg.connect(dsn) as conn:
+        assert buffer.set_state(conn, "sequin", "hook", "discarded", group="d") == 1
+        buffer.park(conn, "sequin", [ParkRow("other", 9, 0, "e", "9:0", "{}", None, 1, "boom")])
+        conn.commit()
+        many_asked = buffer.parked_groups(conn, "sequin", "hook", ["a", "b", "x", "y", "z", "d", "e"])
+        few_asked = buffer.parked_groups(conn, "sequin", "hook", ["b", "x"])  # 3 parked groups > 2 asked
+        assert (many_asked, few_asked) == ({"a", "b"}, {"b"})
+        assert buffer.parked_groups(conn, "sequin", "hook", ["c", "c"]) == {"c"}
+        assert buffer.parked_groups(conn, "sequin", "hook", []) == set()
+        assert buffer.parked_groups(conn, "sequin", "nobody", ["a"]) == set()

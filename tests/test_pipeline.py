@@ -101,3 +101,54 @@ def test_a_worker_keeps_its_writers_across_tasks(tmp_path: Path) -> None:
         write(iter([])), push(iter([]))  # generators: the writers are made, nothing is written yet
         seen.append((id(pipeline._WRITERS[(config_path, "app")]), id(pipeline._PUSHERS[(config_path, "app", "hook")])))
     assert len(set(seen)) == 1
+
+
+def test_the_push_shares_of_a_spooled_batch_send_each_group_once_in_order_from_its_first_slice(
+        dsn: str, tmp_path: Path) -> None:
+    """With ``payload=spool`` every task reads the batch's whole spool file and sends the groups
+    whose first message lies in its own slice: the shares of all slices send every message once,
+    a group entirely by one task (even when it continues into the next slice), in position order.
+    Real store (the parked-groups check) and a real HTTP endpoint."""
+    import psycopg
+
+    from sequin_provider import store
+    from sequin_provider.spark.pipeline import PushWriter
+    from sequin_provider.spark.source import write_spool
+    from tests.receiver import Receiver
+
+    with psycopg.connect(dsn) as conn:
+        store.migrate(conn, "sequin")
+        conn.commit()
+    receiver = Receiver().start()
+    try:
+        config_path = str(write_config(tmp_path / "sequin.yaml", f"""
+            databases: [{{name: app, dsn: "{dsn}"}}]
+            sinks:
+              - {{name: hook, tables: [public.t], destination: {{type: webhook, url: "{receiver.url}", batch_size: 3,
+                  concurrency: 4}}}}
+        """))
+        def key(n: int) -> int:  # keys 0-3 start in the first slice and go on in the second; 4-6 start there
+            return n % 4 if n < 12 or n % 2 == 0 else 4 + n % 3
+
+        theirs = {n for n in range(30) if n % 5 == 4}  # another table's changes: not this sink's
+        changes = [(1000 + n, 0, "2026-11-25T08:00:00Z", 7, *(("other", "t2") if n in theirs else ("public", "t")),
+                    "insert", f'{{"id":{key(n)},"n":{n}}}', None, [str(key(n))], [], None, None) for n in range(30)]
+        path = str(tmp_path / "batch.arrow")
+        write_spool(path, rows_to_arrow(changes))
+        writer = PushWriter(config_path, "app", "hook")
+        shares = []
+        for offset, count in ((0, 12), (12, 18)):
+            before = len(receiver.messages())
+            delivered, parked = writer.write_share([(path, offset, count)])
+            shares.append(receiver.messages()[before:])
+            assert (delivered, parked) == (len(shares[-1]), 0)
+    finally:
+        receiver.stop()
+    sent = [m for share in shares for m in share]
+    assert sorted(m["record"]["n"] for m in sent) == [n for n in range(30) if n not in theirs]  # each once
+    assert {m["record"]["id"] for m in shares[1]} == {4, 5, 6}
+    for k in range(7):
+        ns = [n for n in range(30) if key(n) == k and n not in theirs]
+        owner = 0 if ns[0] < 12 else 1
+        assert [m["record"]["n"] for m in shares[owner] if m["record"]["id"] == k] == ns  # whole group, in order
+        assert not [m for m in shares[1 - owner] if m["record"]["id"] == k]

@@ -21,7 +21,9 @@ import psycopg
 from sequin_provider import buffer
 from sequin_provider.buffer import DeliveryError, backoff_seconds
 from sequin_provider.delivery import Outgoing, push_in_group_order
+from sequin_provider.config import load_config
 from sequin_provider.replication import confirmed_flush_lsn
+from sequin_provider.spark.pipeline import payload_mode
 from tests.conftest import execute, sink_messages, wait_for, write_config
 from tests.receiver import Receiver
 
@@ -34,7 +36,7 @@ databases:
     heartbeat_interval: 1s
 sinks:
   - name: hooks
-    tables: [kv]
+    tables: [kv]{hooks_filter}
     destination: {{type: webhook, url: "{url}", batch: {batch}, batch_size: 5, timeout: {timeout}, secret: s3cret,
                    headers: {{X-Team: data}}}}
   - name: transformed
@@ -44,6 +46,11 @@ sinks:
 stream:
   checkpoint_location: {ckpt}
 """
+
+FULL_PAYLOAD_FILTER = "\n    filter: \"record['k'] IS NOT NULL\""
+"""Keeps every change of ``kv``, and being Spark SQL, makes the batches ``payload=full``: the push
+sink is then sent by its own job, the batch repartitioned by group (the poison-pill test covers
+the spooled path, where the stream tasks send their shares)."""
 
 
 def key(m: dict[str, Any]) -> str:
@@ -107,7 +114,8 @@ def test_poison_pill_is_parked_with_its_group_while_the_rest_flow_and_retry_deli
     receiver = Receiver(secret="s3cret").start()
     receiver.policy = lambda ms: (400 if any(m["record"]["k"] == 13 and m["record"]["v"] == 1 for m in ms) else 200, 0)
     config = write_config(tmp_path / "sequin.yaml", CONFIG.format(dsn=dsn, db=dbname, url=receiver.url, batch="false",
-                                                                 timeout="5s", ckpt=tmp_path / "ckpt"))
+                                                                 timeout="5s", ckpt=tmp_path / "ckpt", hooks_filter=""))
+    assert payload_mode(load_config(config).sinks) == "spool"  # the stream tasks send the push shares
     app = stream_app(config)
     app.wait_streaming(dsn)
     try:
@@ -173,13 +181,14 @@ def test_flaky_slow_and_down_endpoint_loses_nothing_and_keeps_group_order(
 
     receiver.policy = flaky
     config = write_config(tmp_path / "sequin.yaml", CONFIG.format(dsn=dsn, db=dbname, url=receiver.url, batch="true",
-                                                                 timeout="1s", ckpt=tmp_path / "ckpt"))
+                                                                 timeout="1s", ckpt=tmp_path / "ckpt",
+                                                                 hooks_filter=FULL_PAYLOAD_FILTER))
+    assert payload_mode(load_config(config).sinks) == "full"
     app = stream_app(config)
     app.wait_streaming(dsn)
     stop = threading.Event()
 
     def retry_loop() -> None:
-        from sequin_provider.config import load_config
         from sequin_provider.sinks.retry import retry_sinks
 
         loaded = load_config(config)

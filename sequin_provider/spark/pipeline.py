@@ -5,10 +5,12 @@ ids where they need the record's values or a repartition), and each partition's 
 sinks' messages (``message_render``, vectorized over Arrow batches) and writes them to the store
 in one COPY from the executor (``mapInArrow``), so partitions render and write in parallel and
 nothing is collected on the driver. No Python runs per message except a sink's own
-``module:function`` transform. Push (webhook) sinks get one more job each: the batch
-repartitioned by group and sorted by position, each task sending its groups in order and parking
-what fails (DESIGN §9). The batch completes, and the slot may advance, only after every partition
-has written, delivered or parked.
+``module:function`` transform. Push (webhook) sinks are sent a group at a time, each group in
+position order by one task, and what fails is parked (DESIGN §9): with ``payload=spool`` the
+same tasks do it, each reading the batch's whole spool file and sending the groups that first
+appear in its own slice (``PushWriter.write_share``); otherwise each push sink gets one more job,
+the batch repartitioned by group and sorted by position. The batch completes, and the slot may
+advance, only after every partition has written, delivered or parked.
 """
 
 from __future__ import annotations
@@ -44,13 +46,14 @@ from sequin_provider.message_render import (
     RenderedRows,
     SinkRendering,
     copy_binary_tuple,
+    group_ids,
     render,
     selection,
     stream_rows_copy_binary,
 )
 from sequin_provider.messages import CHANGE_FIELD_NAMES, CHANGE_SCHEMA_DDL
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
-from sequin_provider.spark.source import SPOOL_SLICE_DDL, spool_slice_rows
+from sequin_provider.spark.source import SPOOL_SLICE_DDL, spool_slice_rows, spool_table
 from sequin_provider.sinks.webhook import WebhookClient
 
 log = logging.getLogger(__name__)
@@ -62,19 +65,18 @@ RENDER_COLUMNS = tuple(c for c in CHANGE_FIELD_NAMES if c not in ("xid", "backfi
 
 
 def group_in_jvm(sink: SinkConfig) -> bool:
-    """Whether a sink's group ids are computed by Spark: custom group columns need the record's
-    values, and a push sink's batch is repartitioned by group. Otherwise the executor renders them."""
+    """Whether a ``payload=full`` batch carries a sink's group ids computed by Spark: custom group
+    columns need the record's values, and a push sink's batch is repartitioned by group.
+    Otherwise the executor renders them."""
     return sink.destination.type != "sequin_stream" or (sink.message_grouping and any(t.group_column_names for t in sink.tables))
 
 
 def payload_mode(sinks: tuple[SinkConfig, ...]) -> str:
     """The source's ``payload`` for these sinks: ``spool`` (Spark carries one row per slice of the
-    spool file; the executors' writers take the change rows from there and select them,
-    ``message_render.selection``) when no sink needs Spark SQL (a filter, custom group columns)
-    and no push sink repartitions the batch; otherwise ``full``."""
-    if any(s.destination.type != "sequin_stream" or needs_parsed_record(s) for s in sinks):
-        return "full"
-    return "spool"
+    spool file; the executors' writers and pushers take the change rows from there and select
+    them, ``message_render.selection``) when no sink needs Spark SQL (a filter, custom group
+    columns); otherwise ``full``."""
+    return "full" if any(needs_parsed_record(s) for s in sinks) else "spool"
 
 
 def project_batch(df: DataFrame, sinks: tuple[SinkConfig, ...]) -> DataFrame:
@@ -83,7 +85,7 @@ def project_batch(df: DataFrame, sinks: tuple[SinkConfig, ...]) -> DataFrame:
     ``payload=spool`` batch (slices of spool files) passes as it is: the writers read and select
     its rows (``with_selections``)."""
     if "spool_rows" in df.columns:
-        if any(group_in_jvm(s) or needs_parsed_record(s) for s in sinks):
+        if any(needs_parsed_record(s) for s in sinks):
             raise ValueError("a payload=spool batch carries no record values for these sinks' SQL")
         return df
     others = [c for c in CHANGE_FIELD_NAMES if c not in JSON_COLUMNS]
@@ -119,11 +121,9 @@ def _rendered(batch: pa.RecordBatch, i: int, rendering: SinkRendering) -> Render
     return render(selected, rendering, group)
 
 
-def _outgoing(batch: pa.RecordBatch, i: int, sink: SinkConfig, rendering: SinkRendering,
-              transform: Transform | None) -> list[Outgoing]:
-    """The messages of sink ``i`` in an Arrow batch of ``project_batch`` rows, transformed; a
-    transform that raises marks its message instead of failing the batch."""
-    rows = _rendered(batch, i, rendering)
+def _outgoing(rows: RenderedRows, sink: SinkConfig, transform: Transform | None) -> list[Outgoing]:
+    """A sink's rendered messages, transformed; a transform that raises marks its message instead
+    of failing the batch."""
     out = []
     for lsn, idx, group, key, data in zip(rows.commit_lsn.to_pylist(), rows.commit_idx.to_pylist(),
                                           rows.group_id.to_pylist(), rows.idempotency_key.to_pylist(),
@@ -139,13 +139,16 @@ def _outgoing(batch: pa.RecordBatch, i: int, sink: SinkConfig, rendering: SinkRe
 
 
 class StreamWriter:
-    """Executor side: one COPY of a partition's stream rows, for every sink of a database."""
+    """Executor side: one COPY of a partition's stream rows, for every sink of a database; with
+    ``payload=spool``, also the push sinks' share of the batch that falls to this partition."""
 
     def __init__(self, config_path: str, database: str) -> None:
         config = load_config(config_path)
         db = config.database(database)
+        self.config_path, self.database = config_path, db.name
         self.schema = config.store.schema
         self.sinks = config.sinks_of(db.name)
+        self.copies = any(s.destination.type == "sequin_stream" for s in self.sinks)
         self.transforms = [load_transform(s.transform) for s in self.sinks]
         self.sink = SequinStreamSink(config.store_dsn(db.name), config.store.schema, config.stream.store_retry_timeout)
         self.buffer = SequinStreamSink(config.store_dsn(db.name), config.store.schema, config.stream.store_retry_timeout)
@@ -163,7 +166,7 @@ class StreamWriter:
                 if tuples.size:
                     yield memoryview(tuples)
                 continue
-            messages = _outgoing(batch, i, sink, rendering, transform)
+            messages = _outgoing(_rendered(batch, i, rendering), sink, transform)
             groups = {m.group_id for m in messages}
             blocked = self.buffer.retrying(lambda conn, g=groups, n=sink.name: parked_groups(conn, self.schema, n, g))
             rows = []
@@ -181,14 +184,19 @@ class StreamWriter:
                 yield b"".join(rows)
 
     def write(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        """``mapInArrow`` body: stream the partition into one COPY as its batches arrive, then
-        report (rows, written, max_lsn, store seconds)."""
+        """``mapInArrow`` body: stream the partition into one COPY as its batches arrive, then send
+        the push sinks' share of a spooled batch, and report (rows, written, max_lsn, store
+        seconds, delivered, parked)."""
         stats = {"rows": 0, "max_lsn": None}
+        slices: list[tuple[str, int, int]] = []
 
         def chunks() -> Iterator[bytes | memoryview]:
             yield COPY_BINARY_HEADER
             for batch in batches:
                 spooled = "spool_rows" in batch.schema.names  # payload=spool: slices to read and select
+                if spooled:
+                    slices.extend(zip(batch.column("spool_path").to_pylist(), batch.column("spool_offset").to_pylist(),
+                                      batch.column("spool_rows").to_pylist()))
                 for changes in spool_slice_rows(batch) if spooled else (batch,):
                     if not changes.num_rows:
                         continue
@@ -200,14 +208,23 @@ class StreamWriter:
 
         started = time.monotonic()
         self._parked = []
-        written = self.sink.write(chunks(), binary=True)
+        if self.copies:
+            written = self.sink.write(chunks(), binary=True)
+        else:  # only push sinks: read the slices for the counts, nothing to copy
+            written = sum(0 for _ in chunks())
         if self._parked:  # durable before the batch completes (the slot may then pass them)
             parked = self._parked
             self.buffer.retrying(lambda conn: park(conn, self.schema, parked))
             log.warning("%d messages parked in the buffer (a transform raised): %s", len(parked), parked[0].error)
         seconds = time.monotonic() - started
+        delivered = pushed_parked = 0
+        for sink in self.sinks if slices else ():
+            if sink.destination.type != "sequin_stream":
+                sent, held = push_writer(self.config_path, self.database, sink.name).write_share(slices)
+                delivered, pushed_parked = delivered + sent, pushed_parked + held
         yield pa.RecordBatch.from_pydict({"rows": [stats["rows"]], "written": [written], "max_lsn": [stats["max_lsn"]],
-                                          "store_seconds": [seconds]}, schema=WRITE_RESULT_SCHEMA)
+                                          "store_seconds": [seconds], "delivered": [delivered],
+                                          "parked": [pushed_parked]}, schema=WRITE_RESULT_SCHEMA)
 
 
 class PushWriter:
@@ -225,34 +242,69 @@ class PushWriter:
         self.store = SequinStreamSink(config.store_dsn(database), config.store.schema, config.stream.store_retry_timeout)
 
     def write(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        """``mapInArrow`` body: deliver or park every message, then report (rows, delivered, parked, max_lsn)."""
+        """``mapInArrow`` body over a ``payload=full`` partition (repartitioned by group, sorted by
+        position): deliver or park every message, then report (rows, delivered, parked, max_lsn)."""
         started = time.monotonic()
         messages: list[Outgoing] = []
         for batch in batches:
             if batch.num_rows:
-                messages.extend(_outgoing(batch, self.index, self.sink_config, self.rendering, self.transform))
-        delivered = parked_count = 0
+                messages.extend(_outgoing(_rendered(batch, self.index, self.rendering), self.sink_config,
+                                          self.transform))
         top = max((m.commit_lsn for m in messages), default=None)
-        if messages:
-            name = self.sink_config.name
-            groups = {m.group_id for m in messages}
-            blocked = self.store.retrying(lambda conn: parked_groups(conn, self.schema, name, groups))
-            result = push_in_group_order(name, messages, self.client.send, self.client.batch_size, self.lanes, blocked)
-            if result.parked:
-                self.store.retrying(lambda conn: park(conn, self.schema, result.parked))
-                log.warning("sink %s: %d messages parked in the buffer, first error: %s", name, len(result.parked),
-                            result.parked[0].error)
-            delivered, parked_count = result.delivered, len(result.parked)
-        yield pa.RecordBatch.from_pydict({"rows": [len(messages)], "written": [delivered], "max_lsn": [top],
-                                          "store_seconds": [time.monotonic() - started], "parked": [parked_count]},
-                                         schema=PUSH_RESULT_SCHEMA)
+        delivered, parked = self._deliver(messages)
+        yield pa.RecordBatch.from_pydict({"rows": [len(messages)], "written": [0], "max_lsn": [top],
+                                          "store_seconds": [time.monotonic() - started], "delivered": [delivered],
+                                          "parked": [parked]}, schema=WRITE_RESULT_SCHEMA)
+
+    def write_share(self, slices: list[tuple[str, int, int]]) -> tuple[int, int]:
+        """Deliver or park this partition's share of a spooled batch: the sink's messages of every
+        group whose first message of the batch lies in one of ``slices`` (spool path, offset,
+        rows). Every partition reads the batch's whole spool file, so a group is sent by exactly
+        one of them, in position order; returns (delivered, parked)."""
+        messages: list[Outgoing] = []
+        for path in sorted({p for p, _, _ in slices}):  # one file per batch (source.spool_path)
+            whole = spool_table(path).combine_chunks()
+            if not whole.num_rows:
+                continue
+            changes = whole.to_batches()[0]
+            taken = selection(changes, self.rendering)
+            selected = changes.filter(taken)
+            if not selected.num_rows:
+                continue
+            groups = group_ids(selected, self.rendering)
+            distinct = pc.unique(groups)
+            # the row (of the file) where each message's group first appears
+            first = pc.take(pc.take(pc.indices_nonzero(taken), pc.index_in(distinct, value_set=groups)),
+                            pc.index_in(groups, value_set=distinct))
+            mine = None
+            for _, offset, rows in (s for s in slices if s[0] == path):
+                inside = pc.and_(pc.greater_equal(first, offset), pc.less(first, offset + rows))
+                mine = inside if mine is None else pc.or_(mine, inside)
+            ours = render(selected.filter(mine), self.rendering, groups.filter(mine))
+            messages.extend(_outgoing(ours, self.sink_config, self.transform))
+        return self._deliver(messages)
+
+    def _deliver(self, messages: list[Outgoing]) -> tuple[int, int]:
+        """Send ``messages`` (position order) in order per group, behind the groups already parked,
+        and park what fails; returns (delivered, parked)."""
+        if not messages:
+            return 0, 0
+        name = self.sink_config.name
+        groups = {m.group_id for m in messages}
+        blocked = self.store.retrying(lambda conn: parked_groups(conn, self.schema, name, groups))
+        result = push_in_group_order(name, messages, self.client.send, self.client.batch_size, self.lanes, blocked)
+        if result.parked:
+            self.store.retrying(lambda conn: park(conn, self.schema, result.parked))
+            log.warning("sink %s: %d messages parked in the buffer, first error: %s", name, len(result.parked),
+                        result.parked[0].error)
+        return result.delivered, len(result.parked)
 
 
 WRITE_RESULT_SCHEMA = pa.schema([("rows", pa.int64()), ("written", pa.int64()), ("max_lsn", pa.int64()),
-                                 ("store_seconds", pa.float64())])
-WRITE_RESULT_DDL = "rows bigint, written bigint, max_lsn bigint, store_seconds double"
-PUSH_RESULT_SCHEMA = WRITE_RESULT_SCHEMA.append(pa.field("parked", pa.int64()))
-PUSH_RESULT_DDL = WRITE_RESULT_DDL + ", parked bigint"
+                                 ("store_seconds", pa.float64()), ("delivered", pa.int64()), ("parked", pa.int64())])
+WRITE_RESULT_DDL = "rows bigint, written bigint, max_lsn bigint, store_seconds double, delivered bigint, parked bigint"
+"""A task's report: change rows read, stream rows copied, the highest position read, its seconds,
+and push messages delivered and parked."""
 _WRITERS: dict[tuple[str, str], StreamWriter] = {}
 _PUSHERS: dict[tuple[str, str, str], PushWriter] = {}
 
@@ -329,21 +381,25 @@ class Pipeline:
         """``foreachBatch`` entry point."""
         started = time.monotonic()
         projected = project_batch(df, self.sinks)
-        if self.push_sinks:
+        # a spooled batch is one job: its tasks also send the push sinks' shares (StreamWriter.write)
+        push_jobs = self.push_sinks if self.payload == "full" else []
+        if push_jobs:
             projected = projected.persist()  # rendered once, read by the stream job and each push job
         try:
             results = projected.mapInArrow(self._write, WRITE_RESULT_DDL).toArrow()
-            pushed = [self._push_sink(projected, i, sink) for i, sink in self.push_sinks]
+            pushed = [self._push_sink(projected, i, sink) for i, sink in push_jobs]
         finally:
-            if self.push_sinks:
+            if push_jobs:
                 projected.unpersist()
         rows_in = pc.sum(results.column("rows")).as_py() or 0
         written = pc.sum(results.column("written")).as_py() or 0
         end_lsn = pc.max(results.column("max_lsn")).as_py()
         store_seconds = pc.sum(results.column("store_seconds")).as_py() or 0.0
-        for name, delivered, parked in pushed:
-            if delivered or parked:
-                log.info("batch %d: sink %s delivered %d, parked %d", batch_id, name, delivered, parked)
+        delivered = sum(pc.sum(r.column("delivered")).as_py() or 0 for r in [results, *pushed])
+        parked = sum(pc.sum(r.column("parked")).as_py() or 0 for r in [results, *pushed])
+        if delivered or parked:
+            log.info("batch %d: push sinks %s delivered %d, parked %d", batch_id,
+                     ", ".join(s.name for _, s in self.push_sinks), delivered, parked)
         if end_lsn is not None:  # every partition has committed (or delivered, or parked): the batch is done
             self._visibility.make_visible(self.stream_sinks, end_lsn)
             # and backfill pages whose reads it carried are emitted (Spark commits the source's
@@ -357,15 +413,15 @@ class Pipeline:
                      " streamed while rendering)",
                      batch_id, rows_in, written, elapsed, store_seconds, results.num_rows)
 
-    def _push_sink(self, projected: DataFrame, i: int, sink: SinkConfig) -> tuple[str, int, int]:
-        """Deliver a push sink's messages of the batch: partitioned by group, in position order
-        within each partition, so a group is sent in order by one task. Returns (sink, delivered, parked)."""
+    def _push_sink(self, projected: DataFrame, i: int, sink: SinkConfig) -> pa.Table:
+        """Deliver a push sink's messages of a ``payload=full`` batch: partitioned by group, in
+        position order within each partition, so a group is sent in order by one task. Returns
+        the tasks' reports."""
         columns = [F.col(c) for c in RENDER_COLUMNS] + [F.col(f"_select_{i}"), F.col(f"_group_{i}")]
         partitions = max(2, int(projected.sparkSession.sparkContext.defaultParallelism))
-        out = (projected.where(F.col(f"_select_{i}")).select(*columns)
-               .repartition(partitions, F.col(f"_group_{i}")).sortWithinPartitions("commit_lsn", "commit_idx")
-               .mapInArrow(self._push[sink.name], PUSH_RESULT_DDL).toArrow())
-        return sink.name, int(pc.sum(out.column("written")).as_py() or 0), int(pc.sum(out.column("parked")).as_py() or 0)
+        return (projected.where(F.col(f"_select_{i}")).select(*columns)
+                .repartition(partitions, F.col(f"_group_{i}")).sortWithinPartitions("commit_lsn", "commit_idx")
+                .mapInArrow(self._push[sink.name], WRITE_RESULT_DDL).toArrow())
 
     def _record_status(self, batch_id: int, rows: int, elapsed: float, end_lsn: int | None) -> None:
         """Best effort: the status row is for operators; the data path does not depend on it."""
