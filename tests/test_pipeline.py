@@ -133,11 +133,15 @@ def test_the_push_shares_of_a_spooled_batch_send_each_group_once_in_order_from_i
         theirs = {n for n in range(30) if n % 5 == 4}  # another table's changes: not this sink's
         changes = [(1000 + n, 0, "2026-11-25T08:00:00Z", 7, *(("other", "t2") if n in theirs else ("public", "t")),
                     "insert", f'{{"id":{key(n)},"n":{n}}}', None, [str(key(n))], [], None, None) for n in range(30)]
+        # a backfill's read of key 1 comes last in the file, at its window's position (1001, 1): before n=5
+        changes.append((1001, 1, "2026-11-25T08:00:00Z", 0, "public", "t", "read", '{"id":1,"n":30}', None, ["1"],
+                        [], 3, "hook"))
+        position = {c[7]: (c[0], c[1]) for c in changes}
         path = str(tmp_path / "batch.arrow")
         write_spool(path, rows_to_arrow(changes))
         writer = PushWriter(config_path, "app", "hook")
         shares = []
-        for offset, count in ((0, 12), (12, 18)):
+        for offset, count in ((0, 12), (12, 19)):
             before = len(receiver.messages())
             delivered, parked = writer.write_share([(path, offset, count)])
             shares.append(receiver.messages()[before:])
@@ -145,10 +149,11 @@ def test_the_push_shares_of_a_spooled_batch_send_each_group_once_in_order_from_i
     finally:
         receiver.stop()
     sent = [m for share in shares for m in share]
-    assert sorted(m["record"]["n"] for m in sent) == [n for n in range(30) if n not in theirs]  # each once
+    assert sorted(m["record"]["n"] for m in sent) == [n for n in range(31) if n not in theirs]  # each once
     assert {m["record"]["id"] for m in shares[1]} == {4, 5, 6}
     for k in range(7):
-        ns = [n for n in range(30) if key(n) == k and n not in theirs]
+        ns = sorted((n for n in range(31) if (key(n) if n < 30 else 1) == k and n not in theirs),
+                    key=lambda n: position[f'{{"id":{k},"n":{n}}}'])
         owner = 0 if ns[0] < 12 else 1
         assert [m["record"]["n"] for m in shares[owner] if m["record"]["id"] == k] == ns  # whole group, in order
         assert not [m for m in shares[1 - owner] if m["record"]["id"] == k]

@@ -258,9 +258,9 @@ class PushWriter:
 
     def write_share(self, slices: list[tuple[str, int, int]]) -> tuple[int, int]:
         """Deliver or park this partition's share of a spooled batch: the sink's messages of every
-        group whose first message of the batch lies in one of ``slices`` (spool path, offset,
-        rows). Every partition reads the batch's whole spool file, so a group is sent by exactly
-        one of them, in position order; returns (delivered, parked)."""
+        group whose first message of the batch (in position order) lies in one of ``slices``
+        (spool path, offset, rows). Every partition reads the batch's whole spool file, so a group
+        is sent by exactly one of them, in position order; returns (delivered, parked)."""
         messages: list[Outgoing] = []
         for path in sorted({p for p, _, _ in slices}):  # one file per batch (source.spool_path)
             whole = spool_table(path).combine_chunks()
@@ -268,13 +268,16 @@ class PushWriter:
                 continue
             changes = whole.to_batches()[0]
             taken = selection(changes, self.rendering)
-            selected = changes.filter(taken)
-            if not selected.num_rows:
+            if not pc.any(taken).as_py():
                 continue
+            # in position order: a backfill's reads come at the end of the file, at their window's position
+            order = pc.sort_indices(changes.filter(taken), [("commit_lsn", "ascending"), ("commit_idx", "ascending")])
+            selected = changes.filter(taken).take(order)
+            rows = pc.take(pc.indices_nonzero(taken), order)  # each message's row in the file
             groups = group_ids(selected, self.rendering)
             distinct = pc.unique(groups)
-            # the row (of the file) where each message's group first appears
-            first = pc.take(pc.take(pc.indices_nonzero(taken), pc.index_in(distinct, value_set=groups)),
+            # the row (of the file) of each message's group's first message
+            first = pc.take(pc.take(rows, pc.index_in(distinct, value_set=groups)),
                             pc.index_in(groups, value_set=distinct))
             mine = None
             for _, offset, rows in (s for s in slices if s[0] == path):
