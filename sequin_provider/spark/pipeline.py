@@ -203,15 +203,18 @@ class StreamWriter:
                     stats["rows"] += changes.num_rows
                     top = pc.max(changes.column("commit_lsn")).as_py()
                     stats["max_lsn"] = top if stats["max_lsn"] is None else max(stats["max_lsn"], top)
-                    yield from self.payload(with_selections(changes, self.renderings) if spooled else changes)
+                    if self.copies:  # push sinks of a spooled batch are sent after the COPY (write_share)
+                        yield from self.payload(with_selections(changes, self.renderings) if spooled else changes)
             yield COPY_BINARY_TRAILER
 
         started = time.monotonic()
         self._parked = []
         if self.copies:
             written = self.sink.write(chunks(), binary=True)
-        else:  # only push sinks: read the slices for the counts, nothing to copy
-            written = sum(0 for _ in chunks())
+        else:  # only push sinks: the slices are read for the counts, nothing is copied
+            written = 0
+            for _ in chunks():
+                pass
         if self._parked:  # durable before the batch completes (the slot may then pass them)
             parked = self._parked
             self.buffer.retrying(lambda conn: park(conn, self.schema, parked))
@@ -271,17 +274,18 @@ class PushWriter:
             if not pc.any(taken).as_py():
                 continue
             # in position order: a backfill's reads come at the end of the file, at their window's position
-            order = pc.sort_indices(changes.filter(taken), [("commit_lsn", "ascending"), ("commit_idx", "ascending")])
-            selected = changes.filter(taken).take(order)
-            rows = pc.take(pc.indices_nonzero(taken), order)  # each message's row in the file
+            selected = changes.filter(taken)
+            order = pc.sort_indices(selected, [("commit_lsn", "ascending"), ("commit_idx", "ascending")])
+            selected = selected.take(order)
+            file_rows = pc.take(pc.indices_nonzero(taken), order)  # each message's row in the file
             groups = group_ids(selected, self.rendering)
             distinct = pc.unique(groups)
             # the row (of the file) of each message's group's first message
-            first = pc.take(pc.take(rows, pc.index_in(distinct, value_set=groups)),
+            first = pc.take(pc.take(file_rows, pc.index_in(distinct, value_set=groups)),
                             pc.index_in(groups, value_set=distinct))
             mine = None
-            for _, offset, rows in (s for s in slices if s[0] == path):
-                inside = pc.and_(pc.greater_equal(first, offset), pc.less(first, offset + rows))
+            for _, offset, count in (s for s in slices if s[0] == path):
+                inside = pc.and_(pc.greater_equal(first, offset), pc.less(first, offset + count))
                 mine = inside if mine is None else pc.or_(mine, inside)
             ours = render(selected.filter(mine), self.rendering, groups.filter(mine))
             messages.extend(_outgoing(ours, self.sink_config, self.transform))
