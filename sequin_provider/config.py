@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import yaml
 
@@ -337,12 +337,15 @@ def _parse_destination(r: _Reader, value: Any, path: str) -> DestinationConfig:
         item = r.mapping(value, path, {"type", "url", "headers", "batch", "batch_size", "timeout", "secret",
                                        "concurrency"}, {"url"})
         url = r.string(item["url"], f"{path}.url")
-        if not re.match(r"^https?://[^/\s]+", url):
+        if not re.match(r"^https?://[^/\s]+", url) or re.search(r"[\s\x00-\x1f\x7f]", url) or not _url_port_ok(url):
             raise r.fail(f"{path}.url", f"expected an http:// or https:// URL, got {url!r}")
         headers = item.get("headers") or {}
         if not isinstance(headers, dict) or not all(isinstance(k, str) and isinstance(v, (str, int)) for k, v in
                                                     headers.items()):
             raise r.fail(f"{path}.headers", "expected a mapping of header names to string values")
+        for name, header in headers.items():
+            if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", name) or re.search(r"[\r\n\x00]", str(header)):
+                raise r.fail(f"{path}.headers", f"not a valid HTTP header: {name!r}: {str(header)!r}")
         secret = item.get("secret")
         return DestinationConfig(type=kind, options={
             "url": url,
@@ -354,6 +357,15 @@ def _parse_destination(r: _Reader, value: Any, path: str) -> DestinationConfig:
             "concurrency": r.integer(item.get("concurrency", 8), f"{path}.concurrency", 1, 64),
         })
     raise r.fail(f"{path}.type", f"unknown destination type {kind!r} (sequin_stream | webhook)")
+
+
+def _url_port_ok(url: str) -> bool:
+    """Whether the URL has a host and, if it names a port, a valid one."""
+    try:
+        parts = urlsplit(url)
+        return bool(parts.hostname) and (parts.port is None or parts.port > 0)
+    except ValueError:
+        return False
 
 
 def _parse_sink(r: _Reader, value: Any, path: str, databases: set[str]) -> SinkConfig:

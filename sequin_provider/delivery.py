@@ -14,10 +14,9 @@ from __future__ import annotations
 import importlib
 import json
 import threading
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 from sequin_provider.buffer import FOLLOWER_ERROR, DeliveryError, ParkRow, backoff_seconds
 from sequin_provider.config import SinkConfig
@@ -124,17 +123,34 @@ def apply_transform(sink: SinkConfig, transform: Transform, message: str) -> str
 # Push delivery: in order per group, parallel across groups, failures parked
 
 
-@dataclass(frozen=True)
+@dataclass
 class Outgoing:
-    """A message for a push sink: rendered ``data``, or ``transform_error`` with its ``source``."""
+    """A push sink's messages in position order, column-wise (one list per field, no object per
+    message: the stream tasks send every change of a webhook sink). ``data[i]`` is the rendered
+    message, or None when its transform failed: ``failed[i]`` then holds (source, error)."""
 
-    commit_lsn: int
-    commit_idx: int
-    group_id: str
-    idempotency_key: str
-    data: str | None
-    source: str | None = None
-    transform_error: str | None = None
+    commit_lsn: list[int] = field(default_factory=list)
+    commit_idx: list[int] = field(default_factory=list)
+    group_id: list[str] = field(default_factory=list)
+    idempotency_key: list[str] = field(default_factory=list)
+    data: list[str | None] = field(default_factory=list)
+    failed: dict[int, tuple[str, str]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.commit_lsn)
+
+    def extend(self, other: Outgoing) -> None:
+        """Append ``other``'s messages (which come after these in position order)."""
+        offset = len(self)
+        for column in ("commit_lsn", "commit_idx", "group_id", "idempotency_key", "data"):
+            getattr(self, column).extend(getattr(other, column))
+        self.failed.update({offset + i: failure for i, failure in other.failed.items()})
+
+    def park_row(self, sink: str, i: int, attempts: int, error: str) -> ParkRow:
+        """Message ``i`` as a row of the buffer."""
+        source = self.failed[i][0] if i in self.failed else None
+        return ParkRow(sink, self.commit_lsn[i], self.commit_idx[i], self.group_id[i], self.idempotency_key[i],
+                       self.data[i], source, attempts, error, backoff_seconds(attempts) if attempts else 0.0)
 
 
 @dataclass
@@ -145,7 +161,7 @@ class PushResult:
     parked: list[ParkRow] = field(default_factory=list)
 
 
-def push_in_group_order(sink: str, messages: Sequence[Outgoing], send: Callable[[list[str]], None], batch_size: int,
+def push_in_group_order(sink: str, messages: Outgoing, send: Callable[[list[str]], None], batch_size: int,
                         lanes: int, parked_groups: set[str]) -> PushResult:
     """Deliver ``messages`` (in position order) through ``send``, in order within each group.
 
@@ -157,45 +173,50 @@ def push_in_group_order(sink: str, messages: Sequence[Outgoing], send: Callable[
     """
     result = PushResult()
     lock = threading.Lock()
-    by_lane: dict[int, list[Outgoing]] = {}
-    for m in messages:
-        by_lane.setdefault(zlib.crc32(m.group_id.encode()) % max(lanes, 1), []).append(m)
+    groups, data, failed = messages.group_id, messages.data, messages.failed
+    count = max(lanes, 1)
+    lane_of: dict[str, int] = {}
+    by_lane: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        lane = lane_of.get(g)
+        if lane is None:
+            lane = lane_of[g] = len(lane_of) % count  # groups dealt round-robin in order of first message
+        by_lane.setdefault(lane, []).append(i)
 
-    def park(batch: Iterable[Outgoing], error: str, attempts: int) -> None:
-        rows = [ParkRow(sink, m.commit_lsn, m.commit_idx, m.group_id, m.idempotency_key, m.data, m.source, attempts,
-                        error, backoff_seconds(attempts) if attempts else 0.0) for m in batch]
+    def park(batch: Iterable[int], error: str, attempts: int) -> None:
+        rows = [messages.park_row(sink, i, attempts, error) for i in batch]
         with lock:
             result.parked.extend(rows)
 
-    def run_lane(lane: list[Outgoing]) -> None:
+    def run_lane(lane: list[int]) -> None:
         blocked = set(parked_groups)
-        pending: list[Outgoing] = []
+        pending: list[int] = []
 
         def flush() -> None:
             if not pending:
                 return
             try:
-                send([m.data for m in pending if m.data is not None])
+                send([data[i] for i in pending])  # type: ignore[misc]  # pending holds rendered messages only
             except DeliveryError as exc:
                 park(pending, str(exc), 1)
-                blocked.update(m.group_id for m in pending)
+                blocked.update(groups[i] for i in pending)
             else:
                 with lock:
                     result.delivered += len(pending)
             pending.clear()
 
-        for m in lane:
-            if m.group_id in blocked:
-                park([m], FOLLOWER_ERROR, 0)
-            elif m.transform_error is not None:
+        for i in lane:
+            if blocked and groups[i] in blocked:
+                park([i], FOLLOWER_ERROR, 0)
+            elif failed and i in failed:
                 flush()  # earlier messages of this group may be pending: send them first
-                if m.group_id in blocked:
-                    park([m], FOLLOWER_ERROR, 0)
+                if groups[i] in blocked:
+                    park([i], FOLLOWER_ERROR, 0)
                 else:
-                    park([m], m.transform_error, 1)
-                    blocked.add(m.group_id)
+                    park([i], failed[i][1], 1)
+                    blocked.add(groups[i])
             else:
-                pending.append(m)
+                pending.append(i)
                 if len(pending) >= batch_size:
                     flush()
         flush()

@@ -84,8 +84,10 @@ def test_push_keeps_group_order_and_parks_a_failed_group_behind_its_first_failur
         with lock:
             sent.append(batch)
 
-    msgs = [Outgoing(i, 0, f"g{i % 3}", f"k{i}", json.dumps("bad" if i == 4 else f"m{i}")) for i in range(12)]
-    msgs.insert(7, Outgoing(6, 1, "g0", "k6b", None, '"src"', "transform failed"))
+    rows: list[tuple[int, int, str, str, str | None]] = [
+        (i, 0, f"g{i % 3}", f"k{i}", json.dumps("bad" if i == 4 else f"m{i}")) for i in range(12)]
+    rows.insert(7, (6, 1, "g0", "k6b", None))
+    msgs = Outgoing(*(list(column) for column in zip(*rows)), failed={7: ('"src"', "transform failed")})  # type: ignore[arg-type]
     result = push_in_group_order("s", msgs, send, batch_size=1, lanes=4, parked_groups={"g2"})
     delivered = [m for batch in sent for m in batch]
     # g1: m1 ok, m4 refused -> m7, m10 parked behind it; g0: m0, m3, m6 ok, then the failed transform parks m9

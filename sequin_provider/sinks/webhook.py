@@ -3,20 +3,34 @@
 The body is ``{"data": [msg, ...]}`` when batching (the default) or the message itself; only a
 2xx answer is success. With a ``secret`` each request carries ``X-Sequin-Signature:
 sha256=<hex HMAC-SHA256 of the body>`` so the receiver can check it came from us.
+
+The client is the standard library's ``http.client`` over a pool of kept-alive connections: the
+stream tasks send every change of a webhook sink through it, and ``httpx`` spent four times its
+CPU per request (README: *Performance*). It honours ``HTTP(S)_PROXY``/``NO_PROXY`` and
+``SSL_CERT_FILE`` as ``httpx`` did, and follows no redirects.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
+import http.client
+import os
+import queue
+import socket
+import ssl
+import urllib.parse
+import urllib.request
 from typing import Any
-
-import httpx
 
 from sequin_provider.buffer import DeliveryError
 from sequin_provider.config import SinkConfig
 
 SIGNATURE_HEADER = "X-Sequin-Signature"
+
+_STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
+"""What a request on a kept-alive connection meets when the server closed it while idle."""
 
 
 def signature(secret: str, body: bytes) -> str:
@@ -24,8 +38,30 @@ def signature(secret: str, body: bytes) -> str:
     return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
 
 
+def _basic_auth(parts: urllib.parse.SplitResult) -> str:
+    """The basic-auth header value of a URL's user and password."""
+    credentials = f"{urllib.parse.unquote(parts.username or '')}:{urllib.parse.unquote(parts.password or '')}"
+    return "Basic " + base64.b64encode(credentials.encode()).decode()
+
+
+def _tls_context() -> ssl.SSLContext:
+    """Certificates verified against ``SSL_CERT_FILE`` if set, else certifi's bundle (httpx's default)."""
+    cafile = os.environ.get("SSL_CERT_FILE")
+    if not cafile:
+        try:
+            import certifi
+
+            cafile = certifi.where()
+        except ImportError:  # the system's store
+            cafile = None
+    return ssl.create_default_context(cafile=cafile)
+
+
 class WebhookClient:
-    """Posts rendered messages of one webhook sink; keeps its connections alive between requests."""
+    """Posts rendered messages of one webhook sink; keeps its connections alive between requests.
+
+    Thread-safe: each request takes an idle connection from the pool (or opens one) and gives it
+    back when the answer was read in full."""
 
     def __init__(self, sink: SinkConfig) -> None:
         options: dict[str, Any] = sink.destination.options
@@ -34,10 +70,47 @@ class WebhookClient:
         self.batch: bool = options.get("batch", True)
         self.batch_size: int = options.get("batch_size", 10) if self.batch else 1
         self.secret: str | None = options.get("secret")
-        self.headers = {"Content-Type": "application/json", "User-Agent": "sequin-provider",
-                        **options.get("headers", {})}
-        self.client = httpx.Client(timeout=options.get("timeout", 30.0), follow_redirects=False,
-                                   limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+        self.timeout = float(options.get("timeout", 30.0))
+        parts = urllib.parse.urlsplit(self.url)  # checked by config: http(s), a host, a valid port
+        self.tls = parts.scheme == "https"
+        self.host: str = parts.hostname or ""
+        self.port = parts.port or (443 if self.tls else 80)
+        self.target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
+        self.headers = {"Host": parts.netloc.rpartition("@")[2], "Content-Type": "application/json",
+                        "User-Agent": "sequin-provider", **options.get("headers", {})}
+        if parts.username is not None:  # credentials in the URL: basic auth, as httpx did
+            self.headers.setdefault("Authorization", _basic_auth(parts))
+        self.proxy, self._proxy_auth, self._proxy_error = self._proxy(parts.scheme)
+        if self.proxy is not None and not self.tls:  # a plain request through the proxy names the whole URL
+            self.target = urllib.parse.urlunsplit((parts.scheme, self.headers["Host"], parts.path or "/",
+                                                   parts.query, ""))
+            self.headers.update(self._proxy_auth)
+        self._context = _tls_context() if self.tls else None
+        self._idle: queue.SimpleQueue[http.client.HTTPConnection] = queue.SimpleQueue()
+
+    def _proxy(self, scheme: str) -> tuple[urllib.parse.SplitResult | None, dict[str, str], str | None]:
+        """The proxy the environment names for this URL (``HTTP_PROXY``, ``HTTPS_PROXY``, ``NO_PROXY``),
+        its credentials as a header, and why it cannot be used (reported by ``send``, which parks)."""
+        proxy = urllib.request.getproxies().get(scheme)
+        if not proxy or urllib.request.proxy_bypass(self.host):
+            return None, {}, None
+        parts = urllib.parse.urlsplit(proxy if "://" in proxy else "http://" + proxy)
+        if parts.scheme != "http" or not parts.hostname:
+            return None, {}, f"webhook {self.sink}: unsupported {scheme} proxy {proxy!r} (an http:// proxy is supported)"
+        auth = {"Proxy-Authorization": _basic_auth(parts)} if parts.username is not None else {}
+        return parts, auth, None
+
+    def _connect(self) -> http.client.HTTPConnection:
+        if self.proxy is None:
+            if self.tls:
+                return http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout, context=self._context)
+            return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        address = (self.proxy.hostname, self.proxy.port or 80)
+        if not self.tls:
+            return http.client.HTTPConnection(*address, timeout=self.timeout)
+        conn = http.client.HTTPSConnection(*address, timeout=self.timeout, context=self._context)
+        conn.set_tunnel(self.host, self.port, headers=self._proxy_auth)  # the credentials go to the proxy only
+        return conn
 
     def body(self, messages: list[str]) -> bytes:
         """The request body of ``messages`` (one message unless batching)."""
@@ -49,20 +122,58 @@ class WebhookClient:
 
     def send(self, messages: list[str]) -> None:
         """POST ``messages`` (in order) as one request; raises DeliveryError unless answered 2xx."""
+        if self._proxy_error:
+            raise DeliveryError(self._proxy_error)
         body = self.body(messages)
-        headers = dict(self.headers)
+        headers = self.headers
         if self.secret:
-            headers[SIGNATURE_HEADER] = signature(self.secret, body)
+            headers = {**headers, SIGNATURE_HEADER: signature(self.secret, body)}
         try:
-            response = self.client.post(self.url, content=body, headers=headers)
-        except httpx.TimeoutException as exc:
-            raise DeliveryError(f"webhook {self.sink}: timed out after {self.client.timeout.read}s ({type(exc).__name__})"
-                                ) from None
-        except httpx.HTTPError as exc:
+            status, text = self._post(body, headers)
+        except (socket.timeout, TimeoutError):
+            raise DeliveryError(f"webhook {self.sink}: timed out after {self.timeout:g}s") from None
+        except ssl.SSLError as exc:
+            raise DeliveryError(f"webhook {self.sink}: TLS: {exc}") from None
+        except (OSError, http.client.HTTPException) as exc:
             raise DeliveryError(f"webhook {self.sink}: {type(exc).__name__}: {exc}") from None
-        if not 200 <= response.status_code < 300:
-            raise DeliveryError(f"webhook {self.sink}: HTTP {response.status_code}: {response.text[:300]}")
+        if not 200 <= status < 300:
+            raise DeliveryError(f"webhook {self.sink}: HTTP {status}: {text}")
+
+    def _post(self, body: bytes, headers: dict[str, str]) -> tuple[int, str]:
+        """One request and its answer (status, the start of its body) on a pooled connection; a
+        kept-alive connection found closed by the server is replaced once."""
+        for fresh in (False, True):
+            conn = None
+            if not fresh:
+                try:
+                    conn = self._idle.get_nowait()
+                except queue.Empty:
+                    fresh = True
+            if conn is None:
+                conn = self._connect()
+            try:
+                conn.request("POST", self.target, body=body, headers=headers)
+                response = conn.getresponse()
+                text = response.read()
+            except _STALE:
+                conn.close()
+                if fresh:
+                    raise
+                continue  # most likely the server closed it while idle: sent again (at least once)
+            except BaseException:
+                conn.close()
+                raise
+            if response.will_close:
+                conn.close()
+            else:
+                self._idle.put(conn)
+            return response.status, text[:300].decode("utf-8", "replace")
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
-        """Close the connection pool."""
-        self.client.close()
+        """Close the idle connections."""
+        while True:
+            try:
+                self._idle.get_nowait().close()
+            except queue.Empty:
+                return

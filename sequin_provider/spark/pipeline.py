@@ -28,7 +28,7 @@ from pyspark.sql import functions as F
 
 from sequin_provider import store
 from sequin_provider.config import ConfigError, SequinConfig, SinkConfig, load_config
-from sequin_provider.buffer import FOLLOWER_ERROR, ParkRow, backoff_seconds, park, parked_groups
+from sequin_provider.buffer import FOLLOWER_ERROR, ParkRow, park, parked_groups
 from sequin_provider.delivery import (
     Outgoing,
     Transform,
@@ -121,20 +121,18 @@ def _rendered(batch: pa.RecordBatch, i: int, rendering: SinkRendering) -> Render
     return render(selected, rendering, group)
 
 
-def _outgoing(rows: RenderedRows, sink: SinkConfig, transform: Transform | None) -> list[Outgoing]:
+def _outgoing(rows: RenderedRows, sink: SinkConfig, transform: Transform | None) -> Outgoing:
     """A sink's rendered messages, transformed; a transform that raises marks its message instead
     of failing the batch."""
-    out = []
-    for lsn, idx, group, key, data in zip(rows.commit_lsn.to_pylist(), rows.commit_idx.to_pylist(),
-                                          rows.group_id.to_pylist(), rows.idempotency_key.to_pylist(),
-                                          rows.data.to_pylist()):
-        if transform is None:
-            out.append(Outgoing(lsn, idx, group, key, data))
-            continue
-        try:
-            out.append(Outgoing(lsn, idx, group, key, apply_transform(sink, transform, data)))
-        except TransformError as exc:
-            out.append(Outgoing(lsn, idx, group, key, None, data, str(exc)))
+    out = Outgoing(rows.commit_lsn.to_pylist(), rows.commit_idx.to_pylist(), rows.group_id.to_pylist(),
+                   rows.idempotency_key.to_pylist(), rows.data.to_pylist())
+    if transform is not None:
+        for i, data in enumerate(out.data):
+            try:
+                out.data[i] = apply_transform(sink, transform, data)  # type: ignore[arg-type]
+            except TransformError as exc:
+                out.data[i] = None
+                out.failed[i] = (data, str(exc))  # type: ignore[assignment]
     return out
 
 
@@ -167,19 +165,18 @@ class StreamWriter:
                     yield memoryview(tuples)
                 continue
             messages = _outgoing(_rendered(batch, i, rendering), sink, transform)
-            groups = {m.group_id for m in messages}
+            groups = set(messages.group_id)
             blocked = self.buffer.retrying(lambda conn, g=groups, n=sink.name: parked_groups(conn, self.schema, n, g))
             rows = []
-            for m in messages:
-                if m.group_id in blocked or m.transform_error is not None:
-                    error = FOLLOWER_ERROR if m.group_id in blocked else str(m.transform_error)
-                    self._parked.append(ParkRow(sink.name, m.commit_lsn, m.commit_idx, m.group_id, m.idempotency_key,
-                                                m.data, m.source, 0 if m.group_id in blocked else 1, error,
-                                                0.0 if m.group_id in blocked else backoff_seconds(1)))
-                    blocked.add(m.group_id)
+            for j, group in enumerate(messages.group_id):
+                if group in blocked:
+                    self._parked.append(messages.park_row(sink.name, j, 0, FOLLOWER_ERROR))
+                elif j in messages.failed:
+                    self._parked.append(messages.park_row(sink.name, j, 1, messages.failed[j][1]))
+                    blocked.add(group)
                 else:
-                    rows.append(copy_binary_tuple((sink.name, m.commit_lsn, m.commit_idx, m.group_id,
-                                                   m.idempotency_key, m.data)))
+                    rows.append(copy_binary_tuple((sink.name, messages.commit_lsn[j], messages.commit_idx[j], group,
+                                                   messages.idempotency_key[j], messages.data[j])))
             if rows:
                 yield b"".join(rows)
 
@@ -248,12 +245,12 @@ class PushWriter:
         """``mapInArrow`` body over a ``payload=full`` partition (repartitioned by group, sorted by
         position): deliver or park every message, then report (rows, delivered, parked, max_lsn)."""
         started = time.monotonic()
-        messages: list[Outgoing] = []
+        messages = Outgoing()
         for batch in batches:
             if batch.num_rows:
                 messages.extend(_outgoing(_rendered(batch, self.index, self.rendering), self.sink_config,
                                           self.transform))
-        top = max((m.commit_lsn for m in messages), default=None)
+        top = max(messages.commit_lsn, default=None)
         delivered, parked = self._deliver(messages)
         yield pa.RecordBatch.from_pydict({"rows": [len(messages)], "written": [0], "max_lsn": [top],
                                           "store_seconds": [time.monotonic() - started], "delivered": [delivered],
@@ -264,7 +261,7 @@ class PushWriter:
         group whose first message of the batch (in position order) lies in one of ``slices``
         (spool path, offset, rows). Every partition reads the batch's whole spool file, so a group
         is sent by exactly one of them, in position order; returns (delivered, parked)."""
-        messages: list[Outgoing] = []
+        messages = Outgoing()
         for path in sorted({p for p, _, _ in slices}):  # one file per batch (source.spool_path)
             whole = spool_table(path).combine_chunks()
             if not whole.num_rows:
@@ -291,13 +288,13 @@ class PushWriter:
             messages.extend(_outgoing(ours, self.sink_config, self.transform))
         return self._deliver(messages)
 
-    def _deliver(self, messages: list[Outgoing]) -> tuple[int, int]:
+    def _deliver(self, messages: Outgoing) -> tuple[int, int]:
         """Send ``messages`` (position order) in order per group, behind the groups already parked,
         and park what fails; returns (delivered, parked)."""
         if not messages:
             return 0, 0
         name = self.sink_config.name
-        groups = {m.group_id for m in messages}
+        groups = set(messages.group_id)
         blocked = self.store.retrying(lambda conn: parked_groups(conn, self.schema, name, groups))
         result = push_in_group_order(name, messages, self.client.send, self.client.batch_size, self.lanes, blocked)
         if result.parked:
