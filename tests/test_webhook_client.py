@@ -29,6 +29,7 @@ class Recorder:
         self.requests: list[dict[str, Any]] = []
         self.connections: set[tuple[str, int]] = set()
         self.drop_every, self.status, self.stall = drop_every, status, stall
+        self.answer_bytes = 1000
         recorder = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -43,7 +44,7 @@ class Recorder:
                                           "headers": dict(self.headers)})
                 recorder.connections.add(self.client_address)
                 time.sleep(recorder.stall)
-                answer = b"nope: " + b"x" * 1000 if recorder.status >= 300 else b""
+                answer = b"nope: " + b"x" * recorder.answer_bytes if recorder.status >= 300 else b""
                 try:
                     self.send_response(recorder.status)
                     self.send_header("Content-Length", str(len(answer)))
@@ -124,6 +125,12 @@ def test_refusals_timeouts_and_unreachable_endpoints_are_delivery_errors() -> No
         with pytest.raises(DeliveryError, match=r"webhook hooks: HTTP 503: nope: x+$") as refused:
             client(f"http://127.0.0.1:{refusing.port}/hook").send(["1"])
         assert len(str(refused.value)) < 400  # the answer's body is cut short
+        refusing.answer_bytes = 10_000_000  # a huge answer is not read whole: its connection is dropped
+        hooks = client(f"http://127.0.0.1:{refusing.port}/hook")
+        for _ in range(2):
+            with pytest.raises(DeliveryError, match=r"HTTP 503: nope: x+$"):
+                hooks.send(["1"])
+        assert len(refusing.connections) == 3  # the first client's, then one per huge answer
         started = time.monotonic()
         with pytest.raises(DeliveryError, match=r"webhook hooks: timed out after 0.5s"):
             client(f"http://127.0.0.1:{slow.port}/hook", timeout=0.5).send(["1"])

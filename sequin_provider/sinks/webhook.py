@@ -28,6 +28,9 @@ from sequin_provider.buffer import DeliveryError
 from sequin_provider.config import SinkConfig
 
 SIGNATURE_HEADER = "X-Sequin-Signature"
+ANSWER_LIMIT = 64 * 1024
+"""Bytes of an answer's body read at most (its start goes into the error of a refusal); the
+connection of a longer answer is closed rather than reused."""
 
 _STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 """What a request on a kept-alive connection meets when the server closed it while idle."""
@@ -154,7 +157,7 @@ class WebhookClient:
             try:
                 conn.request("POST", self.target, body=body, headers=headers)
                 response = conn.getresponse()
-                text = response.read()
+                text = response.read(ANSWER_LIMIT)
             except _STALE:
                 conn.close()
                 if fresh:
@@ -163,7 +166,7 @@ class WebhookClient:
             except BaseException:
                 conn.close()
                 raise
-            if response.will_close:
+            if response.will_close or not response.isclosed():  # or an answer longer than we read
                 conn.close()
             else:
                 self._idle.put(conn)
