@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import nullcontext
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -377,17 +378,19 @@ stream: {{checkpoint_location: {work / ('ckpt-' + slot)}}}
 
 def stream_section(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     results = []
-    with EmbeddedPostgres(use_env_dsn=False, settings=dict(args.pg_setting)) as pg:
+    with EmbeddedPostgres(use_env_dsn=False, settings=dict(args.pg_setting)) as pg, \
+            (EmbeddedPostgres(use_env_dsn=False, settings=dict(args.pg_setting)) if args.store_cluster == "own"
+             else nullcontext(pg)) as store_pg:
         dsn = pg.create_database("bench")
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(TABLE)
         ids = Ids()
         stream_config = work / "stream.yaml"
-        stream_config.write_text(config_text(dsn, pg.create_database("bench_store"), "stream_slot",
+        stream_config.write_text(config_text(dsn, store_pg.create_database("bench_store"), "stream_slot",
                                              "{type: sequin_stream}", work))
         hook_port = free_port()
         hook_config = work / "webhook.yaml"
-        hook_config.write_text(config_text(dsn, pg.create_database("bench_hook_store"), "hook_slot",
+        hook_config.write_text(config_text(dsn, store_pg.create_database("bench_hook_store"), "hook_slot",
                                            f'{{type: webhook, url: "http://127.0.0.1:{hook_port}/hook", batch_size: 100,'
                                            f' concurrency: 8}}', work))
         initialize(load_config(stream_config))  # the publication, used by every contender
@@ -473,7 +476,8 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
     debezium = next(r for r in results["stream"] if r["name"].startswith("Debezium"))
     lines = [f"Workload: {args.changes:,} changes per run (inserts then updates, 500-row transactions) on one table;"
              f" latency at {args.rate:,} changes/s for {args.seconds}s. Median of {args.runs} runs (min–max)."
-             + ("".join(f" Server setting `{k}={v}`." for k, v in args.pg_setting)), "",
+             + ("".join(f" Server setting `{k}={v}`." for k, v in args.pg_setting))
+             + (" The store in a cluster of its own." if args.store_cluster == "own" else ""), "",
              "| pipeline | changes/s | vs Debezium | latency p50 | latency p99 |", "|---|---:|---:|---:|---:|"]
     for name, r in stream.items():
         ratio = r["throughput"]["median"] / debezium["throughput"]["median"]
@@ -503,6 +507,9 @@ def main() -> int:
     parser.add_argument("--api-seconds", type=float, default=5.0)
     parser.add_argument("--only", choices=["stream", "backfill", "api"], action="append",
                         help="run only these sections (repeatable)")
+    parser.add_argument("--store-cluster", choices=["same", "own"], default="same",
+                        help="the stream section's store: a database of the source's cluster (default), or a"
+                             " cluster of its own, whose WAL the source's walsender then does not read")
     add_pg_setting_argument(parser)
     args = parser.parse_args()
     if args.runs < 1 or args.changes < 1000:
