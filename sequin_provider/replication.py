@@ -60,6 +60,10 @@ class SourceUnavailableError(ReplicationError):
 
 
 SHUTDOWN_PROBE_INTERVAL = 2.0
+MESSAGES_PER_CHECK = 256
+"""Messages the reading thread takes in a row before it looks again for a stop, an acknowledgement
+to send and a full buffer (under the lock): taking the lock for every message was a quarter of the
+reader's Python time. The buffer may overshoot its bounds by this many rows."""
 """Seconds without acknowledgement progress, while holding changes not yet acknowledged, after which
 the reader checks whether the source is shutting down. A fast shutdown waits until every logical
 consumer has confirmed everything sent; we confirm only what is delivered, and with the store on
@@ -465,30 +469,31 @@ class ChangeReader:
                         cur.send_feedback(force=True)
                         last_status = now
                     continue
-                msg = cur.read_message()
-                if msg is None:
-                    select.select([conn], [], [], 0.05)
-                    continue
-                payload = msg.payload
-                event = decoder.decode(payload)
-                if type(event) is tuple:
-                    pending.append(event)
-                    pending_bytes += len(payload)
-                elif isinstance(event, Commit):
-                    txn = _Transaction(pending, event.end_lsn, pending_bytes)
-                    pending, pending_bytes = [], 0
-                    received = event.end_lsn
-                    with cond:
-                        self._ready.append(txn)
-                        self._ready_rows += len(txn.rows)
-                        self._ready_bytes += txn.bytes
-                        cond.notify_all()
-                elif isinstance(event, LogicalMessage):
-                    if event.transactional and event.prefix.startswith(MESSAGE_PREFIX) and event.prefix != HEARTBEAT_PREFIX:
-                        pending.append(decoder.message_row(event))
-                elif isinstance(event, Truncate):
-                    log.warning("TRUNCATE of %s is not delivered as messages (see README: Truncate)",
-                                ", ".join(event.relations))
+                for _ in range(MESSAGES_PER_CHECK):  # the checks above take the lock: not per message
+                    msg = cur.read_message()
+                    if msg is None:
+                        select.select([conn], [], [], 0.05)
+                        break
+                    payload = msg.payload
+                    event = decoder.decode(payload)
+                    if type(event) is tuple:
+                        pending.append(event)
+                        pending_bytes += len(payload)
+                    elif isinstance(event, Commit):
+                        txn = _Transaction(pending, event.end_lsn, pending_bytes)
+                        pending, pending_bytes = [], 0
+                        received = event.end_lsn
+                        with cond:
+                            self._ready.append(txn)
+                            self._ready_rows += len(txn.rows)
+                            self._ready_bytes += txn.bytes
+                            cond.notify_all()
+                    elif isinstance(event, LogicalMessage):
+                        if event.transactional and event.prefix.startswith(MESSAGE_PREFIX) and event.prefix != HEARTBEAT_PREFIX:
+                            pending.append(decoder.message_row(event))
+                    elif isinstance(event, Truncate):
+                        log.warning("TRUNCATE of %s is not delivered as messages (see README: Truncate)",
+                                    ", ".join(event.relations))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer by read()/acknowledge()
             with cond:
                 self._error = exc
