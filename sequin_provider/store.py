@@ -267,6 +267,14 @@ def connect_durable(dsn: str, **kwargs: Any) -> psycopg.Connection[Any]:
     return conn
 
 
+def durable_commit(conn: psycopg.Connection[Any]) -> None:
+    """Make the transaction in progress durable when it commits, whatever the session's and the
+    server's ``synchronous_commit``: a backfill created, cancelled or finished must not vanish in a
+    crash of the store after its caller was told so (a chaos round's immediate restart, 1 s after
+    ``create_backfill`` returned id 2, left the backfill app with "no backfill with id 2")."""
+    conn.execute("SET LOCAL synchronous_commit = on")
+
+
 def check_max_query_ms(value: object) -> int:
     """A backfill's per-page query budget: an integer from 1 to 600000 ms."""
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_QUERY_MS_LIMIT:
@@ -292,6 +300,7 @@ def create_backfill(conn: psycopg.Connection[Any], schema: str, sink: str, table
     check_max_query_ms(max_query_ms)
     try:
         with conn.transaction():
+            durable_commit(conn)
             row = conn.execute(sql.SQL(
                 "INSERT INTO {}.backfills (sink, table_schema, table_name, kind, sort_column, start_position,"
                 " max_query_ms, rows_initial, requested_by) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING id"
@@ -334,6 +343,7 @@ def transition_backfill(conn: psycopg.Connection[Any], schema: str, backfill_id:
     stamps = {"running": "started_at = now(), ", "completed": "finished_at = now(), ", "failed": "finished_at = now(), ",
               "cancelled": "finished_at = now(), "}[state]
     with conn.transaction():
+        durable_commit(conn)
         row = conn.execute(sql.SQL(
             "UPDATE {}.backfills SET state = %s, " + stamps + "error = coalesce(%s, error), updated_at = now()"
             " WHERE id = %s AND state = ANY(%s) RETURNING id").format(_ident(schema)),

@@ -84,3 +84,34 @@ def test_the_table_itself_enforces_the_budget_range(conn: psycopg.Connection) ->
         conn.execute("INSERT INTO sequin.backfills (sink, table_schema, table_name, kind, max_query_ms)"
                      " VALUES ('s', 'public', 't', 'full', 0)")
     conn.rollback()
+
+
+def test_creating_and_moving_a_backfill_commit_durably_whatever_the_session_says(dsn: str) -> None:
+    """A backfill the caller was told exists must survive a crash of the store: its commits are
+    synchronous even in a session (or on a server) with ``synchronous_commit = off``. A trigger
+    records the setting each write of the backfills table ran under."""
+    lossy = psycopg.conninfo.make_conninfo(dsn, options="-c synchronous_commit=off")
+    with psycopg.connect(lossy) as conn:
+        store.migrate(conn)
+        conn.execute("""
+            CREATE TABLE IF NOT EXISTS sequin.seen_commit_modes (id bigint, state text, mode text);
+            CREATE OR REPLACE FUNCTION sequin.seen_commit_mode() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO sequin.seen_commit_modes VALUES (NEW.id, NEW.state, current_setting('synchronous_commit'));
+                RETURN NEW;
+            END $$;
+            CREATE OR REPLACE TRIGGER seen_commit_mode AFTER INSERT OR UPDATE ON sequin.backfills
+                FOR EACH ROW EXECUTE FUNCTION sequin.seen_commit_mode();""")
+        conn.commit()
+        try:
+            b = store.create_backfill(conn, "sequin", "durable", "public", "orders")
+            store.transition_backfill(conn, "sequin", b.id, "running")
+            store.transition_backfill(conn, "sequin", b.id, "cancelled")
+            assert conn.execute("SHOW synchronous_commit").fetchone() == ("off",)  # the session's own is untouched
+            assert conn.execute("SELECT state, mode FROM sequin.seen_commit_modes WHERE id = %s ORDER BY state",
+                                (b.id,)).fetchall() == [("cancelled", "on"), ("pending", "on"), ("running", "on")]
+        finally:
+            conn.rollback()
+            conn.execute("DROP TRIGGER seen_commit_mode ON sequin.backfills")
+            conn.execute("DROP TABLE sequin.seen_commit_modes")
+            conn.commit()
