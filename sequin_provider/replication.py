@@ -60,15 +60,15 @@ class SourceUnavailableError(ReplicationError):
 
 
 SHUTDOWN_PROBE_INTERVAL = 2.0
-MESSAGES_PER_CHECK = 256
-"""Messages the reading thread takes in a row before it looks again for a stop, an acknowledgement
-to send and a full buffer (under the lock): taking the lock for every message was a quarter of the
-reader's Python time. The buffer may overshoot its bounds by this many rows."""
 """Seconds without acknowledgement progress, while holding changes not yet acknowledged, after which
 the reader checks whether the source is shutting down. A fast shutdown waits until every logical
 consumer has confirmed everything sent; we confirm only what is delivered, and with the store on
 the same server nothing can be delivered during the shutdown. So the reader lets go of the slot and
 reconnects once the server is back (the changes are read again from the slot)."""
+MESSAGES_PER_CHECK = 256
+"""Messages the reading thread takes in a row before it looks again for a stop, an acknowledgement
+to send and a full buffer (under the lock): taking the lock for every message was a quarter of the
+reader's Python time. The buffer may overshoot its bounds by this many rows."""
 
 SOURCE_RETURN_TIMEOUT = 120.0
 """Seconds ``open`` waits for an unreachable or restarting source to accept replication again."""
