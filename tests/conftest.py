@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import psutil
 import psycopg
 import pytest
 
@@ -79,6 +80,15 @@ class StreamApp(StreamAppProcess):
             super().check_alive()
         except RuntimeError as exc:
             raise AssertionError(str(exc)) from None
+
+
+def spark_jvm_arguments(app: StreamAppProcess) -> list[str]:
+    """The command line of the Spark JVM the app's driver started (local mode: it runs the executors too)."""
+    assert app.proc is not None
+    for child in psutil.Process(app.proc.pid).children(recursive=True):
+        if child.name() == "java":
+            return child.cmdline()
+    raise AssertionError("the stream app runs no JVM")
 
 
 @pytest.fixture

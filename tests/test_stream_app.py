@@ -25,7 +25,8 @@ from sequin_provider.config import load_config
 from sequin_provider.embedded_postgres import EmbeddedPostgres
 from sequin_provider.pgoutput import lsn_to_int
 from sequin_provider.replication import slot_info
-from tests.conftest import StreamApp, execute, sink_messages, wait_for, write_config
+from sequin_provider.spark.pipeline import payload_mode
+from tests.conftest import StreamApp, execute, sink_messages, spark_jvm_arguments, wait_for, write_config
 
 SCHEMA = [
     "CREATE TABLE accounts (id int PRIMARY KEY, name text NOT NULL, balance numeric(20,2))",
@@ -266,6 +267,15 @@ def test_every_batch_with_changes_has_its_spark_phases_logged(shop: tuple[str, S
 
     batches, phases = wait_for(logged, 60, what="every batch with changes to have its phases logged")
     assert batches == phases  # and no progress line for a batch without changes
+
+
+def test_a_jvm_that_evaluates_sinks_sql_keeps_the_optimising_jit_tier(shop: tuple[str, StreamApp, Path]) -> None:
+    """This app's sinks have a filter and custom group columns (``payload=full``): Spark SQL runs
+    over every change, so its JVM keeps C2 (a ``payload=spool`` app's runs C1 only, test_webhook)."""
+    _, app, config = shop
+    assert payload_mode(load_config(config).sinks) == "full"
+    arguments = spark_jvm_arguments(app)
+    assert "-XX:+UseParallelGC" in arguments and not any(a.startswith("-XX:TieredStopAtLevel") for a in arguments)
 
 
 # ---------------------------------------------------------------------------------------------

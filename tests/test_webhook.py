@@ -24,7 +24,7 @@ from sequin_provider.delivery import Outgoing, push_in_group_order
 from sequin_provider.config import load_config
 from sequin_provider.replication import confirmed_flush_lsn
 from sequin_provider.spark.pipeline import payload_mode
-from tests.conftest import execute, sink_messages, wait_for, write_config
+from tests.conftest import execute, sink_messages, spark_jvm_arguments, wait_for, write_config
 from tests.receiver import Receiver
 
 CONFIG = """
@@ -120,6 +120,7 @@ def test_poison_pill_is_parked_with_its_group_while_the_rest_flow_and_retry_deli
     assert payload_mode(load_config(config).sinks) == "spool"  # the stream tasks send the push shares
     app = stream_app(config)
     app.wait_streaming(dsn)
+    assert "-XX:TieredStopAtLevel=1" in spark_jvm_arguments(app)  # no per-change JVM code: C1 only
     try:
         total = _workload(dsn, keys=20, rounds=4)  # 80 changes; row 13's second version (v=1) is refused
         others = wait_for(lambda: (lambda ms: ms if len(ms) >= total - 3 else None)(receiver.messages()), 120,
