@@ -20,6 +20,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import psycopg
@@ -227,6 +228,18 @@ class StreamWriter:
                                           "parked": [pushed_parked]}, schema=WRITE_RESULT_SCHEMA)
 
 
+SHARE_KEY_COLUMNS = ["commit_lsn", "commit_idx", "table_schema", "table_name", "record_pks"]
+"""The change columns that give a message's position and default group (``group_ids``)."""
+
+
+def first_of_group(groups: pa.Array) -> np.ndarray:
+    """For each message (in position order), the index of its group's first message."""
+    codes = pc.dictionary_encode(groups).indices.to_numpy()
+    first = np.full(int(codes.max()) + 1 if len(codes) else 0, len(codes), dtype=np.int64)
+    np.minimum.at(first, codes, np.arange(len(codes)))
+    return first[codes]
+
+
 class PushWriter:
     """Executor side: one partition's messages of a push (webhook) sink, sent in order per group."""
 
@@ -267,24 +280,21 @@ class PushWriter:
             if not whole.num_rows:
                 continue
             changes = whole.to_batches()[0]
-            taken = selection(changes, self.rendering)
-            if not pc.any(taken).as_py():
+            file_rows = pc.indices_nonzero(selection(changes, self.rendering))  # the sink's messages' rows
+            if not len(file_rows):
                 continue
+            # Only the columns that place and group a message are gathered for the whole file; the
+            # rows to send, about 1/partitions of it, are gathered whole once, at the end.
+            keys = changes.select(SHARE_KEY_COLUMNS).take(file_rows)
             # in position order: a backfill's reads come at the end of the file, at their window's position
-            selected = changes.filter(taken)
-            order = pc.sort_indices(selected, [("commit_lsn", "ascending"), ("commit_idx", "ascending")])
-            selected = selected.take(order)
-            file_rows = pc.take(pc.indices_nonzero(taken), order)  # each message's row in the file
-            groups = group_ids(selected, self.rendering)
-            distinct = pc.unique(groups)
-            # the row (of the file) of each message's group's first message
-            first = pc.take(pc.take(file_rows, pc.index_in(distinct, value_set=groups)),
-                            pc.index_in(groups, value_set=distinct))
-            mine = None
+            order = pc.sort_indices(keys, [("commit_lsn", "ascending"), ("commit_idx", "ascending")])
+            file_rows, keys = file_rows.take(order), keys.take(order)
+            groups = group_ids(keys, self.rendering)
+            first = file_rows.to_numpy()[first_of_group(groups)]  # the file row of each group's first message
+            mine = np.zeros(len(first), dtype=bool)
             for _, offset, count in (s for s in slices if s[0] == path):
-                inside = pc.and_(pc.greater_equal(first, offset), pc.less(first, offset + count))
-                mine = inside if mine is None else pc.or_(mine, inside)
-            ours = render(selected.filter(mine), self.rendering, groups.filter(mine))
+                mine |= (first >= offset) & (first < offset + count)
+            ours = render(changes.take(file_rows.filter(mine)), self.rendering, groups.filter(mine))
             messages.extend(_outgoing(ours, self.sink_config, self.transform))
         return self._deliver(messages)
 
