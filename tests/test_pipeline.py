@@ -126,6 +126,8 @@ def test_the_push_shares_of_a_spooled_batch_send_each_group_once_in_order_from_i
             sinks:
               - {{name: hook, tables: [public.t], destination: {{type: webhook, url: "{receiver.url}", batch_size: 3,
                   concurrency: 4}}}}
+              - {{name: solo, tables: [public.t], message_grouping: false, destination: {{type: webhook,
+                  url: "{receiver.url}", batch_size: 3, concurrency: 4}}}}
         """))
         def key(n: int) -> int:  # keys 0-3 start in the first slice and go on in the second; 4-6 start there
             return n % 4 if n < 12 or n % 2 == 0 else 4 + n % 3
@@ -146,8 +148,16 @@ def test_the_push_shares_of_a_spooled_batch_send_each_group_once_in_order_from_i
             delivered, parked = writer.write_share([(path, offset, count)])
             shares.append(receiver.messages()[before:])
             assert (delivered, parked) == (len(shares[-1]), 0)
+        solo = PushWriter(config_path, "app", "solo")  # every message its own group: each task sends its slice
+        solo_shares = []
+        for offset, count in ((0, 12), (12, 19)):
+            before = len(receiver.messages())
+            mine = [n for n in range(offset, min(offset + count, 30)) if n not in theirs]  # 30: hook's backfill read
+            assert solo.write_share([(path, offset, count)]) == (len(mine), 0)
+            solo_shares.append(sorted(m["record"]["n"] for m in receiver.messages()[before:]))
     finally:
         receiver.stop()
+    assert solo_shares == [[n for n in range(12) if n not in theirs], [n for n in range(12, 30) if n not in theirs]]
     sent = [m for share in shares for m in share]
     assert sorted(m["record"]["n"] for m in sent) == [n for n in range(31) if n not in theirs]  # each once
     assert {m["record"]["id"] for m in shares[1]} == {4, 5, 6}

@@ -47,7 +47,6 @@ from sequin_provider.message_render import (
     RenderedRows,
     SinkRendering,
     copy_binary_tuple,
-    group_ids,
     render,
     selection,
     stream_rows_copy_binary,
@@ -229,12 +228,20 @@ class StreamWriter:
 
 
 SHARE_KEY_COLUMNS = ["commit_lsn", "commit_idx", "table_schema", "table_name", "record_pks"]
-"""The change columns that give a message's position and default group (``group_ids``)."""
+"""The change columns that give a message's position and its share key (``share_keys``)."""
+
+
+def share_keys(changes: pa.RecordBatch) -> pa.Array:
+    """A key per change that is equal for changes of one default group (table and primary key):
+    the tasks share out whole groups by it. Cheaper than the group ids themselves (no JSON); keys
+    that contain the separators may make two groups share a key, which only sends both from one task."""
+    pks = pc.binary_join(changes.column("record_pks"), "\x1f")
+    return pc.binary_join_element_wise(changes.column("table_schema"), changes.column("table_name"), pks, "\x1e")
 
 
 def first_of_group(groups: pa.Array) -> np.ndarray:
     """For each message (in position order), the index of its group's first message."""
-    codes = pc.dictionary_encode(groups).indices.to_numpy()
+    codes = pc.dictionary_encode(groups, null_encoding="encode").indices.to_numpy()
     first = np.full(int(codes.max()) + 1 if len(codes) else 0, len(codes), dtype=np.int64)
     np.minimum.at(first, codes, np.arange(len(codes)))
     return first[codes]
@@ -289,12 +296,12 @@ class PushWriter:
             # in position order: a backfill's reads come at the end of the file, at their window's position
             order = pc.sort_indices(keys, [("commit_lsn", "ascending"), ("commit_idx", "ascending")])
             file_rows, keys = file_rows.take(order), keys.take(order)
-            groups = group_ids(keys, self.rendering)
-            first = file_rows.to_numpy()[first_of_group(groups)]  # the file row of each group's first message
+            rows = file_rows.to_numpy()
+            first = rows[first_of_group(share_keys(keys))] if self.rendering.grouped else rows
             mine = np.zeros(len(first), dtype=bool)
             for _, offset, count in (s for s in slices if s[0] == path):
                 mine |= (first >= offset) & (first < offset + count)
-            ours = render(changes.take(file_rows.filter(mine)), self.rendering, groups.filter(mine))
+            ours = render(changes.take(file_rows.filter(mine)), self.rendering)
             messages.extend(_outgoing(ours, self.sink_config, self.transform))
         return self._deliver(messages)
 
