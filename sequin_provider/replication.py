@@ -65,6 +65,13 @@ the reader checks whether the source is shutting down. A fast shutdown waits unt
 consumer has confirmed everything sent; we confirm only what is delivered, and with the store on
 the same server nothing can be delivered during the shutdown. So the reader lets go of the slot and
 reconnects once the server is back (the changes are read again from the slot)."""
+ARRIVAL_PAUSE = 0.001
+"""Seconds the reading thread waits after the socket turned readable, so that the next read takes
+what the walsender sent meanwhile in one go. Without it the thread, faster than the walsender, woke
+for every message or few: decoding a backlog alone (a /tmp script, 300,000 changes) cost 1.5-2.3 us
+of system CPU per change in this process, 0.2-0.5 with it, user CPU 2.6 -> 2.0-2.4 us, and the
+walsender, which no longer wakes a waiting reader with each send, went 143-151k -> 153-194k
+changes/s. It adds at most a millisecond to a change's latency."""
 MESSAGES_PER_CHECK = 256
 """Messages the reading thread takes in a row before it looks again for a stop, an acknowledgement
 to send and a full buffer (under the lock): taking the lock for every message was a quarter of the
@@ -473,6 +480,7 @@ class ChangeReader:
                     msg = cur.read_message()
                     if msg is None:
                         select.select([conn], [], [], 0.05)
+                        time.sleep(ARRIVAL_PAUSE)
                         break
                     payload = msg.payload
                     event = decoder.decode(payload)
