@@ -221,8 +221,8 @@ class OurStreamSink(Contender):
     def latencies(self, mark: int, first_id: int, last_id: int) -> list[float]:
         with psycopg.connect(self.store_dsn) as conn:
             return [float(r[0]) for r in conn.execute(
-                "SELECT extract(epoch FROM inserted_at - (data->'metadata'->>'commit_timestamp')::timestamptz) * 1000"
-                " FROM sequin.stream_messages WHERE (data->'record'->>'id')::bigint BETWEEN %s AND %s",
+                "SELECT extract(epoch FROM inserted_at - (data::json->'metadata'->>'commit_timestamp')::timestamptz) * 1000"
+                " FROM sequin.stream_messages WHERE (data::json->'record'->>'id')::bigint BETWEEN %s AND %s",
                 (first_id, last_id))]
 
 

@@ -145,8 +145,8 @@ def latency_run(dsn: str, store_dsn: str, rate: int, seconds: int, first_id: int
     with psycopg.connect(store_dsn) as conn:
         row = conn.execute(
             "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), percentile_cont(0.99) WITHIN GROUP (ORDER BY ms),"
-            " max(ms) FROM (SELECT extract(epoch FROM inserted_at - (data->'metadata'->>'commit_timestamp')::timestamptz)"
-            " * 1000 AS ms FROM sequin.stream_messages WHERE (data->'record'->>'id')::bigint BETWEEN %s AND %s) t",
+            " max(ms) FROM (SELECT extract(epoch FROM inserted_at - (data::json->'metadata'->>'commit_timestamp')::timestamptz)"
+            " * 1000 AS ms FROM sequin.stream_messages WHERE (data::json->'record'->>'id')::bigint BETWEEN %s AND %s) t",
             (first_id, first_id + total - 1)).fetchone()
     return {"rate": achieved, "p50_ms": float(row[0]), "p99_ms": float(row[1]), "max_ms": float(row[2])}  # type: ignore[index]
 

@@ -149,7 +149,7 @@ class PageQuery:
         rows = sql.SQL("({}) AS r (page_id, ordinal, record_pks, record, order_key)").format(
             self._staging_select(cursor, limit, page_id, record))
         return sql.SQL("COPY ({}) TO STDOUT").format(
-            store.read_messages_sql(reads, page_id, rows, extra=sql.SQL("r.order_key"), json_typed=False))
+            store.read_messages_sql(reads, page_id, rows, extra=sql.SQL("r.order_key")))
 
     def _staging_select(self, cursor: Sequence[str] | None, limit: int, page_id: int,
                         record: sql.Composable) -> sql.Composed:

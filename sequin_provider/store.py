@@ -194,6 +194,17 @@ ALTER TABLE {schema}.backfill_pages ADD COLUMN IF NOT EXISTS read_lsn bigint;
     (10, "backfills record who requested them", """
 ALTER TABLE {schema}.backfills ADD COLUMN IF NOT EXISTS requested_by text;
 """),
+    # The cheapest message row: every change of a Sequin Stream sink is one, and its write is the
+    # largest cost of the stream and of a backfill (README: Performance). A receive finds each
+    # group's first message in the stream's head (stream_queue.receive), so no index on groups is
+    # written per message; and the data is stored as the text it is rendered to, unparsed: it is
+    # JSON by construction (the compiled renderer, held equal to its Python reference, or
+    # json.dumps of a transform's result), and the pull API splices it into its answers as it is.
+    # Changing the column's type rewrites the table once (ACCESS EXCLUSIVE while it runs).
+    (11, "stream messages without a group index, data as text", """
+DROP INDEX IF EXISTS {schema}.stream_messages_group;
+ALTER TABLE {schema}.stream_messages ALTER COLUMN data TYPE text;
+"""),
 )
 
 READS_RELEASED = """(m.backfill_page IS NULL OR EXISTS (SELECT 1 FROM {s}.backfill_pages p
@@ -615,8 +626,8 @@ def _stale_pages(conn: psycopg.Connection[Any], s: sql.Identifier, page_ids: Seq
 READ_MESSAGE_COLUMNS = ("sink", "commit_lsn", "commit_idx", "group_id", "idempotency_key", "data", "backfill_page")
 
 
-def read_messages_sql(reads: StoreReads, page_id: int, rows: sql.Composable, extra: sql.Composable | None = None,
-                      json_typed: bool = True) -> sql.Composed:
+def read_messages_sql(reads: StoreReads, page_id: int, rows: sql.Composable,
+                      extra: sql.Composable | None = None) -> sql.Composed:
     """``SELECT`` of a page's read messages as ``READ_MESSAGE_COLUMNS`` (``watermarks.read_rows``
     positions, ``messages.idempotency_key`` keys, ``delivery`` groups, the template's JSON) from
     ``rows``, a relation ``r`` of ``(ordinal from 0, record_pks text[], record JSON text)``, in
@@ -631,10 +642,10 @@ def read_messages_sql(reads: StoreReads, page_id: int, rows: sql.Composable, ext
     data = (sql.SQL("r.record") if t.record_only else sql.SQL(
         "{} || r.record || {} || {}::text || ',\"idempotency_key\":' || to_json({})::text || ',\"record_pks\":' || {} || {}"
         ).format(lit(t.before_record), lit(t.before_idx), idx, key, pks, lit(t.after_pks)))
-    return sql.SQL("SELECT {sink}, {lsn}::bigint, {idx}, {group}, {key}, ({data}){cast}, {page}::bigint{extra}"
+    return sql.SQL("SELECT {sink}, {lsn}::bigint, {idx}, {group}, {key}, {data}, {page}::bigint{extra}"
                    " FROM (SELECT r.*, to_json(r.record_pks)::text AS pks_json FROM {rows}) r ORDER BY r.ordinal").format(
         sink=lit(reads.sink), lsn=lit(reads.commit_lsn), idx=idx, group=group, key=key, data=data,
-        cast=sql.SQL("::json" if json_typed else ""), page=lit(page_id), rows=rows,
+        page=lit(page_id), rows=rows,
         extra=sql.SQL(", {}").format(extra) if extra is not None else sql.SQL(""))
 
 
@@ -834,7 +845,7 @@ def insert_stream_copy(conn: psycopg.Connection[Any], schema: str, chunks: Itera
             for chunk in seen:
                 copy.write(chunk)
         cur.execute(sql.SQL(
-            "INSERT INTO {} ({}) SELECT sink, commit_lsn, commit_idx, group_id, idempotency_key, data::json"
+            "INSERT INTO {} ({}) SELECT sink, commit_lsn, commit_idx, group_id, idempotency_key, data"
             " FROM sequin_incoming ORDER BY commit_lsn, commit_idx ON CONFLICT DO NOTHING").format(target, columns))
         return cur.rowcount
 

@@ -1,8 +1,9 @@
 """Consumer-group queries on a Sequin Stream sink's messages (DESIGN §9, reference/002).
 
 A consumer group shares one stream. ``receive`` hands out visible messages (at or below the sink's
-visibility watermark, and no backfill read whose window is still open), at most one per group and never one whose group has an earlier message
-still in the table (outstanding, or not yet acked), so a group is processed strictly in order.
+visibility watermark, and no backfill read whose window is still open), at most one per group and
+never one whose group has an earlier message still in the table (outstanding, or not yet acked), so
+a group is processed strictly in order.
 Received messages are invisible for the visibility timeout; ``ack`` deletes them, ``nack`` makes
 them visible at once; an ack id carries its message's position (``ack_id``). Concurrent receivers
 never get the same message: rows are claimed with ``FOR UPDATE SKIP LOCKED``. API tokens are stored
@@ -76,11 +77,54 @@ def _parsed(ack_ids: Sequence[str | uuid.UUID]) -> tuple[list[int], list[int], l
 
 
 RECOUNT_SECONDS = 5.0
+HEAD_GROWTH = 4
+"""How much more of the stream's head a receive reads when the part it read held too few
+deliverable messages (``receive``)."""
+
+_RECEIVE = """
+    WITH head AS (
+        SELECT m.ctid AS row_id, m.commit_lsn, m.commit_idx, m.group_id, {ready} AS ready FROM {s}.stream_messages m
+        WHERE m.sink = %(sink)s AND m.commit_lsn <= %(visible)s
+        ORDER BY m.commit_lsn, m.commit_idx LIMIT %(head)s),
+    firsts AS (
+        SELECT DISTINCT ON (group_id COLLATE "C") row_id, ready FROM head ORDER BY group_id COLLATE "C", commit_lsn, commit_idx),
+    picked AS (
+        SELECT m.commit_lsn, m.commit_idx, m.state = 'available' AS newly_pending
+        FROM {s}.stream_messages m
+        WHERE m.ctid = ANY(ARRAY(SELECT row_id FROM firsts WHERE ready)) AND {ready}
+        ORDER BY m.commit_lsn, m.commit_idx
+        LIMIT %(limit)s
+        FOR UPDATE OF m SKIP LOCKED),
+    claimed AS (
+        UPDATE {s}.stream_messages t
+           SET ack_nonce = floor(random() * %(nonces)s)::integer, state = 'delivered',
+               deliver_count = t.deliver_count + 1,
+               not_visible_until = clock_timestamp() + %(timeout)s * interval '1 second',
+               last_delivered_at = now()
+          FROM picked
+         WHERE t.sink = %(sink)s AND t.commit_lsn = picked.commit_lsn AND t.commit_idx = picked.commit_idx
+        RETURNING t.commit_lsn, t.commit_idx, t.ack_nonce, t.data::text, picked.newly_pending),
+    counted AS (
+        INSERT INTO {s}.stream_pending AS p (sink, pending)
+        SELECT %(sink)s, count(*) FROM claimed WHERE newly_pending HAVING count(*) > 0
+        ON CONFLICT (sink) DO UPDATE SET pending = p.pending + EXCLUDED.pending)
+    SELECT c.commit_lsn, c.commit_idx, c.ack_nonce, c.data, h.n, h.ready
+    FROM (SELECT (SELECT count(*) FROM head) AS n, (SELECT count(*) FROM firsts WHERE ready) AS ready) h
+    LEFT JOIN claimed c ON true"""
 
 
 def receive(conn: psycopg.Connection[Any], schema: str, sink: str, batch_size: int, visibility_timeout: float,
             max_ack_pending: int) -> list[Delivery]:
     """Claim up to ``batch_size`` deliverable messages of ``sink`` for ``visibility_timeout`` seconds.
+
+    A message is deliverable when it is its group's first in the stream table (so a group goes
+    strictly in position order), visible, and not received or its visibility timed out. Those are
+    found in the stream's head: the messages in position order from the oldest, where every
+    earlier message of a group lies before its later ones. A receive reads a head of the pending
+    messages and twice the batch, and reads ``HEAD_GROWTH`` times more while it found too few and
+    the stream holds more; the stream table needs no index on groups (a cheaper write per message).
+    Messages that concurrent receivers are claiming are skipped (``SKIP LOCKED``), so a receive
+    may return fewer than it could while others run.
 
     When ``max_ack_pending`` messages are pending (received and neither acked nor nacked, including
     those whose visibility timed out), no new messages are handed out, only redeliveries. The
@@ -89,6 +133,10 @@ def receive(conn: psycopg.Connection[Any], schema: str, sink: str, batch_size: i
     so a counter gone wrong behind our back (a manual DELETE) cannot stall the sink.
     """
     s = _ident(schema)
+    ready = sql.SQL("(m.not_visible_until IS NULL OR m.not_visible_until <= now())"
+                    " AND (NOT %(only_redeliveries)s OR m.deliver_count > 0) AND {}").format(sql.SQL(READS_RELEASED).format(s=s))
+    query = sql.SQL(_RECEIVE).format(s=s, ready=ready)
+    claimed: list[tuple[int, int, int, str]] = []
     with conn.transaction():
         row = conn.execute(sql.SQL(
             "SELECT (SELECT visible_lsn FROM {0}.stream_visibility WHERE sink = %(sink)s),"
@@ -100,37 +148,20 @@ def receive(conn: psycopg.Connection[Any], schema: str, sink: str, batch_size: i
             outstanding = _recount_pending(conn, schema, sink, outstanding)
         only_redeliveries = outstanding >= max_ack_pending
         limit = batch_size if only_redeliveries else min(batch_size, max_ack_pending - outstanding)
-        rows = conn.execute(sql.SQL("""
-            WITH picked AS (
-                SELECT m.commit_lsn, m.commit_idx, m.state = 'available' AS newly_pending FROM {s}.stream_messages m
-                WHERE m.sink = %(sink)s AND m.commit_lsn <= %(visible)s
-                  AND (m.not_visible_until IS NULL OR m.not_visible_until <= now())
-                  AND (NOT %(only_redeliveries)s OR m.deliver_count > 0)
-                  AND {released}
-                  AND NOT EXISTS (SELECT 1 FROM {s}.stream_messages e
-                                  WHERE e.sink = m.sink AND e.group_id = m.group_id
-                                    AND (e.commit_lsn, e.commit_idx) < (m.commit_lsn, m.commit_idx))
-                ORDER BY m.commit_lsn, m.commit_idx
-                LIMIT %(limit)s
-                FOR UPDATE OF m SKIP LOCKED),
-            claimed AS (
-                UPDATE {s}.stream_messages t
-                   SET ack_nonce = floor(random() * %(nonces)s)::integer, state = 'delivered',
-                       deliver_count = t.deliver_count + 1,
-                       not_visible_until = clock_timestamp() + %(timeout)s * interval '1 second',
-                       last_delivered_at = now()
-                  FROM picked
-                 WHERE t.sink = %(sink)s AND t.commit_lsn = picked.commit_lsn AND t.commit_idx = picked.commit_idx
-                RETURNING t.commit_lsn, t.commit_idx, t.ack_nonce, t.data::text, picked.newly_pending),
-            counted AS (
-                INSERT INTO {s}.stream_pending AS p (sink, pending)
-                SELECT %(sink)s, count(*) FROM claimed WHERE newly_pending HAVING count(*) > 0
-                ON CONFLICT (sink) DO UPDATE SET pending = p.pending + EXCLUDED.pending)
-            SELECT commit_lsn, commit_idx, ack_nonce, data FROM claimed""").format(
-                s=s, released=sql.SQL(READS_RELEASED).format(s=s)),
-            {"sink": sink, "visible": int(row[0]), "only_redeliveries": only_redeliveries, "limit": limit,
-             "timeout": visibility_timeout, "nonces": _NONCE_LIMIT}).fetchall()
-    return [Delivery(ack_id(lsn, idx, nonce), data) for lsn, idx, nonce, data in sorted(rows)]
+        head = outstanding + 2 * limit
+        while True:
+            rows = conn.execute(query, {
+                "sink": sink, "visible": int(row[0]), "head": head, "only_redeliveries": only_redeliveries,
+                "limit": limit - len(claimed), "timeout": visibility_timeout, "nonces": _NONCE_LIMIT}).fetchall()
+            wanted = limit - len(claimed)
+            claimed.extend(r[:4] for r in rows if r[0] is not None)
+            # Read further only when the head held too few deliverable messages and the stream
+            # holds more: not when other receivers hold some of them (they are skipped, not
+            # waited for), nor for the ones claimed (they stay in the head, now received).
+            if rows[0][5] >= wanted or rows[0][4] < head:
+                break
+            head *= HEAD_GROWTH
+    return [Delivery(ack_id(lsn, idx, nonce), data) for lsn, idx, nonce, data in sorted(claimed)]
 
 
 def _recount_pending(conn: psycopg.Connection[Any], schema: str, sink: str, counted: int) -> int:

@@ -626,7 +626,7 @@ def test_reads_the_task_writes_equal_the_pipelines_byte_for_byte(kind: str, dsn:
         rows = sql.SQL("(VALUES {}) AS r (ordinal, record_pks, record)").format(sql.SQL(", ").join(
             sql.SQL("({}, {}::text[], {})").format(n, pks, record) for n, (pks, record) in enumerate(staged)))
         data = copy_out(conn, sql.SQL("COPY ({}) TO STDOUT").format(
-            store.read_messages_sql(reads, page, rows, json_typed=False)))
+            store.read_messages_sql(reads, page, rows)))
         conn.commit()
         assert store.stage_page_reads_copy(conn, "sequin", page, (data,), len(staged), None, at[0])
         assert store.close_backfill_window(conn, "sequin", page, True, set(), at[0] + 10).in_store == len(TRICKY_KEYS)

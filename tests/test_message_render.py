@@ -12,7 +12,6 @@ from pathlib import Path
 
 import psycopg
 import pyarrow as pa
-import pytest
 
 from sequin_provider import store
 from sequin_provider.config import load_config
@@ -140,17 +139,3 @@ def test_copy_binary_rows_load_exactly_and_incomplete_rows_are_left_out(tmp_path
     assert back == expected + [("sïnk", -1, 0, "", "k", "{}")]
     assert stream_rows_copy_binary("s", RenderedRows(*(a[:0] for a in (rows.commit_lsn, rows.commit_idx, rows.group_id,
                                                                         rows.idempotency_key, rows.data)))).size == 0
-
-
-def test_malformed_json_in_a_binary_copy_fails_the_copy_and_writes_nothing(dsn: str) -> None:
-    """The store validates the message JSON: a broken one is an error for the whole COPY, never a
-    partial write (the batch is retried, and the slot does not move)."""
-    rows = RenderedRows(pa.array([1, 2], pa.int64()), pa.array([0, 0], pa.int32()), pa.array(["g", "g"]),
-                        pa.array(["1:0", "2:0"]), pa.array(['{"ok":1}', '{"broken":']))
-    with psycopg.connect(dsn) as conn:
-        store.migrate(conn, "sequin")
-        with pytest.raises(psycopg.errors.InvalidTextRepresentation):
-            store.insert_stream_copy(conn, "sequin", [COPY_BINARY_HEADER, memoryview(stream_rows_copy_binary("s", rows)),
-                                                      COPY_BINARY_TRAILER], binary=True)
-        conn.rollback()
-        assert conn.execute("SELECT count(*) FROM sequin.stream_messages").fetchone() == (0,)

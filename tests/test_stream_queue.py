@@ -105,3 +105,26 @@ def test_receiving_writes_no_index_entry(dsn: str, conn: psycopg.Connection) -> 
                                     " WHERE schemaname = 'sequin' AND relname = 'stream_messages'").fetchone()
     assert len(got) == 200
     assert updated == 200 and hot >= 180, (updated, hot)
+
+
+def test_a_receive_reads_past_a_long_head_of_waiting_messages(dsn: str, conn: psycopg.Connection) -> None:
+    """A receive first reads a short head of the stream (its pending messages and twice the batch):
+    when a group's backlog fills it, the receive reads further (``HEAD_GROWTH``) and still finds
+    the other groups' first messages, while the backlog's group waits behind its received one."""
+    backlog = [(i, 0, "a") for i in range(1, 301)]
+    put_stream_messages(dsn, SINK, backlog + [(400, 0, "b"), (401, 0, "a"), (402, 0, "c"), (403, 0, "b")])
+    assert lsns(stream_queue.receive(conn, "sequin", SINK, 1, 30, 1000)) == [1]
+    assert lsns(stream_queue.receive(conn, "sequin", SINK, 2, 30, 1000)) == [400, 402]
+    assert stream_queue.receive(conn, "sequin", SINK, 10, 30, 1000) == []  # a, b, c: each has one pending
+    # with max_ack_pending reached, redeliveries are found past the backlog too
+    conn.execute("UPDATE sequin.stream_messages SET not_visible_until = now() WHERE sink = %s", (SINK,))
+    assert lsns(stream_queue.receive(conn, "sequin", SINK, 10, 30, 3)) == [1, 400, 402]
+
+
+def test_a_message_row_writes_one_index_entry(conn: psycopg.Connection) -> None:
+    """The stream table's only index is its primary key (the position): a message row is the largest
+    cost of the stream and of a backfill, and a receive finds groups' first messages without an
+    index on groups (README: Performance). An index added here should come with its measurement."""
+    indexes = conn.execute("SELECT indexdef FROM pg_indexes WHERE schemaname = 'sequin'"
+                           " AND tablename = 'stream_messages'").fetchall()
+    assert [i[0].split(" USING ")[1] for i in indexes] == ["btree (sink, commit_lsn, commit_idx)"]
