@@ -1,9 +1,9 @@
 /*
  * Compiled hot path of the pgoutput decoder (sequin_provider/pgoutput.py).
  *
- * Four functions, each the exact counterpart of a pure-Python reference in pgoutput.py, which
- * stays the definition (tests/test_pgoutput.py holds both equal on the same payloads, hostile
- * ones included):
+ * Five functions, each the exact counterpart of a pure-Python reference in pgoutput.py (or
+ * message_render.py), which stays the definition (tests/test_pgoutput_c.py and
+ * tests/test_message_render.py hold both equal on the same inputs, hostile ones included):
  *
  *   parse_tuple(buf, pos)  ~ pgoutput.parse_tuple: TupleData -> ([str | None | TOAST marker], pos)
  *   render(values, kinds, prefixes, converters, columns, only, fill)
@@ -14,6 +14,9 @@
  *   render_copy(data, kinds, prefixes, converters, columns, pk_positions)
  *                          ~ pgoutput.render_copy: a backfill page's COPY text lines straight to the
  *                            rows' record JSON and record_pks JSON, as Arrow string buffers
+ *   copy_binary_rows(n, fields)
+ *                          ~ message_render.copy_binary_rows' Arrow path: rows of Arrow columns as
+ *                            COPY binary tuples, in one pass
  *
  * render() converts the common types here (kinds, see pgoutput.CONVERTER_KINDS) and calls the
  * Python converter for every other value. configure(toast_marker, decode_error) is called once
@@ -614,6 +617,142 @@ fail:
     return result;
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* COPY binary tuples from Arrow columns (message_render.copy_binary_rows) */
+
+enum { FIELD_CONST = 0, FIELD_INT64 = 1, FIELD_INT32 = 2, FIELD_STRING = 3 };
+
+typedef struct {
+    int kind;
+    Py_buffer a;         /* CONST: the bytes; INT64/INT32: the values; STRING: the int32 offsets */
+    Py_buffer b;         /* STRING: the data */
+    Py_ssize_t offset;   /* the array's offset into its buffers */
+} Field;
+
+static char *put_be32(char *out, uint32_t v) {
+    out[0] = (char)(v >> 24); out[1] = (char)(v >> 16); out[2] = (char)(v >> 8); out[3] = (char)v;
+    return out + 4;
+}
+
+static char *put_be64(char *out, uint64_t v) {
+    return put_be32(put_be32(out, (uint32_t)(v >> 32)), (uint32_t)v);
+}
+
+static PyObject *copy_binary_rows(PyObject *self, PyObject *args) {
+    Py_ssize_t n;
+    PyObject *specs;
+    if (!PyArg_ParseTuple(args, "nO!", &n, &PyList_Type, &specs))
+        return NULL;
+    Py_ssize_t nf = PyList_GET_SIZE(specs), ready = 0, total = 0;
+    PyObject *result = NULL;
+    Field *fields = PyMem_Calloc((size_t)(nf ? nf : 1), sizeof(Field));
+    if (fields == NULL)
+        return PyErr_NoMemory();
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "a negative row count");
+        goto done;
+    }
+    for (; ready < nf; ready++) {
+        Field *f = &fields[ready];
+        PyObject *spec = PyList_GET_ITEM(specs, ready);
+        if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) < 2) {
+            PyErr_SetString(PyExc_TypeError, "a field is a tuple (kind, buffer, ...)");
+            goto done;
+        }
+        f->kind = (int)PyLong_AsLong(PyTuple_GET_ITEM(spec, 0));
+        if (f->kind == -1 && PyErr_Occurred())
+            goto done;
+        Py_ssize_t want = f->kind == FIELD_CONST ? 2 : f->kind == FIELD_STRING ? 4 : 3;
+        if (f->kind < FIELD_CONST || f->kind > FIELD_STRING || PyTuple_GET_SIZE(spec) != want) {
+            PyErr_SetString(PyExc_ValueError, "an unknown field kind or a field of the wrong size");
+            goto done;
+        }
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(spec, 1), &f->a, PyBUF_SIMPLE) < 0)
+            goto done;
+        if (f->kind == FIELD_STRING && PyObject_GetBuffer(PyTuple_GET_ITEM(spec, 2), &f->b, PyBUF_SIMPLE) < 0) {
+            PyBuffer_Release(&f->a);
+            goto done;
+        }
+        if (f->kind != FIELD_CONST) {
+            f->offset = PyLong_AsSsize_t(PyTuple_GET_ITEM(spec, want - 1));
+            if (f->offset == -1 && PyErr_Occurred()) {
+                ready++;
+                goto done;
+            }
+        }
+        Py_ssize_t width = f->kind == FIELD_INT64 ? 8 : 4, size;
+        if (f->kind != FIELD_CONST && (f->offset < 0 || f->a.len / width < f->offset + n + (f->kind == FIELD_STRING))) {
+            PyErr_SetString(PyExc_ValueError, "a column's buffer is shorter than its rows");
+            ready++;
+            goto done;
+        }
+        if (f->kind == FIELD_STRING) {
+            const int32_t *off = (const int32_t *)f->a.buf + f->offset;
+            if (off[0] < 0 || off[n] < off[0] || off[n] > f->b.len) {
+                PyErr_SetString(PyExc_ValueError, "a string column's offsets lie outside its data");
+                ready++;
+                goto done;
+            }
+            size = 4 * n + (off[n] - off[0]);
+        } else {
+            size = (f->kind == FIELD_CONST ? f->a.len : 4 + width) * n;
+        }
+        if (size > PY_SSIZE_T_MAX - total) {
+            PyErr_NoMemory();
+            ready++;
+            goto done;
+        }
+        total += size;
+    }
+    result = PyBytes_FromStringAndSize(NULL, total);
+    if (result == NULL)
+        goto done;
+    char *out = PyBytes_AS_STRING(result), *end = out + total;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        for (Py_ssize_t j = 0; j < nf; j++) {
+            Field *f = &fields[j];
+            Py_ssize_t at = f->offset + i;
+            switch (f->kind) {
+            case FIELD_CONST:
+                memcpy(out, f->a.buf, (size_t)f->a.len);
+                out += f->a.len;
+                break;
+            case FIELD_INT64:
+                out = put_be64(put_be32(out, 8), (uint64_t)((const int64_t *)f->a.buf)[at]);
+                break;
+            case FIELD_INT32:
+                out = put_be32(put_be32(out, 4), (uint32_t)((const int32_t *)f->a.buf)[at]);
+                break;
+            default: {
+                const int32_t *off = (const int32_t *)f->a.buf;
+                int32_t start = off[at], stop = off[at + 1];
+                if (stop < start || end - out < 4 + (Py_ssize_t)(stop - start)) {
+                    /* offsets that do not grow: not what the first pass measured */
+                    PyErr_SetString(PyExc_ValueError, "a string column's offsets lie outside its data");
+                    Py_CLEAR(result);
+                    goto done;
+                }
+                out = put_be32(out, (uint32_t)(stop - start));
+                memcpy(out, (const char *)f->b.buf + start, (size_t)(stop - start));
+                out += stop - start;
+            }
+            }
+        }
+    }
+    if (out != end) {
+        PyErr_SetString(PyExc_ValueError, "a string column's offsets lie outside its data");
+        Py_CLEAR(result);
+    }
+done:
+    for (Py_ssize_t j = 0; j < ready; j++) {
+        PyBuffer_Release(&fields[j].a);
+        if (fields[j].kind == FIELD_STRING)
+            PyBuffer_Release(&fields[j].b);
+    }
+    PyMem_Free(fields);
+    return result;
+}
+
 static PyObject *configure(PyObject *self, PyObject *args) {
     PyObject *marker, *error;
     if (!PyArg_ParseTuple(args, "OO", &marker, &error))
@@ -634,6 +773,8 @@ static PyMethodDef methods[] = {
     {"render_copy", render_copy, METH_VARARGS,
      "render_copy(data, kinds, prefixes, converters, columns, pk_positions) -> (records, record_offsets, pks, "
      "pk_offsets, rows); see pgoutput.render_copy."},
+    {"copy_binary_rows", copy_binary_rows, METH_VARARGS,
+     "copy_binary_rows(n, fields) -> bytes: n COPY binary tuples; see message_render.copy_binary_rows."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 from sequin_provider.config import SinkConfig
 from sequin_provider.delivery import message_kind, selected_actions
 from sequin_provider.messages import json_text, idempotency_key, metadata_head, metadata_tail
+from sequin_provider.pgoutput import COMPILED, _pgoutput_c
 
 if TYPE_CHECKING:
     from sequin_provider.store import StoreReads
@@ -180,6 +181,41 @@ def _fixed(values: pa.Array, dtype: str, size: int) -> pa.Array:
                                                         [None, pa.py_buffer(fields.tobytes())]), pa.binary())
 
 
+def copy_binary_rows(fields: Sequence[bytes | pa.Array], compiled: bool = COMPILED) -> pa.Buffer:
+    """Rows of Arrow columns as COPY binary tuples, without header or trailer. ``fields`` in tuple
+    order: ``bytes`` are written as they are in every tuple (the field count, constant fields with
+    their lengths); an int64 or int32 array gives 8- or 4-byte fields, a string array
+    length-prefixed ones. The arrays are of one length and hold no nulls.
+
+    One pass in the compiled hot path (``_pgoutput_c.copy_binary_rows``); otherwise Arrow's
+    kernels, which are its reference (three copies of every string), or with ``compiled`` False."""
+    arrays = [f.combine_chunks() if isinstance(f, pa.ChunkedArray) else f for f in fields]
+    columns = [a for a in arrays if not isinstance(a, bytes)]
+    n = len(columns[0]) if columns else 0
+    if any(len(a) != n for a in columns) or any(a.null_count for a in columns):
+        raise ValueError("COPY binary columns must be of one length and hold no nulls")
+    if not n:
+        return pa.py_buffer(b"")
+    if compiled:
+        if _pgoutput_c is None:
+            raise RuntimeError("the compiled hot path (sequin_provider._pgoutput_c) is not built")
+        specs: list[tuple] = []
+        for a in arrays:
+            if isinstance(a, bytes):
+                specs.append((0, a))
+            elif pa.types.is_int64(a.type) or pa.types.is_int32(a.type):
+                specs.append((1 if pa.types.is_int64(a.type) else 2, a.buffers()[1], a.offset))
+            else:
+                buffers = a.buffers()
+                specs.append((3, buffers[1], buffers[2] or b"", a.offset))
+        return pa.py_buffer(_pgoutput_c.copy_binary_rows(n, specs))
+    parts = [a if isinstance(a, bytes) else _fixed(a, ">i8", 8) if pa.types.is_int64(a.type)
+             else _fixed(a, ">i4", 4) if pa.types.is_int32(a.type) else _length_prefixed(a) for a in arrays]
+    tuples = pc.binary_join_element_wise(*parts, b"")
+    joined = pc.binary_join(pa.ListArray.from_arrays(pa.array([0, len(tuples)], pa.int32()), tuples), b"")
+    return joined[0].as_buffer()
+
+
 def stream_rows_copy_binary(sink_name: str, rows: RenderedRows) -> pa.Buffer:
     """``rows`` as tuples of COPY binary (``store.STREAM_COLUMNS``), without header or trailer.
 
@@ -188,15 +224,9 @@ def stream_rows_copy_binary(sink_name: str, rows: RenderedRows) -> pa.Buffer:
     if not pc.all(complete).as_py():
         rows = RenderedRows(*(pc.filter(c, complete) for c in (rows.commit_lsn, rows.commit_idx, rows.group_id,
                                                                  rows.idempotency_key, rows.data)))
-    if not len(rows):
-        return pa.py_buffer(b"")
     name = sink_name.encode()
-    start = _FIELDS_6 + struct.pack("!i", len(name)) + name
-    tuples = pc.binary_join_element_wise(start, _fixed(rows.commit_lsn, ">i8", 8), _fixed(rows.commit_idx, ">i4", 4),
-                                         _length_prefixed(rows.group_id), _length_prefixed(rows.idempotency_key),
-                                         _length_prefixed(rows.data), b"")
-    joined = pc.binary_join(pa.ListArray.from_arrays(pa.array([0, len(tuples)], pa.int32()), tuples), b"")
-    return joined[0].as_buffer()
+    return copy_binary_rows([_FIELDS_6 + struct.pack("!i", len(name)) + name, rows.commit_lsn, rows.commit_idx,
+                             rows.group_id, rows.idempotency_key, rows.data])
 
 
 def copy_binary_tuple(row: Sequence[object]) -> bytes:
@@ -236,8 +266,4 @@ def read_rows_copy_binary(reads: StoreReads, page_id: int, records: pa.Array, re
                                            key_json, ',"record_pks":', record_pks, t.after_pks, "")
     name = reads.sink.encode()
     start = _FIELDS_7 + struct.pack("!i", len(name)) + name + struct.pack("!iq", 8, reads.commit_lsn)
-    page = struct.pack("!iq", 8, page_id)
-    tuples = pc.binary_join_element_wise(start, _fixed(idx, ">i4", 4), _length_prefixed(group), _length_prefixed(key),
-                                         _length_prefixed(data), page, b"")
-    joined = pc.binary_join(pa.ListArray.from_arrays(pa.array([0, len(tuples)], pa.int32()), tuples), b"")
-    return joined[0].as_buffer()
+    return copy_binary_rows([start, pc.cast(idx, pa.int32()), group, key, data, struct.pack("!iq", 8, page_id)])

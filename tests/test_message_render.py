@@ -12,14 +12,16 @@ from pathlib import Path
 
 import psycopg
 import pyarrow as pa
+import pytest
 
-from sequin_provider import store
+from sequin_provider import pgoutput, store
 from sequin_provider.config import load_config
 from sequin_provider.message_render import (
     COPY_BINARY_HEADER,
     COPY_BINARY_TRAILER,
     RenderedRows,
     SinkRendering,
+    copy_binary_rows,
     copy_binary_tuple,
     json_string_arrays,
     render,
@@ -139,3 +141,52 @@ def test_copy_binary_rows_load_exactly_and_incomplete_rows_are_left_out(tmp_path
     assert back == expected + [("sïnk", -1, 0, "", "k", "{}")]
     assert stream_rows_copy_binary("s", RenderedRows(*(a[:0] for a in (rows.commit_lsn, rows.commit_idx, rows.group_id,
                                                                         rows.idempotency_key, rows.data)))).size == 0
+
+
+def test_the_compiled_copy_encoder_writes_the_references_bytes() -> None:
+    """``copy_binary_rows`` in one compiled pass equals its Arrow reference byte for byte: hostile
+    and empty strings, multi-byte text, extreme integers, Arrow slices (offsets not from 0), and a
+    column whose strings are all empty (no data buffer)."""
+    assert pgoutput.COMPILED
+    n = len(HOSTILE)
+    text = pa.array([f"{k}|{j}" * (j % 3) for j, k in enumerate(HOSTILE)], pa.string())
+    columns = [b"\x00\x04", pa.array([2**63 - 1, -(2**63), 0] + list(range(n - 3)), pa.int64()),
+               pa.array([2**31 - 1, -(2**31)] + list(range(n - 2)), pa.int32()), pa.array(HOSTILE, pa.string()),
+               b"\x00\x00\x00\x01x", text, pa.array([""] * n, pa.string())]
+    for lo, hi in [(0, n), (2, 7), (n - 1, n), (3, 3)]:
+        fields = [c if isinstance(c, bytes) else c.slice(lo, hi - lo) for c in columns]
+        compiled = copy_binary_rows(fields, compiled=True).to_pybytes()
+        assert compiled == copy_binary_rows(fields, compiled=False).to_pybytes()
+        assert len(compiled) == (hi - lo) * (2 + 12 + 8 + 5 + 4) + sum(
+            4 + len(v.encode()) for c in (HOSTILE, text.to_pylist()) for v in c[lo:hi])
+    for compiled in (True, False):  # nulls or ragged columns are the caller's bug, refused alike
+        with pytest.raises(ValueError, match="no nulls"):
+            copy_binary_rows([pa.array(["a", None])], compiled=compiled)
+        with pytest.raises(ValueError, match="one length"):
+            copy_binary_rows([pa.array(["a"]), pa.array([1, 2], pa.int64())], compiled=compiled)
+
+
+def test_the_compiled_copy_encoder_refuses_buffers_that_do_not_hold_their_rows() -> None:
+    """Called with buffers that disagree with the row count (a bug in the caller), the compiled
+    encoder raises instead of reading past them."""
+    from sequin_provider import _pgoutput_c
+
+    offsets = pa.array([0, 1, 3], pa.int32()).buffers()[1]
+    ok = _pgoutput_c.copy_binary_rows(2, [(3, offsets, b"abc", 0)])
+    assert ok == b"\x00\x00\x00\x01a\x00\x00\x00\x02bc"
+    bad = [
+        (3, [(3, offsets, b"abc", 0)]),  # one row more than the offsets hold
+        (2, [(3, offsets, b"ab", 0)]),  # offsets past the data
+        (2, [(3, pa.array([0, 2, 1], pa.int32()).buffers()[1], b"abc", 0)]),  # offsets that shrink
+        (2, [(3, pa.array([-1, 0, 1], pa.int32()).buffers()[1], b"abc", 0)]),  # a negative offset
+        (2, [(1, b"\x00" * 15, 0)]),  # 2 int64 need 16 bytes
+        (2, [(2, b"\x00" * 8, 1)]),  # 2 int32 from offset 1 need 12 bytes
+        (2, [(2, b"\x00" * 8, -1)]),
+        (2, [(9, b"x")]), (2, [(0, b"x", 0)]), (-1, [(0, b"x")]),
+    ]
+    for n, specs in bad:
+        with pytest.raises(ValueError):
+            _pgoutput_c.copy_binary_rows(n, specs)
+    for specs in ([("x", b"y")], [(0,)], ["not a tuple"], [(0, 5)]):
+        with pytest.raises((TypeError, ValueError)):
+            _pgoutput_c.copy_binary_rows(1, specs)
