@@ -7,6 +7,8 @@ queries keep in the store.
 from __future__ import annotations
 
 import json
+import random
+import threading
 import time
 import uuid
 
@@ -128,3 +130,64 @@ def test_a_message_row_writes_one_index_entry(conn: psycopg.Connection) -> None:
     indexes = conn.execute("SELECT indexdef FROM pg_indexes WHERE schemaname = 'sequin'"
                            " AND tablename = 'stream_messages'").fetchall()
     assert [i[0].split(" USING ")[1] for i in indexes] == ["btree (sink, commit_lsn, commit_idx)"]
+
+
+def test_concurrent_receivers_acks_nacks_and_timeouts_keep_each_group_in_order(
+        dsn: str, conn: psycopg.Connection) -> None:
+    """Four receivers on one sink, each acking most of what it gets, nacking some and dropping
+    some (their visibility times out): every message is acked exactly once; a message is never
+    held by two receivers at once; a group's messages are received strictly in position order
+    (never a later one while an earlier one is pending); no receive, ack or nack fails; and the
+    pending counter ends exact."""
+    timeout = 2.0
+    put_stream_messages(dsn, SINK, [(i, i % 3, f"g{i % 30}") for i in range(1, 301)])
+    held: list[tuple[str, int, int, float, float | None]] = []  # group, lsn, idx, received, settled (None: dropped)
+    acked: list[int] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def consumer(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            with psycopg.connect(dsn, autocommit=True) as c:
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline and sum(acked) < 300:
+                    got = stream_queue.receive(c, "sequin", SINK, rng.choice([1, 5, 20]), timeout, 1000)
+                    at = time.monotonic()
+                    for d in got:
+                        record = json.loads(d.data)["record"]
+                        roll, settled = rng.random(), time.monotonic()
+                        if roll < 0.85:
+                            n = stream_queue.ack(c, "sequin", SINK, [d.ack_id])
+                        elif roll < 0.95:
+                            n = stream_queue.nack(c, "sequin", SINK, [d.ack_id])
+                        with lock:
+                            held.append((record["g"], record["lsn"], record["idx"], at, settled if roll < 0.95 else None))
+                            if roll < 0.85:
+                                acked.append(n)
+                    if not got:
+                        time.sleep(0.01)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=consumer, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sum(acked) == 300 and stream_queue.stream_counts(conn, "sequin", SINK)["total"] == 0
+    assert pending(conn) == (0, 0)
+    by_message: dict[tuple[int, int], list[tuple[float, float | None]]] = {}
+    by_group: dict[str, list[tuple[float, int, int]]] = {}
+    for group, lsn, idx, received, settled in held:
+        by_message.setdefault((lsn, idx), []).append((received, settled))
+        by_group.setdefault(group, []).append((received, lsn, idx))
+    for position, holds in by_message.items():  # settled well within its timeout: nobody else had it meanwhile
+        holds.sort()
+        for (start, end), (next_start, _) in zip(holds, holds[1:]):
+            if end is not None and end - start < timeout / 2:
+                assert next_start >= end, (position, holds)
+    for group, receipts in by_group.items():  # in the order they were received: positions never go back
+        positions = [(lsn, idx) for _, lsn, idx in sorted(receipts)]
+        assert positions == sorted(positions), (group, positions)
