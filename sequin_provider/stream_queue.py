@@ -78,8 +78,8 @@ def _parsed(ack_ids: Sequence[str | uuid.UUID]) -> tuple[list[int], list[int], l
 
 RECOUNT_SECONDS = 5.0
 HEAD_GROWTH = 4
-"""How much more of the stream's head a receive reads when the part it read held too few
-deliverable messages (``receive``)."""
+"""How much more of the stream's head a receive reads when it claimed too few from the part it
+read (``receive``)."""
 
 _RECEIVE = """
     WITH head AS (
@@ -120,11 +120,11 @@ def receive(conn: psycopg.Connection[Any], schema: str, sink: str, batch_size: i
     A message is deliverable when it is its group's first in the stream table (so a group goes
     strictly in position order), visible, and not received or its visibility timed out. Those are
     found in the stream's head: the messages in position order from the oldest, where every
-    earlier message of a group lies before its later ones. A receive reads a head of the pending
-    messages and twice the batch, and reads ``HEAD_GROWTH`` times more while it found too few and
-    the stream holds more; the stream table needs no index on groups (a cheaper write per message).
-    Messages that concurrent receivers are claiming are skipped (``SKIP LOCKED``), so a receive
-    may return fewer than it could while others run.
+    earlier message of a group lies before its later ones. A receive reads a head of its pending
+    messages and four times the batch (room for what concurrent receivers are claiming: those are
+    skipped, ``SKIP LOCKED``, not waited for), and reads ``HEAD_GROWTH`` times more while it
+    claimed too few and the stream holds more. So the stream table needs no index on groups: a
+    cheaper write per message.
 
     When ``max_ack_pending`` messages are pending (received and neither acked nor nacked, including
     those whose visibility timed out), no new messages are handed out, only redeliveries. The
@@ -148,17 +148,16 @@ def receive(conn: psycopg.Connection[Any], schema: str, sink: str, batch_size: i
             outstanding = _recount_pending(conn, schema, sink, outstanding)
         only_redeliveries = outstanding >= max_ack_pending
         limit = batch_size if only_redeliveries else min(batch_size, max_ack_pending - outstanding)
-        head = outstanding + 2 * limit
+        head = outstanding + 4 * limit
         while True:
             rows = conn.execute(query, {
                 "sink": sink, "visible": int(row[0]), "head": head, "only_redeliveries": only_redeliveries,
                 "limit": limit - len(claimed), "timeout": visibility_timeout, "nonces": _NONCE_LIMIT}).fetchall()
-            wanted = limit - len(claimed)
             claimed.extend(r[:4] for r in rows if r[0] is not None)
-            # Read further only when the head held too few deliverable messages and the stream
-            # holds more: not when other receivers hold some of them (they are skipped, not
-            # waited for), nor for the ones claimed (they stay in the head, now received).
-            if rows[0][5] >= wanted or rows[0][4] < head:
+            # Read further while too few were claimed and the head did not hold every visible
+            # message: too few deliverable ones in it, or other receivers hold them (skipped,
+            # not waited for). The ones claimed stay in the head, now received.
+            if len(claimed) >= limit or rows[0][4] < head:
                 break
             head *= HEAD_GROWTH
     return [Delivery(ack_id(lsn, idx, nonce), data) for lsn, idx, nonce, data in sorted(claimed)]
