@@ -110,7 +110,7 @@ def test_receiving_writes_no_index_entry(dsn: str, conn: psycopg.Connection) -> 
 
 
 def test_a_receive_reads_past_a_long_head_of_waiting_messages(dsn: str, conn: psycopg.Connection) -> None:
-    """A receive first reads a short head of the stream (its pending messages and twice the batch):
+    """A receive first reads a short head of the stream (its pending messages and four times the batch):
     when a group's backlog fills it, the receive reads further (``HEAD_GROWTH``) and still finds
     the other groups' first messages, while the backlog's group waits behind its received one."""
     backlog = [(i, 0, "a") for i in range(1, 301)]
