@@ -181,6 +181,20 @@ def _fixed(values: pa.Array, dtype: str, size: int) -> pa.Array:
                                                         [None, pa.py_buffer(fields.tobytes())]), pa.binary())
 
 
+def _copy_field(field: bytes | pa.Array | pa.ChunkedArray) -> bytes | pa.Array:
+    """A field of ``copy_binary_rows`` in the layouts both of its paths read: one chunk; int64,
+    int32, or string and binary with 32-bit offsets (large ones are cast down)."""
+    if isinstance(field, bytes):
+        return field
+    array = field.combine_chunks() if isinstance(field, pa.ChunkedArray) else field
+    if pa.types.is_large_string(array.type) or pa.types.is_large_binary(array.type):
+        return array.cast(pa.binary())
+    if not (pa.types.is_int64(array.type) or pa.types.is_int32(array.type) or pa.types.is_string(array.type)
+            or pa.types.is_binary(array.type)):
+        raise TypeError(f"a COPY binary column of type {array.type}: int64, int32, string or binary")
+    return array
+
+
 def copy_binary_rows(fields: Sequence[bytes | pa.Array], compiled: bool = COMPILED) -> pa.Buffer:
     """Rows of Arrow columns as COPY binary tuples, without header or trailer. ``fields`` in tuple
     order: ``bytes`` are written as they are in every tuple (the field count, constant fields with
@@ -189,7 +203,7 @@ def copy_binary_rows(fields: Sequence[bytes | pa.Array], compiled: bool = COMPIL
 
     One pass in the compiled hot path (``_pgoutput_c.copy_binary_rows``); otherwise Arrow's
     kernels, which are its reference (three copies of every string), or with ``compiled`` False."""
-    arrays = [f.combine_chunks() if isinstance(f, pa.ChunkedArray) else f for f in fields]
+    arrays = [_copy_field(f) for f in fields]
     columns = [a for a in arrays if not isinstance(a, bytes)]
     n = len(columns[0]) if columns else 0
     if any(len(a) != n for a in columns) or any(a.null_count for a in columns):

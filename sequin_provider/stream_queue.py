@@ -78,8 +78,8 @@ def _parsed(ack_ids: Sequence[str | uuid.UUID]) -> tuple[list[int], list[int], l
 
 RECOUNT_SECONDS = 5.0
 HEAD_GROWTH = 4
-"""How much more of the stream's head a receive reads when it claimed too few from the part it
-read (``receive``)."""
+"""A receive first reads its pending messages and this many times the batch of the stream's head,
+and this many times more each time it claimed too few from the part it read (``receive``)."""
 
 _RECEIVE = """
     WITH head AS (
@@ -108,9 +108,8 @@ _RECEIVE = """
         INSERT INTO {s}.stream_pending AS p (sink, pending)
         SELECT %(sink)s, count(*) FROM claimed WHERE newly_pending HAVING count(*) > 0
         ON CONFLICT (sink) DO UPDATE SET pending = p.pending + EXCLUDED.pending)
-    SELECT c.commit_lsn, c.commit_idx, c.ack_nonce, c.data, h.n, h.ready
-    FROM (SELECT (SELECT count(*) FROM head) AS n, (SELECT count(*) FROM firsts WHERE ready) AS ready) h
-    LEFT JOIN claimed c ON true"""
+    SELECT c.commit_lsn, c.commit_idx, c.ack_nonce, c.data, h.n
+    FROM (SELECT count(*) AS n FROM head) h LEFT JOIN claimed c ON true"""
 
 
 def receive(conn: psycopg.Connection[Any], schema: str, sink: str, batch_size: int, visibility_timeout: float,
@@ -148,7 +147,7 @@ def receive(conn: psycopg.Connection[Any], schema: str, sink: str, batch_size: i
             outstanding = _recount_pending(conn, schema, sink, outstanding)
         only_redeliveries = outstanding >= max_ack_pending
         limit = batch_size if only_redeliveries else min(batch_size, max_ack_pending - outstanding)
-        head = outstanding + 4 * limit
+        head = outstanding + HEAD_GROWTH * limit
         while True:
             rows = conn.execute(query, {
                 "sink": sink, "visible": int(row[0]), "head": head, "only_redeliveries": only_redeliveries,

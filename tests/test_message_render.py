@@ -159,7 +159,11 @@ def test_the_compiled_copy_encoder_writes_the_references_bytes() -> None:
         assert compiled == copy_binary_rows(fields, compiled=False).to_pybytes()
         assert len(compiled) == (hi - lo) * (2 + 12 + 8 + 5 + 4) + sum(
             4 + len(v.encode()) for c in (HOSTILE, text.to_pylist()) for v in c[lo:hi])
-    for compiled in (True, False):  # nulls or ragged columns are the caller's bug, refused alike
+    large = [b"\x00\x01", pa.array(HOSTILE, pa.large_string())]  # 64-bit offsets: cast, not misread
+    assert copy_binary_rows(large, compiled=True) == copy_binary_rows([large[0], pa.array(HOSTILE)], compiled=False)
+    for compiled in (True, False):  # nulls, ragged columns or other types are the caller's bug, refused alike
+        with pytest.raises(TypeError, match="int16"):
+            copy_binary_rows([pa.array([1], pa.int16())], compiled=compiled)
         with pytest.raises(ValueError, match="no nulls"):
             copy_binary_rows([pa.array(["a", None])], compiled=compiled)
         with pytest.raises(ValueError, match="one length"):
