@@ -54,6 +54,7 @@ from sequin_provider.message_render import (
 from sequin_provider.messages import CHANGE_FIELD_NAMES, CHANGE_SCHEMA_DDL
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
 from sequin_provider.spark.source import SPOOL_SLICE_DDL, spool_slice_rows, spool_table
+from sequin_provider.spark.worker_heap import freeze_long_lived
 from sequin_provider.sinks.webhook import WebhookClient
 
 log = logging.getLogger(__name__)
@@ -341,6 +342,7 @@ def stream_writer(config_path: str, database: str) -> StreamWriter:
     writer = _WRITERS.get(key)
     if writer is None:
         writer = _WRITERS[key] = StreamWriter(config_path, database)
+    freeze_long_lived()
     return writer
 
 
@@ -350,6 +352,7 @@ def push_writer(config_path: str, database: str, sink: str) -> PushWriter:
     writer = _PUSHERS.get(key)
     if writer is None:
         writer = _PUSHERS[key] = PushWriter(config_path, database, sink)
+    freeze_long_lived()
     return writer
 
 

@@ -37,6 +37,7 @@ from sequin_provider.logs import configure_logging
 from sequin_provider.messages import CHANGE_ARROW_SCHEMA, CHANGE_SCHEMA_DDL, rows_to_arrow
 from sequin_provider.replication import ChangeReader, SourceUnavailableError, confirmed_flush_lsn
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
+from sequin_provider.spark.worker_heap import freeze_long_lived
 from sequin_provider import store
 from sequin_provider.watermarks import (
     HIGH_PREFIX,
@@ -271,6 +272,7 @@ class ReplicationStreamReader(DataSourceStreamReader):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, SpoolPartition)
+        freeze_long_lived()  # this runs in a reused Python worker (worker_heap)
         if partition.start == partition.end:
             # Spark runs batch 0 over (initial, initial) when the first read found nothing.
             return

@@ -1,0 +1,34 @@
+"""The long-lived heap of a reused PySpark Python worker, kept out of its per-task garbage collection.
+
+PySpark's daemon runs a full ``gc.collect()`` in a reused worker after every task, and a full
+collection walks every object the collector tracks. A worker holds about 100,000 that live as
+long as it does: the modules it imported (pyspark, pyarrow, psycopg, this package, and what the
+first tasks import lazily) and its writer's configuration and renderings. Walking them took
+15-50 ms per task; with two Python tasks per partition of every micro-batch, that was two thirds of
+the Python workers' CPU at a steady 5,000 changes/s (README: Performance). Frozen, a collection
+after a task walks the few hundred objects the task left.
+"""
+
+from __future__ import annotations
+
+import gc
+
+FREEZE_TASKS = 4
+"""Tasks of a worker process at whose start what is alive is frozen: the first ones import and
+build what the worker keeps (measured: nothing more after the third)."""
+
+_tasks = 0
+
+
+def freeze_long_lived() -> None:
+    """At the start of each of a worker process's first ``FREEZE_TASKS`` tasks: collect, then move
+    every object still alive into the permanent generation (``gc.freeze``), which collections skip.
+
+    The daemon collected after the previous task, so what is frozen is what the worker keeps plus
+    this task's own few objects. Frozen objects are still freed when their reference count drops to
+    zero; only a cycle among them that became garbage stays (a few hundred objects, once)."""
+    global _tasks
+    _tasks += 1
+    if _tasks <= FREEZE_TASKS:
+        gc.collect()
+        gc.freeze()

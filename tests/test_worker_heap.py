@@ -1,0 +1,53 @@
+"""worker_heap: a reused Python worker's long-lived objects are frozen in its first tasks only.
+
+Run in a child interpreter: ``gc.freeze`` is process-wide and would change this test process's own
+collections."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from sequin_provider.spark.worker_heap import FREEZE_TASKS
+
+CHILD = textwrap.dedent("""
+    import gc, json
+    from sequin_provider.spark import worker_heap
+
+    before = gc.get_freeze_count()
+    long_lived = [[i] for i in range(5000)]                 # what a worker's first task builds and keeps
+    counts = []
+    for task in range(worker_heap.FREEZE_TASKS + 2):
+        worker_heap.freeze_long_lived()
+        counts.append(gc.get_freeze_count())
+        long_lived.append([[task] for _ in range(1000)])        # kept past the freezing tasks
+    gc.collect()
+    unfrozen = len(gc.get_objects())                         # what a collection still walks
+    print(json.dumps({"before": before, "counts": counts, "unfrozen": unfrozen}))
+""")
+
+
+def run_child() -> dict[str, object]:
+    out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, check=True, timeout=60)
+    return json.loads(out.stdout)
+
+
+def test_first_tasks_freeze_what_is_alive_and_later_tasks_do_not() -> None:
+    result = run_child()
+    counts = result["counts"]
+    assert result["before"] == 0
+    assert counts[0] > 5000  # the worker's modules and the 5,000 kept lists
+    # each freezing task adds what the previous task kept (1,001 lists; lists are always tracked)
+    for earlier, later in zip(counts[:FREEZE_TASKS - 1], counts[1:FREEZE_TASKS]):
+        assert later >= earlier + 1000
+    # after FREEZE_TASKS tasks nothing more is frozen
+    assert counts[FREEZE_TASKS:] == [counts[FREEZE_TASKS - 1]] * 2
+
+
+def test_a_collection_after_the_freezing_tasks_walks_only_what_came_later() -> None:
+    result = run_child()
+    # what the last freezing task and the two after it kept (3 x 1,001 lists), plus the little the
+    # loop leaves: not the tens of thousands of objects the interpreter and its imports hold
+    assert 3003 <= result["unfrozen"] < 3003 + 100
