@@ -38,6 +38,7 @@ from sequin_provider.embedded_postgres import EmbeddedPostgres  # noqa: E402
 from sequin_provider.provisioning import initialize  # noqa: E402
 from sequin_provider.stream_process import StreamAppProcess  # noqa: E402
 
+from bench.machine_memory import add_touch_memory_argument, touch_memory_for  # noqa: E402
 from bench.stream_throughput import ROW, TABLE, add_pg_setting_argument, cpu_by_class, process_class  # noqa: E402 - the same table as the stream benchmark
 
 
@@ -211,12 +212,14 @@ def main() -> int:
     parser.add_argument("--only", default="idle,spark,busy",
                         help="which backfill runs, comma-separated: idle (b), spark (b'), busy (c)")
     add_pg_setting_argument(parser)
+    add_touch_memory_argument(parser)
     args = parser.parse_args()
     runs = set(args.only.split(","))
     if not runs or not runs <= {"idle", "spark", "busy"}:
         parser.error("--only takes idle, spark and busy, comma-separated")
     work = Path(tempfile.mkdtemp(prefix="sequin-bench-backfill-"))
-    results: dict[str, object] = {"rows": args.rows, "pg_settings": dict(args.pg_setting)}
+    results: dict[str, object] = {"rows": args.rows, "pg_settings": dict(args.pg_setting),
+                                  "memory_touched": touch_memory_for(args)}
     with EmbeddedPostgres(use_env_dsn=False, settings=dict(args.pg_setting)) as pg:
         dsn, store_dsn = pg.create_database("bench"), pg.create_database("bench_store")
         seed_events(dsn, args.rows)
@@ -300,6 +303,9 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
               f" {running / float(results['copy_rate']):.2f} |")  # type: ignore[arg-type]
     for name, value in args.pg_setting:
         print(f"\nServer setting over the embedded cluster's defaults: `{name}={value}`.")
+    touched = results["memory_touched"]
+    print(f"\nThe machine's RAM was written once before the runs ({touched['gib']:.1f} GiB, {touched['us_per_page']:.2f} us"  # type: ignore[index]
+          " per 4 KiB page): bench/machine_memory.py says why.")
     print("\nEnd to end: from `sequin backfill start` to its exit, including the start of its own local Spark;"
           " while running: from the backfill's `running` to `completed` (the store's timestamps).")
     return 0

@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.backfill_throughput import copy_seconds, run_backfill, running_seconds, seed_events  # noqa: E402
 from bench.delivery_throughput import answers, fill, http_consumer, run_consumers  # noqa: E402
+from bench.machine_memory import add_touch_memory_argument, touch_memory_for  # noqa: E402
 from bench.stream_throughput import (  # noqa: E402
     ROW, TABLE, add_pg_setting_argument, check_sink, current_lsn, run_pg_recvlogical, sink_count, write_workload)
 from sequin_provider import stream_queue  # noqa: E402
@@ -473,13 +474,21 @@ def fmt(f: dict[str, Any], unit: str = "") -> str:
     return f"{f['median']:,.0f}{unit} ({f['min']:,.0f}–{f['max']:,.0f})"
 
 
+def _touched_text(touched: dict[str, float] | None) -> str:
+    if not touched or not touched.get("gib"):
+        return " The machine's RAM was not written beforehand (`--touch-memory 0`)."
+    return (f" {touched['gib']:.1f} GiB of the machine's RAM written once beforehand ({touched['us_per_page']:.2f} µs"
+            " per 4 KiB page; bench/machine_memory.py says why).")
+
+
 def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
     stream = {r["name"]: r for r in results["stream"]}
     debezium = next(r for r in results["stream"] if r["name"].startswith("Debezium"))
     lines = [f"Workload: {args.changes:,} changes per run (inserts then updates, 500-row transactions) on one table;"
              f" latency at {args.rate:,} changes/s for {args.seconds}s. Median of {args.runs} runs (min–max)."
              + ("".join(f" Server setting `{k}={v}`." for k, v in args.pg_setting))
-             + (" The store in a cluster of its own." if args.store_cluster == "own" else ""), "",
+             + (" The store in a cluster of its own." if args.store_cluster == "own" else "")
+             + _touched_text(results.get("memory_touched")), "",
              "| pipeline | changes/s | vs Debezium | latency p50 | latency p99 |", "|---|---:|---:|---:|---:|"]
     for name, r in stream.items():
         ratio = r["throughput"]["median"] / debezium["throughput"]["median"]
@@ -513,6 +522,7 @@ def main() -> int:
                         help="the stream section's store: a database of the source's cluster (default), or a"
                              " cluster of its own, whose WAL the source's walsender then does not read")
     add_pg_setting_argument(parser)
+    add_touch_memory_argument(parser)
     args = parser.parse_args()
     if args.runs < 1 or args.changes < 1000:
         parser.error("--runs must be >= 1 and --changes >= 1000")
@@ -522,6 +532,7 @@ def main() -> int:
     previous = RESULTS / "compare.json"
     results: dict[str, Any] = json.loads(previous.read_text()) if args.only and previous.exists() else {}
     results["settings"] = {k: v for k, v in vars(args).items() if k != "only"}
+    results["memory_touched"] = touch_memory_for(args)
     try:
         if "stream" in sections:
             results["stream"] = stream_section(args, work)
