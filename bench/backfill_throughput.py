@@ -4,7 +4,10 @@
 
 One run on a fresh embedded cluster (source and store in separate databases):
   (a) ``COPY (SELECT * FROM t) TO STDOUT`` of the table: the read limit;
-  (b) a full backfill into a Sequin Stream sink with the stream app running and the table idle:
+  (b) a full backfill into a Sequin Stream sink with the stream app running and the table idle
+      (``--idle-runs`` times, the stream table emptied in between, as if consumers had taken the
+      previous run's reads: the first run of a fresh cluster also creates, among other things, the
+      WAL segments that later runs recycle, as a store that has taken such bursts before does):
       rows/s from ``sequin backfill start`` to the last read durable in the sink, and from the
       backfill's ``running`` to ``completed`` (without the start of its local Spark);
   (b') the same into a sink with a filter, whose reads go through the stream app's Spark
@@ -49,6 +52,14 @@ def seed_events(dsn: str, rows: int) -> None:
         conn.execute(f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW}"
                      f" FROM generate_series(1, {rows}) g")
         conn.execute("VACUUM ANALYZE events")
+
+
+def empty_stream_table(store_dsn: str) -> None:
+    """The stream table emptied between runs (as if the sink's consumers had taken every read) and
+    a checkpoint, so each run starts from the same store."""
+    with psycopg.connect(store_dsn, autocommit=True) as conn:
+        conn.execute("TRUNCATE sequin.stream_messages")
+        conn.execute("CHECKPOINT")
 
 
 def copy_seconds(dsn: str) -> float:
@@ -211,6 +222,7 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the work folder (the stream app's log) for a look")
     parser.add_argument("--only", default="idle,spark,busy",
                         help="which backfill runs, comma-separated: idle (b), spark (b'), busy (c)")
+    parser.add_argument("--idle-runs", type=int, default=3, help="how many times run (b) is measured")
     add_pg_setting_argument(parser)
     add_touch_memory_argument(parser)
     args = parser.parse_args()
@@ -265,7 +277,10 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
                 return seconds
 
             if "idle" in runs:
-                measured("idle", "events", "table idle")
+                for n in range(1, args.idle_runs + 1):
+                    if n > 1:
+                        empty_stream_table(store_dsn)
+                    measured("idle" if n == 1 else f"idle_{n}", "events", f"table idle, run {n} of {args.idle_runs}")
             if "spark" in runs:
                 measured("spark", "events_filtered", "into a sink with a filter (reads through Spark)")
             if "busy" in runs:
@@ -293,10 +308,13 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
     print("|---|---:|---:|---:|---:|")
     print(f"| (a) COPY (SELECT * FROM events) TO STDOUT, the read limit | {results['copy_rate']:,.0f} | {copy_s:.2f}"
           " | | 1.00 |")
-    for key, label in (("idle", "(b) backfill into the Sequin Stream sink, table idle (reads written by the task)"),
+    later = [f"idle_{n}" for n in range(2, args.idle_runs + 1)] if "idle" in runs else []
+    for key, label in (("idle", "(b) backfill into the Sequin Stream sink, table idle (reads written by the task)"
+                        + (", run 1 (the fresh cluster's first)" if later else "")),
+                       *((k, f"(b) again, run {k.split('_')[1]} (WAL segments recycled, store warm)") for k in later),
                        ("spark", "(b') the same into a sink with a filter (reads through the stream app's Spark)"),
                        ("busy", f"(c) (b) while {args.write_rate:,} updates/s hit the table")):
-        if key not in runs:
+        if key.split("_")[0] not in runs:
             continue
         rate, running = float(results[f"{key}_rate"]), float(results[f"{key}_running_rate"])  # type: ignore[arg-type]
         print(f"| {label} | {rate:,.0f} | {results[f'{key}_seconds']:.1f} | {running:,.0f} |"

@@ -1,15 +1,16 @@
 """The machine's RAM touched once before a benchmark, and what that first touch cost.
 
-On a freshly booted virtual machine the hypervisor backs guest memory only when the guest first
-writes to it. Measured here: about 9 µs per 4 KiB page the first time, about 2 µs (the kernel zeroing
-it for a new process) afterwards.
-The page cache of a benchmark's embedded cluster (its new WAL segments, every page a COPY adds to
-a table) lands on such pages, so the first gigabytes a fresh machine writes cost several times
-what they cost on a server that has been up for a while, and whichever run comes first pays it:
-a 1,000,000-row backfill measured 85,000 rows/s as the first run of a fresh machine and
-125,000-145,000 rows/s once the memory had been touched. ``touch_memory`` writes one byte per
-page of most of the free memory, in a child process that then exits, so every run lands on
-touched memory; it reports the seconds this took, as a figure of the machine, beside the results.
+These machines are Firecracker virtual machines with free page reporting (``dmesg``: "Free page
+reporting enabled", ``page_reporting_order=11``): free memory, in 8 MiB blocks, goes back to the
+host, and the guest's next write to it is backed again at about 9 µs per 4 KiB page (about 2 µs
+when the host still has it). Every page a benchmark's embedded cluster adds to its page cache
+(new WAL segments, each page a COPY adds to a table) and every large buffer a process maps lands
+on such memory, so whichever run comes first after a quiet spell pays several times what a busy
+server pays: a 1,000,000-row backfill measured 85,000 rows/s as the first run of a fresh machine
+and 125,000-145,000 rows/s right after the memory had been written. ``touch_memory`` writes one
+byte per page of most of the free memory in a child process that then exits; the host takes the
+freed memory back only gradually (minutes for 20 GiB), so the runs that follow start on backed
+memory. It reports the seconds this took, a figure of the machine, beside the results.
 """
 
 from __future__ import annotations
