@@ -476,9 +476,10 @@ def fmt(f: dict[str, Any], unit: str = "") -> str:
 
 def _touched_text(touched: dict[str, float] | None) -> str:
     if not touched or not touched.get("gib"):
-        return " The machine's RAM was not written beforehand (`--touch-memory 0`)."
-    return (f" {touched['gib']:.1f} GiB of the machine's RAM written once beforehand ({touched['us_per_page']:.2f} µs"
-            " per 4 KiB page; bench/machine_memory.py says why).")
+        return " The machine's RAM was not written before the runs."
+    return (f" {touched['gib']:.1f} GiB of the machine's RAM written once before the"
+            f" {', '.join(touched.get('sections', []))} runs ({touched['us_per_page']:.2f} µs per 4 KiB page;"
+            " bench/machine_memory.py says why).")
 
 
 def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
@@ -532,7 +533,7 @@ def main() -> int:
     previous = RESULTS / "compare.json"
     results: dict[str, Any] = json.loads(previous.read_text()) if args.only and previous.exists() else {}
     results["settings"] = {k: v for k, v in vars(args).items() if k != "only"}
-    results["memory_touched"] = touch_memory_for(args)
+    results["memory_touched"] = {**touch_memory_for(args), "sections": sections}
     try:
         if "stream" in sections:
             results["stream"] = stream_section(args, work)
