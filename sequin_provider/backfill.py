@@ -8,9 +8,10 @@ This module holds the parts of a backfill that need neither Spark nor Airflow:
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import psycopg
 from psycopg import sql
@@ -201,6 +202,42 @@ def run_lock(store_dsn: str, schema: str, backfill_id: int, application_name: st
     runs, so two runs of one backfill (a retried task beside its orphaned app, two ``sequin backfill
     run``) never read the same ranges at once; Postgres frees it when the app's session ends."""
     return SessionLock(store_dsn, f"sequin-backfill:{schema}:{backfill_id}", application_name)
+
+
+def server_lock(store_dsn: str, schema: str, database: str, application_name: str = "sequin-backfill-server"
+                ) -> SessionLock:
+    """The advisory lock "a backfill server runs this database's backfills", in the store: held by
+    ``sequin backfill serve`` while it is up, so that ``sequin backfill start`` hands it the backfill
+    instead of starting a Spark app of its own, and two servers never poll one store."""
+    return SessionLock(store_dsn, f"sequin-backfill-server:{schema}:{database}", application_name)
+
+
+FOLLOW_POLL_INTERVAL = 0.2
+FOLLOW_PROGRESS_INTERVAL = 5.0
+SERVER_CHECK_INTERVAL = 5.0
+
+
+def follow_backfill(store_dsn: str, schema: str, backfill_id: int, server: SessionLock,
+                    report: Callable[[str], None] = print) -> store.Backfill | None:
+    """Follow a backfill that the backfill server (``server_lock``) runs, reporting a progress line
+    every few seconds, until it ends: its final record, or None when the server went away first
+    (the caller then runs it itself; it resumes from its cursors)."""
+    last_report = last_check = time.monotonic()
+    with psycopg.connect(store_dsn, autocommit=True, connect_timeout=10) as conn:
+        while True:
+            backfill = store.get_backfill(conn, schema, backfill_id)
+            if backfill.state not in store.ACTIVE_BACKFILL_STATES:
+                return backfill
+            now = time.monotonic()
+            if now - last_report >= FOLLOW_PROGRESS_INTERVAL:
+                report(f"backfill {backfill_id}: {progress_line(backfill)}")
+                last_report = now
+            if now - last_check >= SERVER_CHECK_INTERVAL:
+                if not server.held_elsewhere():
+                    final = store.get_backfill(conn, schema, backfill_id)
+                    return final if final.state not in store.ACTIVE_BACKFILL_STATES else None
+                last_check = now
+            time.sleep(FOLLOW_POLL_INTERVAL)
 
 
 MIN_SERVER_VERSION = 140000

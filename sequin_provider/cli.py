@@ -119,7 +119,7 @@ def _run_backfill(args: argparse.Namespace, backfill_id: int) -> int:
 
 def cmd_backfill_start(args: argparse.Namespace) -> int:
     """Validate and record a backfill, then run it (unless --no-run)."""
-    from sequin_provider.backfill import create_backfill
+    from sequin_provider.backfill import create_backfill, follow_backfill, progress_line, server_lock
 
     config = _config(args)
     database = config.database(_database_of_sink(config, args.sink))
@@ -132,9 +132,28 @@ def cmd_backfill_start(args: argparse.Namespace) -> int:
     print(f"backfill {backfill.id}: {backfill.kind} backfill of {backfill.table_schema}.{backfill.table_name} for sink "
           f"{backfill.sink!r}, about {backfill.rows_initial if backfill.rows_initial is not None else '?'} rows")
     if args.no_run:
-        print(f"recorded as pending; run it with: sequin backfill run {backfill.id}")
+        print(f"recorded as pending; run it with: sequin backfill run {backfill.id} (or a `sequin backfill serve`"
+              " running for the database takes it)")
         return 0
+    server = server_lock(config.store_dsn(database.name), config.store.schema, database.name)
+    if server.held_elsewhere():
+        print(f"the backfill server ({server.holder()}) runs it; following it (Ctrl-C stops following, not the"
+              " backfill)", flush=True)
+        final = follow_backfill(config.store_dsn(database.name), config.store.schema, backfill.id, server,
+                                lambda line: print(line, flush=True))
+        if final is not None:
+            print(f"backfill {final.id}: {progress_line(final)}")
+            return 0 if final.state == "completed" else 1
+        print("the backfill server went away before the backfill ended; running it here", flush=True)
     return _run_backfill(args, backfill.id)
+
+
+def cmd_backfill_serve(args: argparse.Namespace) -> int:
+    """Keep a backfill server up: each backfill of the database(s) runs as it is recorded, in one Spark app."""
+    from sequin_provider.spark.backfill_app import run_backfill_server_app
+
+    return run_backfill_server_app(args.config, args.database, args.master, args.poll_interval, args.ranges,
+                                   args.max_page_rows, args.window_timeout)
 
 
 def cmd_backfill_run(args: argparse.Namespace) -> int:
@@ -401,6 +420,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id", type=int, nargs="?")
     _add_run_options(p)
     p.set_defaults(func=cmd_backfill_run)
+    p = backfill.add_parser("serve", help="stay up and run each backfill as it is recorded (one Spark app for all)")
+    p.add_argument("--database", default=None, help="only this database's backfills (default: every database)")
+    p.add_argument("--poll-interval", type=float, default=1.0, help="seconds between looks for new backfills")
+    _add_run_options(p)
+    p.set_defaults(func=cmd_backfill_serve)
     p = backfill.add_parser("status", help="progress of backfills")
     p.add_argument("id", type=int, nargs="?")
     p.add_argument("--sink", default=None)

@@ -52,6 +52,15 @@ class SessionLock:
             time.sleep(interval)
         return True
 
+    def held_elsewhere(self) -> bool:
+        """Whether another session holds the lock now (taken and let go at once when it is free)."""
+        if self.conn is not None:
+            return False
+        if self.acquire():
+            self.release()
+            return False
+        return True
+
     def holder(self) -> str:
         """Who holds the lock (pid, application name, client, since when), for error messages."""
         try:

@@ -299,6 +299,11 @@ def _backfill_query(schema: str, where: str) -> sql.Composed:
                    " updated_at, requested_by FROM {}.backfills " + where).format(_ident(schema))
 
 
+BACKFILL_CHANNEL = "sequin_backfill"
+"""The store's ``NOTIFY`` channel of new backfills (the payload: the store schema), which a backfill
+server (``spark.backfill_app.serve_backfills``) listens on rather than waiting out its poll interval."""
+
+
 def create_backfill(conn: psycopg.Connection[Any], schema: str, sink: str, table_schema: str, table_name: str,
                     kind: str = "full", sort_column: str | None = None, start_position: str | None = None,
                     max_query_ms: int = 5000, rows_initial: int | None = None,
@@ -317,6 +322,7 @@ def create_backfill(conn: psycopg.Connection[Any], schema: str, sink: str, table
                 " max_query_ms, rows_initial, requested_by) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING id"
             ).format(_ident(schema)), (sink, table_schema, table_name, kind, sort_column, start_position, max_query_ms,
                                        rows_initial, requested_by)).fetchone()
+            conn.execute("SELECT pg_notify(%s, %s)", (BACKFILL_CHANNEL, schema))  # a backfill server wakes on commit
         conn.commit()  # a caller's open transaction made the block above a savepoint
     except psycopg.errors.UniqueViolation:
         active = conn.execute(_backfill_query(schema, "WHERE sink = %s AND table_schema = %s AND table_name = %s"
