@@ -1,8 +1,9 @@
-"""Run the replication stream app as a child process (demo, benchmarks, tests, supervisors).
+"""Run the long-lived Spark apps as child processes (demo, benchmarks, tests, supervisors): the
+replication stream app, and the backfill server.
 
-The app runs as ``python spark_apps/replication_stream.py`` in its own process group: Python
-owns the Spark JVM, so SIGTERM stops the query cleanly, and SIGKILL of the group takes the JVM
-and its Python workers down with it (a real crash).
+An app runs as ``python spark_apps/<app>.py`` in its own process group: Python owns the Spark JVM,
+so SIGTERM stops it cleanly, and SIGKILL of the group takes the JVM and its Python workers down
+with it (a real crash).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Self
 
 import psycopg
 
@@ -22,6 +23,7 @@ from sequin_provider import store
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = ROOT / "spark_apps" / "replication_stream.py"
+BACKFILL_APP = ROOT / "spark_apps" / "backfill.py"
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 120.0, interval: float = 0.25, what: str = "condition") -> Any:
@@ -65,6 +67,8 @@ def streaming_status(store_dsn: str, schema: str = "sequin", database: str | Non
 class StreamAppProcess:
     """The stream app for one config, started, watched and stopped from the outside."""
 
+    name = "stream app"
+
     def __init__(self, config: Path, log_path: Path, extra_env: dict[str, str] | None = None,
                  schema: str = "sequin") -> None:
         self.config = config
@@ -73,15 +77,19 @@ class StreamAppProcess:
         self.schema = schema
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> StreamAppProcess:
+    def start(self) -> Self:
         """Start the app (its output goes to ``log_path``)."""
         env = app_env(self.extra_env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, str(APP), "--config", str(self.config)], env=env, stdout=log,
+        self.proc = subprocess.Popen(self.command(), env=env, stdout=log,
                                      stderr=subprocess.STDOUT, start_new_session=True, cwd=str(ROOT))
         log.close()
         return self
+
+    def command(self) -> list[str]:
+        """The app's command line."""
+        return [sys.executable, str(APP), "--config", str(self.config)]
 
     def wait_streaming(self, store_dsn: str, timeout: float = 180.0) -> None:
         """Wait until the app has completed a micro-batch since it started."""
@@ -93,7 +101,7 @@ class StreamAppProcess:
     def check_alive(self) -> None:
         """Raise with the log tail when the app has exited."""
         if self.proc is not None and self.proc.poll() is not None:
-            raise RuntimeError(f"stream app exited with {self.proc.returncode}:\n{self.log_tail()}")
+            raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
 
     def log_tail(self, chars: int = 4000) -> str:
         """The end of the app's log."""
@@ -124,3 +132,27 @@ class StreamAppProcess:
             code = None
         self.kill()
         return code
+
+
+class BackfillServerProcess(StreamAppProcess):
+    """The backfill server (``spark_apps/backfill.py --serve``) for one config; ``args`` are more of
+    its options (``--database``, ``--max-page-rows``...)."""
+
+    name = "backfill server"
+    UP_LINE = "backfill server up"
+
+    def __init__(self, config: Path, log_path: Path, *args: str, extra_env: dict[str, str] | None = None,
+                 schema: str = "sequin") -> None:
+        super().__init__(config, log_path, extra_env, schema)
+        self.args = args
+
+    def command(self) -> list[str]:
+        """``spark_apps/backfill.py --serve`` with this config and ``args``."""
+        return [sys.executable, str(BACKFILL_APP), "--config", str(self.config), "--serve", *self.args]
+
+    def wait_up(self, timeout: float = 180.0) -> None:
+        """Wait until the server has its Spark and Python workers up and takes backfills."""
+        def up() -> bool:
+            self.check_alive()
+            return self.UP_LINE in self.log_tail(1_000_000)
+        wait_for(up, timeout, what="the backfill server to start")

@@ -1,10 +1,8 @@
-"""The backfill server (``sequin backfill serve``): real Postgres, the stream app and the server as
-subprocesses, ``sequin backfill start`` as a user runs it. Nothing is mocked."""
+"""The backfill server (``spark_apps/backfill.py --serve``, ``sequin backfill serve``): real Postgres, the
+stream app and the server as subprocesses, ``sequin backfill start`` as a user runs it. Nothing is mocked."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +14,7 @@ import pytest
 from sequin_provider import store
 from sequin_provider.backfill_reader import DEFAULT_PAGES_IN_FLIGHT
 from sequin_provider.embedded_postgres import EmbeddedPostgres
+from sequin_provider.stream_process import BackfillServerProcess
 from tests.conftest import StreamApp, execute, sink_messages, wait_for, write_config
 from tests.test_backfill_app import backfill, ranges_moved
 
@@ -51,36 +50,6 @@ def cli(config: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "sequin_provider.cli", "--config", str(config), *args]
 
 
-class Server:
-    """``sequin backfill serve`` in a session of its own (so a SIGKILL takes its JVM and workers too)."""
-
-    def __init__(self, config: Path, log: Path, *args: str) -> None:
-        self.log = log
-        self.proc = subprocess.Popen(cli(config, "backfill", "serve", "--master", "local[2]", *args),
-                                     stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_up(self) -> None:
-        wait_for(lambda: "backfill server up" in self.text() or self.proc.poll() is not None, 180,
-                 what="the backfill server")
-        assert self.proc.poll() is None, self.text()[-3000:]
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            raise
-
-    def kill(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=60)
-
-
 @pytest.fixture(scope="module")
 def served(pg: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, Path]]:
     """A database with the tables above and a running stream app (no server yet)."""
@@ -112,7 +81,7 @@ def test_server_runs_each_backfill_as_it_is_recorded_and_refuses_a_second_server
     # recorded while no server is up, then its table dropped: the server cannot start it
     doomed = backfill(dsn, config, "gone_sink", "gone")
     execute(dsn, "DROP TABLE gone")
-    server = Server(config, tmp / "server.log")
+    server = BackfillServerProcess(config, tmp / "server.log", "--master", "local[2]").start()
     try:
         server.wait_up()
         wait_for(lambda: final_state(dsn, doomed.id).state == "failed", 120, what="the doomed backfill marked failed")
@@ -136,12 +105,13 @@ def test_server_runs_each_backfill_as_it_is_recorded_and_refuses_a_second_server
         second = subprocess.run(cli(config, "backfill", "serve"), capture_output=True, text=True, timeout=300)
         assert second.returncode == 3, second.stderr[-3000:]
         assert "already has a backfill server" in second.stderr
-        assert server.proc.poll() is None  # the first one is untouched
+        server.check_alive()  # the first one is untouched
     finally:
-        code = server.stop()
-    assert code == 0, server.text()[-3000:]
-    assert server.text().count("backfill server up") == 1
-    assert "backfill server stopped" in server.text()
+        code = server.stop(120)
+    log = server.log_tail(1_000_000)
+    assert code == 0, log[-3000:]
+    assert log.count("backfill server up") == 1
+    assert "backfill server stopped" in log
 
 
 def test_a_backfill_whose_server_is_killed_is_finished_by_the_cli_that_followed_it(
@@ -149,7 +119,8 @@ def test_a_backfill_whose_server_is_killed_is_finished_by_the_cli_that_followed_
     """SIGKILL the server mid-backfill: the `sequin backfill start` that followed it runs the rest itself,
     resuming from the ranges' cursors, and nothing is missing."""
     dsn, config, tmp = served
-    server = Server(config, tmp / "server-killed.log", "--max-page-rows", str(PAGE_ROWS))  # small pages: a long run
+    server = BackfillServerProcess(config, tmp / "server-killed.log", "--master", "local[2]", "--max-page-rows",
+                                   str(PAGE_ROWS)).start()  # small pages: a run long enough to kill it in
     try:
         server.wait_up()
         with open(tmp / "start.log", "wb") as out:
@@ -166,8 +137,7 @@ def test_a_backfill_whose_server_is_killed_is_finished_by_the_cli_that_followed_
                 if start.poll() is None:
                     start.kill()
     finally:
-        if server.proc.poll() is None:
-            server.kill()
+        server.kill()
     text = (tmp / "start.log").read_text()
     assert "runs it" in text and "went away before the backfill ended; running it here" in text, text[-3000:]
     ids = [k[0] for k in read_keys(dsn, "big_sink", ("id",))]
