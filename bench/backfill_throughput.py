@@ -12,7 +12,9 @@ One run on a fresh embedded cluster (source and store in separate databases):
       backfill's ``running`` to ``completed`` (without the start of its local Spark);
   (b') the same into a sink with a filter, whose reads go through the stream app's Spark
       pipeline instead of being written by the backfill task;
-  (c) (b) while a writer updates random rows at ``--write-rate`` changes/s.
+  (c) (b) while a writer updates random rows at ``--write-rate`` changes/s;
+  (d) (b) with a backfill server up (``sequin backfill serve``, ``--idle-runs`` times): the same
+      command hands it the backfill, which then pays no Spark start of its own.
 Prints a Markdown table and writes bench/results/backfill_throughput.json. Not a test: no thresholds.
 """
 
@@ -39,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from sequin_provider.config import load_config  # noqa: E402
 from sequin_provider.embedded_postgres import EmbeddedPostgres  # noqa: E402
 from sequin_provider.provisioning import initialize  # noqa: E402
-from sequin_provider.stream_process import StreamAppProcess  # noqa: E402
+from sequin_provider.stream_process import BackfillServerProcess, StreamAppProcess  # noqa: E402
 
 from bench.machine_memory import add_touch_memory_argument, touch_memory_for  # noqa: E402
 from bench.stream_throughput import ROW, TABLE, add_pg_setting_argument, cpu_by_class, process_class  # noqa: E402 - the same table as the stream benchmark
@@ -152,6 +154,10 @@ def backfill_process_class(proc: psutil.Process) -> str | None:
         return {"bench": "postgres: source backends (page SELECTs, watermarks)",
                 "bench_store": "postgres: store backends (reads COPY, pages, stream writes)"}.get(
                     database, "postgres: other backends")
+    if any(_is_backfill_server(_cmdline(p)) for p in parents) or _is_backfill_server(proc.cmdline()):
+        if cmd.split(" ", 1)[0].endswith("java"):
+            return "backfill server: JVM"
+        return "backfill server: Python (driver, range tasks)"
     if any(_is_backfill_cli(_cmdline(p)) for p in parents) or _is_backfill_cli(proc.cmdline()):
         if cmd.split(" ", 1)[0].endswith("java"):  # not proc.name(): psutil keeps the launcher's (bash) name
             return "backfill app: JVM"
@@ -159,6 +165,11 @@ def backfill_process_class(proc: psutil.Process) -> str | None:
     if klass == "this benchmark (workload client, polling)":
         return "this benchmark (its CPU sampler, the concurrent writer)"
     return klass
+
+
+def _is_backfill_server(argv: list[str]) -> bool:
+    """``spark_apps/backfill.py --serve`` (``BackfillServerProcess``)."""
+    return "--serve" in argv and any(a.endswith("backfill.py") for a in argv)
 
 
 def _is_backfill_cli(argv: list[str]) -> bool:
@@ -228,20 +239,23 @@ def writer(dsn: str, rows: int, rate: int, stop: threading.Event, counter: list[
             time.sleep(max(0.0, 0.05 - (time.monotonic() - tick)))
 
 
+ALL_RUNS = {"idle", "serve", "spark", "busy"}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--write-rate", type=int, default=2_000, help="updates/s during run (c)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (the stream app's log) for a look")
-    parser.add_argument("--only", default="idle,spark,busy",
-                        help="which backfill runs, comma-separated: idle (b), spark (b'), busy (c)")
+    parser.add_argument("--only", default="idle,serve,spark,busy",
+                        help="which backfill runs, comma-separated: idle (b), serve (d), spark (b'), busy (c)")
     parser.add_argument("--idle-runs", type=int, default=3, help="how many times run (b) is measured")
     add_pg_setting_argument(parser)
     add_touch_memory_argument(parser)
     args = parser.parse_args()
     runs = set(args.only.split(","))
-    if not runs or not runs <= {"idle", "spark", "busy"}:
-        parser.error("--only takes idle, spark and busy, comma-separated")
+    if not runs or not runs <= ALL_RUNS:
+        parser.error("--only takes idle, serve, spark and busy, comma-separated")
     work = Path(tempfile.mkdtemp(prefix="sequin-bench-backfill-"))
     results: dict[str, object] = {"rows": args.rows, "pg_settings": dict(args.pg_setting),
                                   "memory_touched": touch_memory_for(args)}
@@ -297,6 +311,16 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
                     if n > 1:
                         empty_stream_table(store_dsn)
                     measured("idle" if n == 1 else f"idle_{n}", "events", f"table idle, run {n} of {args.idle_runs}")
+            if "serve" in runs:
+                server = BackfillServerProcess(config_path, work / "server.log").start()
+                try:
+                    server.wait_up()
+                    for n in range(1, args.idle_runs + 1):
+                        empty_stream_table(store_dsn)
+                        measured("serve" if n == 1 else f"serve_{n}", "events",
+                                 f"with a backfill server up, run {n} of {args.idle_runs}")
+                finally:
+                    server.stop()
             if "spark" in runs:
                 measured("spark", "events_filtered", "into a sink with a filter (reads through Spark)")
             if "busy" in runs:
@@ -316,7 +340,7 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
         print(f"bench: work folder kept: {work}", flush=True)
     else:
         shutil.rmtree(work, ignore_errors=True)
-    if runs == {"idle", "spark", "busy"}:  # a partial run leaves the recorded results alone
+    if runs == ALL_RUNS:  # a partial run leaves the recorded results alone
         (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
         (ROOT / "bench" / "results" / "backfill_throughput.json").write_text(json.dumps(results, indent=2))
     print()
@@ -329,6 +353,8 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
     for key, label in (("idle", "(b) backfill into the Sequin Stream sink, table idle (reads written by the task)"
                         + (", run 1 (the fresh cluster's first)" if later else "")),
                        *((k, f"(b) again, run {k.split('_')[1]} (WAL segments recycled, store warm)") for k in later),
+                       *((k, f"(d) (b) with a backfill server up (`sequin backfill serve`), run {n}")
+                         for n, k in enumerate(["serve", *(f"serve_{n}" for n in range(2, args.idle_runs + 1))], 1)),
                        ("spark", "(b') the same into a sink with a filter (reads through the stream app's Spark)"),
                        ("busy", f"(c) (b) while {args.write_rate:,} updates/s hit the table")):
         if key.split("_")[0] not in runs:

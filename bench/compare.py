@@ -11,7 +11,8 @@ running at a time (so none steals the others' CPU):
     (a local HTTP server);
   throughput = changes / (first commit -> last change delivered), latency = delivery time minus
   commit time at a steady ``--rate``;
-  - a backfill of ``--backfill-rows`` rows beside COPY of the same table (the read limit);
+  - a backfill of ``--backfill-rows`` rows beside COPY of the same table (the read limit), as a
+    one-off app and with a backfill server up (``sequin backfill serve``);
   - the Sequin Stream pull API, 4 consumers, batch_size 100, receive + ack.
 Each figure is the median of ``--runs`` runs, with min and max. Writes bench/results/compare.json
 and bench/results/compare.md. Not a test: no thresholds.
@@ -53,7 +54,7 @@ from sequin_provider.config import load_config  # noqa: E402
 from sequin_provider.embedded_postgres import EmbeddedPostgres, free_port  # noqa: E402
 from sequin_provider.provisioning import initialize  # noqa: E402
 from sequin_provider.replication import create_slot  # noqa: E402
-from sequin_provider.stream_process import StreamAppProcess, wait_for  # noqa: E402
+from sequin_provider.stream_process import BackfillServerProcess, StreamAppProcess, wait_for  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 
@@ -428,6 +429,8 @@ def backfill_section(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         backfills: list[float] = []
         in_sink: list[float] = []
         running: list[float] = []
+        served: list[float] = []
+        served_exit: list[float] = []
         try:
             app.wait_streaming(store_dsn)
             for run in range(args.runs):
@@ -439,10 +442,24 @@ def backfill_section(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 running.append(rows / running_seconds(store_dsn, "events"))
                 print(f"bench: backfill run {run + 1}: {in_sink[-1]:,.0f} rows/s from start to all rows in the sink,"
                       f" {backfills[-1]:,.0f} to the command's exit, {running[-1]:,.0f} while running", flush=True)
+            # the same command with a backfill server up: it takes the backfill, no Spark start of its own
+            server = BackfillServerProcess(config, work / "backfill-server.log").start()
+            try:
+                server.wait_up()
+                for run in range(args.runs):
+                    with psycopg.connect(store_dsn, autocommit=True) as conn:
+                        conn.execute("TRUNCATE sequin.stream_messages")
+                    seconds, _, started_at = run_backfill(config, rows)
+                    served.append(rows / in_sink_seconds(store_dsn, "events", started_at))
+                    served_exit.append(rows / seconds)
+                    print(f"bench: backfill run {run + 1} with a backfill server up: {served[-1]:,.0f} rows/s from"
+                          f" start to all rows in the sink, {served_exit[-1]:,.0f} to the command's exit", flush=True)
+            finally:
+                server.stop()
         finally:
             app.stop()
     return {"rows": rows, "copy": figure(copies), "in_sink": figure(in_sink), "backfill": figure(backfills),
-            "running": figure(running)}
+            "running": figure(running), "served_in_sink": figure(served), "served_exit": figure(served_exit)}
 
 
 def pull_api_section(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -511,6 +528,11 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
     if "running" in b:
         lines.append(f"| the same, from `running` to `completed` | {fmt(b['running'])} |"
                      f" {b['running']['median'] / b['copy']['median']:.2f} |")
+    if "served_in_sink" in b:
+        lines += [f"| the same command with a backfill server up (`sequin backfill serve`), from start to all rows in"
+                  f" the sink | {fmt(b['served_in_sink'])} | {b['served_in_sink']['median'] / b['copy']['median']:.2f} |",
+                  f"| the same, to the command's exit | {fmt(b['served_exit'])} |"
+                  f" {b['served_exit']['median'] / b['copy']['median']:.2f} |"]
     lines += ["", "| Sequin Stream pull API | messages/s |", "|---|---:|",
               f"| 4 consumers, batch_size 100, receive + ack over HTTP | {fmt(results['api']['pull_4x100'])} |"]
     return "\n".join(lines)

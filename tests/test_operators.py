@@ -25,7 +25,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, TaskDeferred
 from sequin_provider import buffer, store
-from sequin_provider.backfill import run_lock
+from sequin_provider.backfill import run_lock, server_lock
 from sequin_provider.operators.backfill import SequinBackfillOperator
 from sequin_provider.operators.common import task_instance_key
 from sequin_provider.operators.buffer import SequinBufferRetryOperator
@@ -405,6 +405,35 @@ def test_a_retry_waits_for_the_app_still_running_its_backfill_instead_of_startin
     assert env.app_events() == []  # no second app for the same backfill
     (after,) = env.backfills()
     assert after.state == "running"
+
+
+def test_with_a_backfill_server_up_the_operator_submits_nothing_and_waits_for_the_backfill(env: Env) -> None:
+    """The server is stood in for by its lock (held here) and by this test completing the backfill in
+    the store as the server would: the server itself is tested in test_backfill_server.py."""
+    server = server_lock(env.dsn, "sequin", "app", "a backfill server")
+    assert server.acquire()
+    try:
+        op = SequinBackfillOperator(task_id="b", sink="items_sink", table="items", application=str(env.app),
+                                    env_vars=env.fake_env(), deferrable=False, poll_interval=0.2)
+        thread, outcome = in_thread(lambda: op.execute({}))
+        (recorded,) = wait_for(env.backfills, 60, what="the backfill to be recorded")
+        with psycopg.connect(env.dsn) as conn:
+            store.transition_backfill(conn, "sequin", recorded.id, "running")
+            store.transition_backfill(conn, "sequin", recorded.id, "completed")
+        thread.join(timeout=60)
+    finally:
+        server.release()
+    assert outcome.get("result") == recorded.id, outcome
+    assert env.app_events() == []  # no Spark app submitted
+    deferred = SequinBackfillOperator(task_id="b", sink="items_sink", table="items", application=str(env.app))
+    assert server.acquire()
+    try:
+        with pytest.raises(TaskDeferred) as waiting:
+            deferred.execute({})
+    finally:
+        server.release()
+    assert isinstance(waiting.value.trigger, BackfillCompletedTrigger)
+    assert env.app_events() == []
 
 
 # -- SequinBufferRetryOperator ---------------------------------------------------------------------

@@ -9,6 +9,10 @@ the store, deferred to ``BackfillCompletedTrigger`` by default. Still active aft
 *failed* means nobody is running it: the backfill is marked failed with the app's error, so that a
 retry of the task can start a new one instead of finding the sink's table blocked.
 
+With a backfill server up for the sink's database (``sequin backfill serve``, which holds
+``backfill.server_lock``), the operator submits nothing: the server takes the backfill as it is
+recorded, and the operator waits for it in the store as above.
+
 A backfill records the task instance that asked for it. When a try dies without cleaning up (its
 worker lost), the retry finds that backfill still active and resumes it from its cursors instead of
 being refused. The Spark app holds the backfill's run lock while it runs and stops when its
@@ -29,7 +33,14 @@ from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from sequin_provider import store
-from sequin_provider.backfill import DEFAULT_MAX_QUERY_MS, RUN_LOCK_WAIT, create_backfill, progress_line, run_lock
+from sequin_provider.backfill import (
+    DEFAULT_MAX_QUERY_MS,
+    RUN_LOCK_WAIT,
+    create_backfill,
+    progress_line,
+    run_lock,
+    server_lock,
+)
 from sequin_provider.hooks.sequin import SequinHook
 from sequin_provider.operators.common import load_sequin_config, optional_text, task_instance_key, warn_if_elsewhere
 from sequin_provider.operators.spark_submit import SparkSubmitRun, default_application, resolve_target, submit_env
@@ -199,6 +210,8 @@ class SequinBackfillOperator(BaseOperator):
                       backfill.rows_initial if backfill.rows_initial is not None else "?")
         if self.adopted and self._run_elsewhere(self.takeover_wait):
             return self.wait_in_store(backfill)
+        if self._server_up(config, backfill):
+            return self.wait_in_store(backfill)
         try:
             self._run = self.submit(path, backfill.id)
         except Exception as exc:
@@ -257,6 +270,21 @@ class SequinBackfillOperator(BaseOperator):
             raise AirflowException(f"cannot reach the store: {str(exc).strip()}") from None
         finally:
             lock.release()
+
+    def _server_up(self, config: SequinConfig, backfill: store.Backfill) -> bool:
+        """Whether a backfill server (``sequin backfill serve``) is up for the backfill's database: it
+        takes the backfill as it is recorded, so no Spark app of this task's is needed."""
+        database = next(s.database for s in config.sinks if s.name == backfill.sink)
+        settings = self.hook.settings
+        lock = server_lock(settings.store_dsn, settings.store_schema, database, "sequin-backfill-operator")
+        try:
+            up = lock.held_elsewhere()
+        except psycopg.Error as exc:
+            raise AirflowException(f"cannot reach the store: {str(exc).strip()}") from None
+        if up:
+            self.log.info("backfill %d goes to the backfill server of database %r (%s)", backfill.id, database,
+                          lock.holder())
+        return up
 
     def wait_in_store(self, backfill: store.Backfill) -> int:
         """Wait for a backfill another process runs until the store says it finished: deferred to
