@@ -81,11 +81,15 @@ def test_server_runs_each_backfill_as_it_is_recorded_and_refuses_a_second_server
     # recorded while no server is up, then its table dropped: the server cannot start it
     doomed = backfill(dsn, config, "gone_sink", "gone")
     execute(dsn, "DROP TABLE gone")
+    with psycopg.connect(dsn) as conn:  # recorded for a sink since taken out of the config
+        retired = store.create_backfill(conn, "sequin", "retired_sink", "public", "orders")
     server = BackfillServerProcess(config, tmp / "server.log", "--master", "local[2]").start()
     try:
         server.wait_up()
         wait_for(lambda: final_state(dsn, doomed.id).state == "failed", 120, what="the doomed backfill marked failed")
         assert "gone" in (final_state(dsn, doomed.id).error or "")
+        wait_for(lambda: final_state(dsn, retired.id).state == "failed", 120, what="the retired sink's backfill")
+        assert "no longer in the config" in (final_state(dsn, retired.id).error or "")
 
         # `sequin backfill start` hands the backfill to the server and follows it to its end
         out = subprocess.run(cli(config, "backfill", "start", "orders_sink", "orders"), capture_output=True,

@@ -261,10 +261,12 @@ SERVE_POLL_INTERVAL = 1.0
 
 def active_backfills(config: SequinConfig, database: str) -> list[int]:
     """Ids of ``database``'s pending and running backfills, oldest first (running ones are resumed
-    when their app is gone: their run lock tells)."""
+    when their app is gone: their run lock tells). Those of a sink no longer in the config count as
+    the store's database's: running one fails it with that reason."""
+    sinks = {s.name: s.database for s in config.sinks}
     with psycopg.connect(config.store_dsn(database), connect_timeout=10) as conn:
         return sorted(b.id for b in store.list_backfills(conn, config.store.schema)
-                      if b.state in store.ACTIVE_BACKFILL_STATES and _database_of(config, b.sink) == database)
+                      if b.state in store.ACTIVE_BACKFILL_STATES and sinks.get(b.sink, database) == database)
 
 
 def serve_backfills(spark: Any, config_path: str, databases: list[str], stopping: threading.Event,
@@ -397,7 +399,10 @@ def run_backfill_server_app(config_path: str | None, database: str | None = None
                 return 3
             locks.append(lock)
         spark = spark_session("sequin-backfill-server", master, BACKFILL_JAVA_OPTIONS)
-        warm_python_workers(spark)
+        try:
+            warm_python_workers(spark)
+        except Exception as exc:  # noqa: BLE001 - only a head start: the first backfill starts them anyway
+            log.warning("backfill server: the Python workers could not be started ahead: %s", _task_error(exc))
         stopping, finished = threading.Event(), threading.Event()
 
         def stop() -> None:
