@@ -14,7 +14,8 @@ One run on a fresh embedded cluster (source and store in separate databases):
       pipeline instead of being written by the backfill task;
   (c) (b) while a writer updates random rows at ``--write-rate`` changes/s;
   (d) (b) with a backfill server up (``sequin backfill serve``, ``--idle-runs`` times): the same
-      command hands it the backfill, which then pays no Spark start of its own.
+      command hands it the backfill, which then pays no Spark start of its own;
+  (e) (d) while the writer of (c) runs.
 Prints a Markdown table and writes bench/results/backfill_throughput.json. Not a test: no thresholds.
 """
 
@@ -311,6 +312,19 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
                     if n > 1:
                         empty_stream_table(store_dsn)
                     measured("idle" if n == 1 else f"idle_{n}", "events", f"table idle, run {n} of {args.idle_runs}")
+            def busy(key: str, label: str) -> None:
+                """``measured`` while a writer updates random rows at ``--write-rate``."""
+                stop, counter = threading.Event(), [0]
+                thread = threading.Thread(target=writer, args=(dsn, args.rows, args.write_rate, stop, counter))
+                thread.start()
+                try:
+                    seconds_w = measured(key, "events", label)
+                finally:
+                    stop.set()
+                    thread.join()
+                results.update({f"{key}_concurrent_updates": counter[0], f"{key}_update_rate": counter[0] / seconds_w})
+                print(f"bench: {counter[0]:,} concurrent updates ({counter[0] / seconds_w:,.0f}/s)", flush=True)
+
             if "serve" in runs:
                 server = BackfillServerProcess(config_path, work / "server.log").start()
                 try:
@@ -319,21 +333,14 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
                         empty_stream_table(store_dsn)
                         measured("serve" if n == 1 else f"serve_{n}", "events",
                                  f"with a backfill server up, run {n} of {args.idle_runs}")
+                    empty_stream_table(store_dsn)
+                    busy("serve_busy", f"with a backfill server up, {args.write_rate:,} updates/s requested")
                 finally:
                     server.stop()
             if "spark" in runs:
                 measured("spark", "events_filtered", "into a sink with a filter (reads through Spark)")
             if "busy" in runs:
-                stop, counter = threading.Event(), [0]
-                thread = threading.Thread(target=writer, args=(dsn, args.rows, args.write_rate, stop, counter))
-                thread.start()
-                try:
-                    seconds_w = measured("busy", "events", f"{args.write_rate:,} updates/s requested")
-                finally:
-                    stop.set()
-                    thread.join()
-                results.update(concurrent_updates=counter[0], busy_update_rate=counter[0] / seconds_w)
-                print(f"bench: {counter[0]:,} concurrent updates ({counter[0] / seconds_w:,.0f}/s)", flush=True)
+                busy("busy", f"{args.write_rate:,} updates/s requested")
         finally:
             app.stop()
     if args.keep:
@@ -355,6 +362,7 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
                        *((k, f"(b) again, run {k.split('_')[1]} (WAL segments recycled, store warm)") for k in later),
                        *((k, f"(d) (b) with a backfill server up (`sequin backfill serve`), run {n}")
                          for n, k in enumerate(["serve", *(f"serve_{n}" for n in range(2, args.idle_runs + 1))], 1)),
+                       ("serve_busy", f"(e) (d) while {args.write_rate:,} updates/s hit the table"),
                        ("spark", "(b') the same into a sink with a filter (reads through the stream app's Spark)"),
                        ("busy", f"(c) (b) while {args.write_rate:,} updates/s hit the table")):
         if key.split("_")[0] not in runs:
