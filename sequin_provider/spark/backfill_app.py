@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import psycopg
 
@@ -212,6 +212,23 @@ def _report_progress(dsn: str, schema: str, backfill_id: int, stop: threading.Ev
         log.info("backfill %d: %s", backfill_id, progress_line(backfill, rate))
 
 
+def job_stopper(spark: Any, stopping: threading.Event, finished: threading.Event) -> Callable[[], None]:
+    """How an app stops its backfill work (its supervisor gone, a signal): ``stopping`` set, and its
+    Spark jobs cancelled, again until ``finished``, in case a job was being submitted just as the flag
+    was set. The range tasks stop mid-page, their cursors where they were."""
+
+    def stop() -> None:
+        stopping.set()
+        while not finished.is_set():
+            try:
+                spark.sparkContext.cancelAllJobs()
+            except Exception:  # noqa: BLE001 - the context is stopping with the app
+                return
+            finished.wait(1.0)
+
+    return stop
+
+
 def run_backfill_app(config_path: str | None, backfill_id: int, master: str | None = None, ranges: int | None = None,
                      max_page_rows: int = DEFAULT_MAX_PAGE_ROWS, window_timeout: float = DEFAULT_WINDOW_TIMEOUT) -> int:
     """The ``spark_apps/backfill.py`` entry point; returns the process exit code (0: completed; 1: not
@@ -229,18 +246,7 @@ def run_backfill_app(config_path: str | None, backfill_id: int, master: str | No
         return 2
     spark = spark_session(f"sequin-backfill-{backfill_id}", master, BACKFILL_JAVA_OPTIONS)
     stopping, finished = threading.Event(), threading.Event()
-
-    def stop() -> None:
-        stopping.set()
-        # the range tasks stop mid-page, their cursors where they were; cancelled again until the app
-        # ends, in case the job was being submitted just as the flag was set
-        while not finished.is_set():
-            try:
-                spark.sparkContext.cancelAllJobs()
-            except Exception:  # noqa: BLE001 - the context is stopping with the app
-                return
-            finished.wait(1.0)
-
+    stop = job_stopper(spark, stopping, finished)
     stop_when_supervisor_exits(stop)
     try:
         final = run_backfill(spark, path, backfill_id, ranges, max_page_rows, window_timeout, stopping)
@@ -404,15 +410,7 @@ def run_backfill_server_app(config_path: str | None, database: str | None = None
         except Exception as exc:  # noqa: BLE001 - only a head start: the first backfill starts them anyway
             log.warning("backfill server: the Python workers could not be started ahead: %s", _task_error(exc))
         stopping, finished = threading.Event(), threading.Event()
-
-        def stop() -> None:
-            stopping.set()
-            while not finished.is_set():  # a backfill's ranges stop mid-page, their cursors where they were
-                try:
-                    spark.sparkContext.cancelAllJobs()
-                except Exception:  # noqa: BLE001 - the context is stopping with the app
-                    return
-                finished.wait(1.0)
+        stop = job_stopper(spark, stopping, finished)
 
         def on_signal(signum: int, _frame: Any) -> None:
             log.info("backfill server: signal %d, stopping", signum)
