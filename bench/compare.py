@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.backfill_throughput import (  # noqa: E402
-    copy_seconds, in_sink_seconds, run_backfill, running_seconds, seed_events)
+    copy_seconds, empty_stream_table, in_sink_seconds, run_backfill, running_seconds, seed_events)
 from bench.delivery_throughput import answers, fill, http_consumer, run_consumers  # noqa: E402
 from bench.machine_memory import add_touch_memory_argument, touch_memory_for  # noqa: E402
 from bench.stream_throughput import (  # noqa: E402
@@ -434,8 +434,7 @@ def backfill_section(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         try:
             app.wait_streaming(store_dsn)
             for run in range(args.runs):
-                with psycopg.connect(store_dsn, autocommit=True) as conn:
-                    conn.execute("TRUNCATE sequin.stream_messages")
+                empty_stream_table(store_dsn)
                 seconds, _, started_at = run_backfill(config, rows)
                 backfills.append(rows / seconds)
                 in_sink.append(rows / in_sink_seconds(store_dsn, "events", started_at))
@@ -447,8 +446,7 @@ def backfill_section(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             try:
                 server.wait_up()
                 for run in range(args.runs):
-                    with psycopg.connect(store_dsn, autocommit=True) as conn:
-                        conn.execute("TRUNCATE sequin.stream_messages")
+                    empty_stream_table(store_dsn)
                     seconds, _, started_at = run_backfill(config, rows)
                     served.append(rows / in_sink_seconds(store_dsn, "events", started_at))
                     served_exit.append(rows / seconds)

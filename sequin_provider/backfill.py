@@ -212,6 +212,8 @@ def server_lock(store_dsn: str, schema: str, database: str, application_name: st
     return SessionLock(store_dsn, f"sequin-backfill-server:{schema}:{database}", application_name)
 
 
+SERVE_POLL_INTERVAL = 1.0
+"""Seconds a backfill server waits between looks at its stores when no ``NOTIFY`` wakes it."""
 FOLLOW_POLL_INTERVAL = 0.2
 FOLLOW_PROGRESS_INTERVAL = 5.0
 SERVER_CHECK_INTERVAL = 5.0

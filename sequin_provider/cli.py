@@ -420,9 +420,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id", type=int, nargs="?")
     _add_run_options(p)
     p.set_defaults(func=cmd_backfill_run)
+    from sequin_provider.backfill import SERVE_POLL_INTERVAL
+
     p = backfill.add_parser("serve", help="stay up and run each backfill as it is recorded (one Spark app for all)")
     p.add_argument("--database", default=None, help="only this database's backfills (default: every database)")
-    p.add_argument("--poll-interval", type=float, default=1.0, help="seconds between looks for new backfills")
+    p.add_argument("--poll-interval", type=float, default=SERVE_POLL_INTERVAL,
+                   help="seconds between looks for new backfills")
     _add_run_options(p)
     p.set_defaults(func=cmd_backfill_serve)
     p = backfill.add_parser("status", help="progress of backfills")

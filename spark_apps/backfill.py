@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from sequin_provider.backfill import SERVE_POLL_INTERVAL
 from sequin_provider.backfill_reader import DEFAULT_MAX_PAGE_ROWS, DEFAULT_WINDOW_TIMEOUT
-from sequin_provider.spark.backfill_app import SERVE_POLL_INTERVAL, run_backfill_app, run_backfill_server_app
+from sequin_provider.spark.backfill_app import run_backfill_app, run_backfill_server_app
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ import psycopg
 from sequin_provider import store
 from sequin_provider.backfill import (
     RUN_LOCK_WAIT,
+    SERVE_POLL_INTERVAL,
     BackfillBusy,
     check_backfill_source,
     progress_line,
@@ -261,8 +262,6 @@ def run_backfill_app(config_path: str | None, backfill_id: int, master: str | No
         spark.stop()
     return 0 if final.state == "completed" else 1
 
-
-SERVE_POLL_INTERVAL = 1.0
 
 
 def active_backfills(config: SequinConfig, database: str) -> list[int]:
