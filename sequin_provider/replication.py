@@ -8,6 +8,7 @@ LSN of the last transaction already taken) and acknowledges the slot only when t
 from __future__ import annotations
 
 import logging
+import os
 import select
 import threading
 import time
@@ -16,11 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import psycopg
-import psycopg2
-import psycopg2.extras
 from psycopg import sql
 
 from sequin_provider.config import TableConfig
+from sequin_provider.replication_protocol import ReplicationProtocolError, ReplicationStream
 from sequin_provider.pgoutput import (
     Commit,
     LogicalMessage,
@@ -41,14 +41,9 @@ REPLICATION_SESSION_OPTIONS = "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle
 
 
 PAUSED_STATUS_INTERVAL = 2.0
-"""Seconds between status messages while the reader is paused by a full buffer.
-
-psycopg2 (2.8.5+) confirms a keepalive's ``wal_end`` by itself when our last explicit flush is at
-or past the start of the last data message it received. In the middle of a transaction that began
-before our last acknowledgement, that could confirm past transactions we hold but have not
-delivered. The walsender sends keepalives within a transaction only when it has not heard from us
-for half of ``wal_sender_timeout``; regular status messages (psycopg2 sends one every 10 s while
-reading, and this while paused) keep it from asking."""
+"""Seconds between status messages while the reader is paused by a full buffer: it reads nothing
+then, and a walsender that hears nothing for ``wal_sender_timeout`` ends the connection. (A status
+message only ever carries the position we acknowledged: ``replication_protocol``.)"""
 
 
 class ReplicationError(RuntimeError):
@@ -76,6 +71,11 @@ MESSAGES_PER_CHECK = 256
 """Messages the reading thread takes in a row before it looks again for a stop, an acknowledgement
 to send and a full buffer (under the lock): taking the lock for every message was a quarter of the
 reader's Python time. The buffer may overshoot its bounds by this many rows."""
+
+TEST_STALL_ENV = "SEQUIN_TEST_READER_STALL"
+"""Tests only: seconds the reading thread freezes, once, right after it read a data message that
+starts at or below the position it last acknowledged while it holds transactions not acknowledged
+yet: a GC pause or a frozen VM at the one moment a keepalive is dangerous (``StatusReporter``)."""
 
 SOURCE_RETURN_TIMEOUT = 120.0
 """Seconds ``open`` waits for an unreachable or restarting source to accept replication again."""
@@ -299,73 +299,124 @@ class _Catalog:
         self.conn.close()
 
 
+Position = tuple[int, int]
+"""A place in the change stream: ``(lsn, idx)`` is after every transaction that ends at or before
+``lsn`` (an end LSN) and after the first ``idx`` rows of the transaction that follows it. ``idx``
+is 0 at a commit boundary; a transaction larger than a chunk spans several micro-batches, whose
+offsets then carry an ``idx`` (DESIGN §6). The slot is only ever acknowledged at an ``lsn``."""
+
+
+def as_position(value: int | Position) -> Position:
+    """An end LSN alone is the commit boundary ``(lsn, 0)``."""
+    return (value, 0) if isinstance(value, int) else (int(value[0]), int(value[1]))
+
+
 @dataclass
 class ReadResult:
-    """Complete transactions read: their change rows and the new offset."""
+    """Rows read (whole transactions and chunks of an open one) and the position after them."""
 
     rows: list[tuple] = field(default_factory=list)
     end_lsn: int = 0
-    transactions: int = 0
+    end_idx: int = 0
+    transactions: int = 0  # transactions completed in these rows
     bytes: int = 0
+
+    @property
+    def end(self) -> Position:
+        """The position after these rows."""
+        return (self.end_lsn, self.end_idx)
 
 
 @dataclass
-class _Transaction:
+class _Chunk:
+    """Consecutive rows of one transaction: rows ``first_idx…`` of the transaction following the
+    commit boundary ``base_lsn``; ``commit_lsn`` is the end LSN of its commit when the chunk is the
+    transaction's last (0 while the transaction is still open after it)."""
+
+    base_lsn: int
+    first_idx: int
     rows: list[tuple]
-    end_lsn: int
     bytes: int
+    commit_lsn: int = 0
+
+    @property
+    def end(self) -> Position:
+        return (self.commit_lsn, 0) if self.commit_lsn else (self.base_lsn, self.first_idx + len(self.rows))
+
+    def split(self, count: int) -> _Chunk:
+        """Keep the first ``count`` rows here (the transaction goes on after them); return the rest."""
+        share = self.bytes * count // max(len(self.rows), 1)
+        rest = _Chunk(self.base_lsn, self.first_idx + count, self.rows[count:], self.bytes - share, self.commit_lsn)
+        self.rows, self.bytes, self.commit_lsn = self.rows[:count], share, 0
+        return rest
+
+
+CHUNK_ROWS = 50_000
+"""Rows of an open transaction the reading thread gathers before it hands them on as a chunk, so
+that memory does not grow with the size of a transaction (DESIGN §2.7): a 2,000,000-row UPDATE
+in one transaction held ~1.6 KB per row until its commit when whole transactions were the unit."""
+CHUNK_BYTES = 64 * 1024 * 1024
+"""Or this many bytes of pgoutput payload, whichever comes first."""
 
 
 class ChangeReader:
-    """Reads whole transactions from a logical slot (pgoutput) and acknowledges on demand.
+    """Reads a logical slot (pgoutput) in commit order and acknowledges it on demand.
 
-    A background thread owns the replication connection: it decodes complete transactions into
-    a bounded buffer while the caller processes the previous batch (decode overlaps delivery),
-    and sends the acknowledgements it is asked for. Offsets are the end LSN of the last complete
-    transaction handed out: starting replication there skips exactly the transactions already
-    taken. The slot moves only through ``acknowledge``.
+    A background thread owns the replication connection (``replication_protocol``): it decodes
+    transactions into a bounded buffer of chunks while the caller processes the previous batch
+    (decode overlaps delivery), and sends the acknowledgements it is asked for and nothing else.
+    A small transaction is one chunk; a large one is cut into chunks of ``chunk_rows`` rows, so
+    neither the thread nor the buffer holds more than a chunk of an open transaction. Positions
+    (``Position``) are the end LSN of the last complete transaction handed out and the rows of the
+    next one handed out after it: starting replication at that LSN and skipping those rows resumes
+    exactly there. The slot moves only through ``acknowledge``, and only to commit boundaries.
     """
 
     def __init__(self, dsn: str, slot: str, publication: str, buffer_rows: int = 400_000,
-                 buffer_bytes: int = 512 * 1024 * 1024) -> None:
+                 buffer_bytes: int = 512 * 1024 * 1024, chunk_rows: int = CHUNK_ROWS,
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
         self.dsn = dsn
         self.slot = slot
         self.publication = publication
         self.buffer_rows = buffer_rows
         self.buffer_bytes = buffer_bytes
-        self.position: int | None = None  # end LSN of the last complete transaction handed out
-        self._conn: Any = None
-        self._cur: Any = None
+        self.chunk_rows = max(1, chunk_rows)
+        self.chunk_bytes = max(1, chunk_bytes)
+        self.position: Position | None = None  # the position after the last rows handed out
+        self._stream_conn: ReplicationStream | None = None
         self._catalog: _Catalog | None = None
         self._heartbeat_conn: psycopg.Connection[Any] | None = None
         self._version = 0
         self._thread: threading.Thread | None = None
         self._cond = threading.Condition()
-        self._ready: deque[_Transaction] = deque()
+        self._ready: deque[_Chunk] = deque()
         self._ready_rows = 0
         self._ready_bytes = 0
         self._error: BaseException | None = None
         self._stop = False
         self._ack_wanted = 0
         self._ack_sent = 0
+        self.test_stall = float(os.environ.get(TEST_STALL_ENV) or 0)
 
     # -- connection -------------------------------------------------------------------------
-    def open(self, start_lsn: int, attempts: int = 30, unavailable_timeout: float = SOURCE_RETURN_TIMEOUT) -> None:
-        """(Re)start replication at ``start_lsn``, retrying while a previous walsender lets go of the slot
-        and, for up to ``unavailable_timeout`` seconds, while the source is down or restarting."""
+    def open(self, start: int | Position, attempts: int = 30, unavailable_timeout: float = SOURCE_RETURN_TIMEOUT) -> None:
+        """(Re)start replication at ``start`` (an end LSN, or a ``Position`` inside a transaction),
+        retrying while a previous walsender lets go of the slot and, for up to
+        ``unavailable_timeout`` seconds, while the source is down or restarting."""
+        position = as_position(start)
         deadline = time.monotonic() + unavailable_timeout
         while True:
             try:
-                return self._open(start_lsn, attempts)
+                return self._open(position, attempts)
             except (psycopg.OperationalError, ReplicationError) as exc:
                 if not _is_unavailable(exc) or time.monotonic() >= deadline:
                     raise
                 log.warning("source unavailable (%s); retrying replication at %s", str(exc).strip().splitlines()[0],
-                            int_to_lsn(start_lsn))
+                            int_to_lsn(position[0]))
                 self.close()
                 time.sleep(1.0)
 
-    def _open(self, start_lsn: int, attempts: int) -> None:
+    def _open(self, position: Position, attempts: int) -> None:
         self.close()
         self._catalog = _Catalog(self.dsn)
         self._version = server_version(self._catalog.conn)
@@ -375,41 +426,42 @@ class ChangeReader:
             options["messages"] = "true"
         last: Exception | None = None
         for attempt in range(attempts):
+            stream: ReplicationStream | None = None
             try:
-                self._conn = psycopg2.connect(self.dsn, connection_factory=psycopg2.extras.LogicalReplicationConnection,
-                                              options=REPLICATION_SESSION_OPTIONS)
-                self._cur = self._conn.cursor()
-                self._cur.start_replication(slot_name=self.slot, decode=False, start_lsn=int_to_lsn(start_lsn),
-                                            options=options, status_interval=10)
+                stream = ReplicationStream(self.dsn, REPLICATION_SESSION_OPTIONS)
+                stream.start(self.slot, int_to_lsn(position[0]), options)
+                self._stream_conn = stream
                 break
-            except psycopg2.Error as exc:
+            except ReplicationProtocolError as exc:
                 last = exc
-                self._close_replication()
+                if stream is not None:
+                    stream.close()
                 text = str(exc)
                 if "does not exist" in text:
                     raise ReplicationError(f"replication slot {self.slot!r} does not exist: run `sequin init`") from exc
                 if "is active" not in text:
+                    if _is_unavailable(exc):
+                        raise
                     raise ReplicationError(f"cannot start replication on slot {self.slot!r}: {text.strip()}") from exc
                 time.sleep(min(0.2 * (attempt + 1), 2.0))
         else:
             raise ReplicationError(f"slot {self.slot!r} stays in use by another consumer: {last}")
-        self.position = start_lsn
+        self.position = position
         self._ready.clear()
         self._ready_rows = self._ready_bytes = 0
         self._error, self._stop = None, False
         self._ack_wanted = self._ack_sent = 0
-        self._thread = threading.Thread(target=self._stream, args=(decoder,), name=f"sequin-reader-{self.slot}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._stream, args=(decoder, position), daemon=True,
+                                        name=f"sequin-reader-{self.slot}")
         self._thread.start()
 
     def _close_replication(self) -> None:
-        for obj in (self._cur, self._conn):
+        if self._stream_conn is not None:
             try:
-                if obj is not None:
-                    obj.close()
+                self._stream_conn.close()
             except Exception:  # noqa: BLE001 - closing a broken connection
                 pass
-        self._cur = self._conn = None
+        self._stream_conn = None
 
     def close(self) -> None:
         """Stop the reading thread and close every connection (safe to call twice)."""
@@ -436,14 +488,28 @@ class ChangeReader:
         return self._thread is not None and self._thread.is_alive() and self._error is None
 
     # -- the reading thread -----------------------------------------------------------------
-    def _stream(self, decoder: PgOutputDecoder) -> None:
-        cur, conn, cond = self._cur, self._conn, self._cond
-        pending: list[tuple] = []
-        pending_bytes = 0
-        last_status = time.monotonic()
-        received = 0  # end LSN of the last complete transaction received
-        last_progress = last_status  # when the acknowledged position last moved (or nothing was owed)
+    def _stream(self, decoder: PgOutputDecoder, start: Position) -> None:
+        stream, cond = self._stream_conn, self._cond
+        assert stream is not None
+        base, skip = start  # the first transaction's first ``skip`` rows were handed out before
+        first_idx, pending, pending_bytes = skip, [], 0
+        chunk_rows, chunk_bytes = self.chunk_rows, self.chunk_bytes
+        received = base  # end LSN of the last complete transaction received
+        last_progress = time.monotonic()  # when the acknowledged position last moved (or nothing was owed)
         acked = 0
+        stall = self.test_stall
+
+        def hand_on(commit_lsn: int = 0) -> None:
+            nonlocal first_idx, pending, pending_bytes
+            chunk = _Chunk(received, first_idx, pending, pending_bytes, commit_lsn)
+            first_idx = 0 if commit_lsn else first_idx + len(pending)
+            pending, pending_bytes = [], 0
+            with cond:
+                self._ready.append(chunk)
+                self._ready_rows += len(chunk.rows)
+                self._ready_bytes += chunk.bytes
+                cond.notify_all()
+
         try:
             while True:
                 with cond:
@@ -452,7 +518,7 @@ class ChangeReader:
                     wanted = self._ack_wanted
                     full = self._ready_rows >= self.buffer_rows or self._ready_bytes >= self.buffer_bytes
                 if wanted > self._ack_sent:
-                    cur.send_feedback(write_lsn=wanted, flush_lsn=wanted, apply_lsn=wanted, force=True)
+                    stream.send_status(wanted)
                     with cond:
                         self._ack_sent = wanted
                         cond.notify_all()
@@ -462,46 +528,46 @@ class ChangeReader:
                 elif now - last_progress >= SHUTDOWN_PROBE_INTERVAL:
                     last_progress = now
                     if source_is_stopping(self.dsn):
-                        conn.close()  # lets the walsender, and so the server's shutdown, finish
+                        stream.close()  # lets the walsender, and so the server's shutdown, finish
                         raise SourceUnavailableError(f"source server is shutting down; let go of slot {self.slot!r}")
                 if full:
                     with cond:
                         cond.wait(0.05)
-                    now = time.monotonic()
-                    if now - last_status >= PAUSED_STATUS_INTERVAL:
-                        # While paused we do not read, so psycopg2 sends no status; the walsender must
-                        # keep hearing from us, or it asks for a reply with a keepalive that may land in
-                        # the middle of a transaction, where psycopg2 would confirm the keepalive's
-                        # wal_end on its own (see the note at PAUSED_STATUS_INTERVAL).
-                        cur.send_feedback(force=True)
-                        last_status = now
+                    stream.send_status_if_due(PAUSED_STATUS_INTERVAL)  # we read nothing while paused
                     continue
                 for _ in range(MESSAGES_PER_CHECK):  # the checks above take the lock: not per message
-                    msg = cur.read_message()
-                    if msg is None:
-                        select.select([conn], [], [], 0.05)
+                    message = stream.read()
+                    if message is None:
+                        select.select([stream], [], [], 0.05)
                         time.sleep(ARRIVAL_PAUSE)
                         break
-                    payload = msg.payload
+                    data_start, payload = message
+                    if stall and data_start <= self._ack_sent < received:
+                        time.sleep(stall)
+                        stall = 0.0
                     event = decoder.decode(payload)
                     if type(event) is tuple:
+                        if skip:
+                            skip -= 1
+                            continue
                         pending.append(event)
                         pending_bytes += len(payload)
+                        if len(pending) >= chunk_rows or pending_bytes >= chunk_bytes:
+                            hand_on()
                     elif isinstance(event, Commit):
-                        txn = _Transaction(pending, event.end_lsn, pending_bytes)
-                        pending, pending_bytes = [], 0
-                        received = event.end_lsn
-                        with cond:
-                            self._ready.append(txn)
-                            self._ready_rows += len(txn.rows)
-                            self._ready_bytes += txn.bytes
-                            cond.notify_all()
+                        hand_on(event.end_lsn)
+                        received, skip = event.end_lsn, 0
                     elif isinstance(event, LogicalMessage):
                         if event.transactional and event.prefix.startswith(MESSAGE_PREFIX) and event.prefix != HEARTBEAT_PREFIX:
-                            pending.append(decoder.message_row(event))
+                            row = decoder.message_row(event)  # numbered even when skipped
+                            if skip:
+                                skip -= 1
+                                continue
+                            pending.append(row)
                     elif isinstance(event, Truncate):
                         log.warning("TRUNCATE of %s is not delivered as messages (see README: Truncate)",
                                     ", ".join(event.relations))
+                stream.send_status_if_due()
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer by read()/acknowledge()
             with cond:
                 self._error = exc
@@ -512,54 +578,62 @@ class ChangeReader:
             error = self._error
             if isinstance(error, ReplicationError):
                 raise error
-            if isinstance(error, psycopg2.OperationalError) and _is_unavailable(error):
+            if isinstance(error, psycopg.OperationalError) and _is_unavailable(error):
                 raise SourceUnavailableError(f"replication connection of slot {self.slot!r} lost: {error}") from error
             raise ReplicationError(f"replication stream of slot {self.slot!r} failed: {error}") from error
 
     # -- consuming --------------------------------------------------------------------------
-    def read(self, max_rows: int, max_bytes: int, max_wait: float, stop_at: int | None = None,
+    def read(self, max_rows: int, max_bytes: int, max_wait: float, stop_at: int | Position | None = None,
              timeout: float = 600.0) -> ReadResult:
-        """Take complete transactions from the buffer.
+        """Take chunks (whole small transactions, or parts of a large one) from the buffer.
 
-        Without ``stop_at``: return as soon as at least one transaction is ready, taking every
-        ready one up to ``max_rows``/``max_bytes`` (whole transactions), or after ``max_wait``
-        seconds with nothing. Batches thus grow with load (what accumulated while the caller was
-        busy) and stay small when the stream is quiet. With ``stop_at`` (recovery): read exactly
-        up to the transaction whose end LSN is ``stop_at``, waiting up to ``timeout`` seconds.
+        Without ``stop_at``: return as soon as at least one chunk is ready, taking every ready one
+        up to ``max_rows``/``max_bytes`` (whole chunks), or after ``max_wait`` seconds with
+        nothing. Batches thus grow with load (what accumulated while the caller was busy) and stay
+        small when the stream is quiet. With ``stop_at`` (recovery): read exactly up to that
+        position, waiting up to ``timeout`` seconds.
         """
-        if self._thread is None:
+        if self._thread is None or self.position is None:
             raise ReplicationError("read() before open()")
-        result = ReadResult(end_lsn=self.position or 0)
-        if stop_at is not None and stop_at == self.position:
+        target = None if stop_at is None else as_position(stop_at)
+        result = ReadResult(end_lsn=self.position[0], end_idx=self.position[1])
+        if target is not None and target == self.position:
             return result
-        deadline = time.monotonic() + (timeout if stop_at is not None else max_wait)
+        deadline = time.monotonic() + (timeout if target is not None else max_wait)
+        taken = 0
         with self._cond:
             while True:
                 self._raise_if_failed()
                 while self._ready:
-                    txn = self._ready[0]
-                    if stop_at is None and result.transactions and (
-                            len(result.rows) + len(txn.rows) > max_rows or result.bytes + txn.bytes > max_bytes):
+                    chunk = self._ready[0]
+                    if target is None and taken and (
+                            len(result.rows) + len(chunk.rows) > max_rows or result.bytes + chunk.bytes > max_bytes):
                         return result
-                    if stop_at is not None and txn.end_lsn > stop_at:
-                        raise ReplicationError(f"re-read passed the recorded offset {int_to_lsn(stop_at)} "
-                                               f"(transaction ending at {int_to_lsn(txn.end_lsn)})")
+                    if target is not None and chunk.end > target:
+                        if chunk.base_lsn != target[0] or target[1] < chunk.first_idx:
+                            raise ReplicationError(f"re-read passed the recorded offset {_describe(target)} "
+                                                   f"(chunk ending at {_describe(chunk.end)})")
+                        self._ready[0] = chunk.split(target[1] - chunk.first_idx)
+                        self._ready_rows -= len(chunk.rows)
+                        self._ready_bytes -= chunk.bytes
+                        self._ready.appendleft(chunk)
                     self._ready.popleft()
-                    self._ready_rows -= len(txn.rows)
-                    self._ready_bytes -= txn.bytes
-                    result.rows.extend(txn.rows)
-                    result.bytes += txn.bytes
-                    result.transactions += 1
-                    result.end_lsn = self.position = txn.end_lsn
+                    self._ready_rows -= len(chunk.rows)
+                    self._ready_bytes -= chunk.bytes
+                    result.rows.extend(chunk.rows)
+                    result.bytes += chunk.bytes
+                    result.transactions += 1 if chunk.commit_lsn else 0
+                    result.end_lsn, result.end_idx = self.position = chunk.end
+                    taken += 1
                     self._cond.notify_all()  # room in the buffer
-                    if stop_at is not None and txn.end_lsn == stop_at:
+                    if target is not None and chunk.end == target:
                         return result
-                if stop_at is None and result.transactions:
+                if target is None and taken:
                     return result
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    if stop_at is not None:
-                        raise ReplicationError(f"timed out re-reading up to {int_to_lsn(stop_at)}")
+                    if target is not None:
+                        raise ReplicationError(f"timed out re-reading up to {_describe(target)}")
                     return result
                 self._cond.wait(remaining)
 
@@ -570,7 +644,8 @@ class ChangeReader:
         emit_heartbeat(self._heartbeat_conn, self._version)
 
     def acknowledge(self, lsn: int, timeout: float = 30.0) -> None:
-        """Tell the server everything up to ``lsn`` is durable; returns once the feedback is sent."""
+        """Tell the server everything up to the commit boundary ``lsn`` is durable; returns once
+        the status update is sent. This is the only position the server ever hears from us."""
         if self._thread is None:
             raise ReplicationError("acknowledge() without an open replication connection")
         deadline = time.monotonic() + timeout
@@ -588,6 +663,11 @@ class ChangeReader:
     def server_version(self) -> int:
         """Server version of the source (after ``open``)."""
         return self._version
+
+
+def _describe(position: Position) -> str:
+    return int_to_lsn(position[0]) + (f" + {position[1]} rows" if position[1] else "")
+
 
 
 def confirmed_flush_lsn(dsn: str, slot: str) -> int:

@@ -16,7 +16,7 @@ from sequin_provider.spark.source import ReplicationStreamReader, SpoolPartition
 from tests.conftest import execute, wait_for, write_config
 
 
-def reader_for(tmp_path: Path, dsn: str, db: str) -> tuple[ReplicationStreamReader, str]:
+def reader_for(tmp_path: Path, dsn: str, db: str, stream: str = "max_batch_wait: 300ms") -> tuple[ReplicationStreamReader, str]:
     config = write_config(tmp_path / "sequin.yaml", f"""
         databases:
           - name: app
@@ -28,7 +28,7 @@ def reader_for(tmp_path: Path, dsn: str, db: str) -> tuple[ReplicationStreamRead
           - name: kv
             tables: [kv]
             destination: {{type: sequin_stream}}
-        stream: {{max_batch_wait: 300ms}}
+        stream: {{{stream}}}
         """)
     execute(dsn, "CREATE TABLE kv (id int PRIMARY KEY, v int)")
     initialize(load_config(config))
@@ -156,3 +156,48 @@ def test_spool_payload_rows_name_slices_and_a_lost_file_is_put_back(tmp_path: Pa
     os.unlink(spooled.partitions(start, end)[0].path)  # type: ignore[attr-defined]
     assert through_slices() == full
     assert Path(spooled.partitions(start, end)[0].path).exists()  # type: ignore[attr-defined]
+
+
+def test_a_large_transaction_spans_batches_and_the_slot_moves_only_at_its_commit(tmp_path: Path, dsn: str,
+                                                                                 dbname: str) -> None:
+    """A transaction larger than a batch is handed on in chunks (bounded memory): its batches end
+    at ``{"lsn", "idx"}`` offsets, each but the last carries the open-transaction marker, a commit
+    inside it acknowledges only the last commit boundary, and a batch that ends inside it is re-read
+    from the slot identically (the first rows of the transaction skipped)."""
+    from sequin_provider.messages import OPEN_TRANSACTION_PREFIX
+
+    reader, slot = reader_for(tmp_path, dsn, dbname, "max_batch_wait: 300ms, max_batch_rows: 1000")
+    start = reader.initialOffset()
+    execute(dsn, "INSERT INTO kv VALUES (0, 0)")  # a small transaction before the large one
+    execute(dsn, "INSERT INTO kv SELECT g, g FROM generate_series(1, 3500) g")
+    offsets, batches = [start], []
+    while sum(r["action"] != "message" for b in batches for r in b) < 3501:
+        end = next_offset(reader, offsets[-1])
+        batches.append(rows_of(reader, offsets[-1], end))
+        offsets.append(end)
+    changes = [r for b in batches for r in b if r["action"] != "message"]
+    assert [r["record"] for r in changes] == ['{"id":0,"v":0}'] + [f'{{"id":{i},"v":{i}}}' for i in range(1, 3501)]
+    large = changes[1]["commit_lsn"]
+    assert [r["commit_idx"] for r in changes[1:]] == list(range(3500))
+    inside = [o for o in offsets if o.get("idx")]
+    assert len(inside) >= 3
+    assert all(len([r for r in b if r["action"] != "message"]) <= 1000 for b in batches)
+    for batch, end in zip(batches, offsets[1:]):
+        markers = [r for r in batch if r["table_name"] == OPEN_TRANSACTION_PREFIX]
+        assert markers == ([{**markers[0], "commit_lsn": large, "commit_idx": end["idx"]}] if end.get("idx") else [])
+    # a commit inside the transaction acknowledges its start, not more
+    boundary = max(o["lsn"] for o in offsets if o.get("idx"))
+    reader.commit(inside[-1])
+    with psycopg.connect(dsn) as conn:
+        assert slot_info(conn, slot).confirmed_flush_lsn <= boundary  # type: ignore[union-attr,operator]
+    # batches inside the transaction re-read from the slot by another reader (spool lost): the same rows
+    reader.stop()
+    other = ReplicationStreamReader(reader.options)
+    for first, end, batch in list(zip(offsets, offsets[1:], batches))[1:]:
+        (partition,) = other.partitions(first, end)
+        if os.path.exists(partition.path):  # type: ignore[attr-defined]
+            os.unlink(partition.path)  # type: ignore[attr-defined]
+        assert rows_of(other, first, end) == batch
+    other.commit(offsets[-1])
+    with psycopg.connect(dsn) as conn:
+        assert slot_info(conn, slot).confirmed_flush_lsn >= offsets[-1]["lsn"]  # type: ignore[union-attr,operator]

@@ -51,7 +51,7 @@ from sequin_provider.message_render import (
     selection,
     stream_rows_copy_binary,
 )
-from sequin_provider.messages import CHANGE_FIELD_NAMES, CHANGE_SCHEMA_DDL
+from sequin_provider.messages import CHANGE_FIELD_NAMES, CHANGE_SCHEMA_DDL, open_transaction_lsn
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
 from sequin_provider.spark.source import SPOOL_SLICE_DDL, spool_slice_rows, spool_table
 from sequin_provider.spark.worker_heap import freeze_long_lived
@@ -185,7 +185,7 @@ class StreamWriter:
         """``mapInArrow`` body: stream the partition into one COPY as its batches arrive, then send
         the push sinks' share of a spooled batch, and report (rows, written, max_lsn, store
         seconds, delivered, parked)."""
-        stats = {"rows": 0, "max_lsn": None}
+        stats: dict[str, Any] = {"rows": 0, "max_lsn": None, "open_lsn": None}
         slices: list[tuple[str, int, int]] = []
 
         def chunks() -> Iterator[bytes | memoryview]:
@@ -201,6 +201,9 @@ class StreamWriter:
                     stats["rows"] += changes.num_rows
                     top = pc.max(changes.column("commit_lsn")).as_py()
                     stats["max_lsn"] = top if stats["max_lsn"] is None else max(stats["max_lsn"], top)
+                    opened = open_transaction_lsn(changes)
+                    if opened is not None:
+                        stats["open_lsn"] = opened
                     if self.copies:  # push sinks of a spooled batch are sent after the COPY (write_share)
                         yield from self.payload(with_selections(changes, self.renderings) if spooled else changes)
             yield COPY_BINARY_TRAILER
@@ -225,7 +228,8 @@ class StreamWriter:
                 delivered, pushed_parked = delivered + sent, pushed_parked + held
         yield pa.RecordBatch.from_pydict({"rows": [stats["rows"]], "written": [written], "max_lsn": [stats["max_lsn"]],
                                           "store_seconds": [seconds], "delivered": [delivered],
-                                          "parked": [pushed_parked]}, schema=WRITE_RESULT_SCHEMA)
+                                          "parked": [pushed_parked], "open_lsn": [stats["open_lsn"]]},
+                                         schema=WRITE_RESULT_SCHEMA)
 
 
 SHARE_KEY_COLUMNS = ["commit_lsn", "commit_idx", "table_schema", "table_name", "record_pks"]
@@ -275,7 +279,7 @@ class PushWriter:
         delivered, parked = self._deliver(messages)
         yield pa.RecordBatch.from_pydict({"rows": [len(messages)], "written": [0], "max_lsn": [top],
                                           "store_seconds": [time.monotonic() - started], "delivered": [delivered],
-                                          "parked": [parked]}, schema=WRITE_RESULT_SCHEMA)
+                                          "parked": [parked], "open_lsn": [None]}, schema=WRITE_RESULT_SCHEMA)
 
     def write_share(self, slices: list[tuple[str, int, int]]) -> tuple[int, int]:
         """Deliver or park this partition's share of a spooled batch: the sink's messages of every
@@ -323,10 +327,13 @@ class PushWriter:
 
 
 WRITE_RESULT_SCHEMA = pa.schema([("rows", pa.int64()), ("written", pa.int64()), ("max_lsn", pa.int64()),
-                                 ("store_seconds", pa.float64()), ("delivered", pa.int64()), ("parked", pa.int64())])
-WRITE_RESULT_DDL = "rows bigint, written bigint, max_lsn bigint, store_seconds double, delivered bigint, parked bigint"
+                                 ("store_seconds", pa.float64()), ("delivered", pa.int64()), ("parked", pa.int64()),
+                                 ("open_lsn", pa.int64())])
+WRITE_RESULT_DDL = ("rows bigint, written bigint, max_lsn bigint, store_seconds double, delivered bigint, parked bigint,"
+                    " open_lsn bigint")
 """A task's report: change rows read, stream rows copied, the highest position read, its seconds,
-and push messages delivered and parked."""
+push messages delivered and parked, and the commit LSN of the transaction the batch ends inside
+(its marker row was in this task's rows; null otherwise)."""
 _WRITERS: dict[tuple[str, str], StreamWriter] = {}
 _PUSHERS: dict[tuple[str, str, str], PushWriter] = {}
 
@@ -418,6 +425,12 @@ class Pipeline:
         rows_in = pc.sum(results.column("rows")).as_py() or 0
         written = pc.sum(results.column("written")).as_py() or 0
         end_lsn = pc.max(results.column("max_lsn")).as_py()
+        opened = pc.min(results.column("open_lsn")).as_py()
+        if opened is not None and end_lsn is not None:
+            # The batch ends inside a transaction: its messages so far stay invisible until the batch
+            # that completes it, since a later batch's partitions commit the rest one by one (a
+            # consumer must never get a group's later message before an earlier one is written).
+            end_lsn = opened - 1
         store_seconds = pc.sum(results.column("store_seconds")).as_py() or 0.0
         delivered = sum(pc.sum(r.column("delivered")).as_py() or 0 for r in [results, *pushed])
         parked = sum(pc.sum(r.column("parked")).as_py() or 0 for r in [results, *pushed])

@@ -8,7 +8,11 @@ JVM through the driver. After a crash the files are still there, so Spark's repl
 unfinished batch needs no slot; only when a file is missing is the range re-read from the slot.
 ``commit(end)`` is the only place the slot is acknowledged, and it removes the batch's files.
 
-Offsets are ``{"lsn": <end LSN of the last complete transaction>}``.
+Offsets are ``{"lsn": <end LSN of the last complete transaction>}``, with ``"idx": <rows of the next
+transaction taken>`` when a batch ends inside a large transaction (``replication.Position``): such a
+transaction spans several micro-batches, its last batch carries a marker row
+(``messages.open_transaction_row``) so that the pipeline keeps its rows invisible until it is whole,
+and the slot is acknowledged only at ``lsn``.
 
 Options: ``config`` (path of sequin.yaml), ``database``, ``spool`` (a folder of this database
 that the executors can read; the app passes ``<checkpoint>/sequin-spool`` or
@@ -34,8 +38,8 @@ from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPart
 
 from sequin_provider.config import DatabaseConfig, SequinConfig, StreamConfig, load_config
 from sequin_provider.logs import configure_logging
-from sequin_provider.messages import CHANGE_ARROW_SCHEMA, CHANGE_SCHEMA_DDL, rows_to_arrow
-from sequin_provider.replication import ChangeReader, SourceUnavailableError, confirmed_flush_lsn
+from sequin_provider.messages import CHANGE_ARROW_SCHEMA, CHANGE_SCHEMA_DDL, open_transaction_row, rows_to_arrow
+from sequin_provider.replication import CHUNK_BYTES, CHUNK_ROWS, ChangeReader, Position, ReadResult, SourceUnavailableError, confirmed_flush_lsn
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
 from sequin_provider.spark.worker_heap import freeze_long_lived
 from sequin_provider import store
@@ -85,7 +89,7 @@ class SequinReplicationDataSource(DataSource):
 class SpoolPartition(InputPartition):
     """A slice of one micro-batch: the offset range, its spool file, and which rows of it."""
 
-    def __init__(self, start: int, end: int, path: str, options: dict[str, str], offset: int = 0,
+    def __init__(self, start: Position, end: Position, path: str, options: dict[str, str], offset: int = 0,
                  length: int | None = None) -> None:
         super().__init__(None)
         self.start = start
@@ -96,9 +100,25 @@ class SpoolPartition(InputPartition):
         self.length = length  # None: every row (and the only partition of the batch)
 
 
-def spool_path(folder: str, start: int, end: int) -> str:
+def offset_position(offset: dict) -> Position:
+    """A source offset as a ``Position`` (offsets of earlier versions have no ``idx``)."""
+    return int(offset["lsn"]), int(offset.get("idx", 0))
+
+
+def position_offset(position: Position) -> dict:
+    """A ``Position`` as a source offset (``idx`` only inside a transaction)."""
+    return {"lsn": position[0], "idx": position[1]} if position[1] else {"lsn": position[0]}
+
+
+def spool_path(folder: str, start: Position, end: Position) -> str:
     """The spool file of the batch ``(start, end]``."""
-    return os.path.join(folder, f"{start:020d}-{end:020d}.arrow")
+    return os.path.join(folder, f"{start[0]:020d}_{start[1]:010d}-{end[0]:020d}_{end[1]:010d}.arrow")
+
+
+def spooled_end(name: str) -> Position:
+    """The end position of the batch a spool file name (or a crash's ``.arrow.tmp…``) is for."""
+    lsn, _, idx = name.split(".")[0].split("-")[1].partition("_")
+    return int(lsn), int(idx or 0)
 
 
 def write_spool(path: str, batch: pa.RecordBatch) -> None:
@@ -135,6 +155,14 @@ def spool_slice_rows(batch: pa.RecordBatch) -> Iterator[pa.RecordBatch]:
                                   batch.column("spool_rows").to_pylist()):
         table = spool_table(path).slice(offset, rows).combine_chunks()
         yield from table.to_batches(max_chunksize=SLICE_CHUNK_ROWS) if table.num_rows else ()
+
+
+def with_open_transaction(rows: list[tuple], last: ReadResult) -> list[tuple]:
+    """A batch's rows, and the marker row of the transaction it ends inside, if it does
+    (``messages.open_transaction_row``; the same for the batch re-read after a crash)."""
+    if not last.end_idx:
+        return rows
+    return rows + [open_transaction_row(last.rows[-1], last.end_idx)]  # the reader's last row is the open one's
 
 
 class ReplicationStreamReader(DataSourceStreamReader):
@@ -176,8 +204,11 @@ class ReplicationStreamReader(DataSourceStreamReader):
         return self._store, self._config.store.schema
 
     def _new_reader(self) -> ChangeReader:
-        db, _ = self._settings()
-        return ChangeReader(db.dsn, db.slot.name, db.publication.name)
+        db, stream = self._settings()
+        # a chunk of an open transaction fits in a batch; the buffer holds about two batches
+        return ChangeReader(db.dsn, db.slot.name, db.publication.name, buffer_rows=2 * stream.max_batch_rows,
+                            buffer_bytes=2 * stream.max_batch_bytes, chunk_rows=min(CHUNK_ROWS, stream.max_batch_rows),
+                            chunk_bytes=min(CHUNK_BYTES, stream.max_batch_bytes))
 
     def initialOffset(self) -> dict:
         # Spark may ask more than once for a new query, and the slot may move in between
@@ -190,38 +221,39 @@ class ReplicationStreamReader(DataSourceStreamReader):
 
     def latestOffset(self, start: dict, limit: Any) -> dict:
         db, stream = self._settings()
-        lsn = int(start["lsn"])
+        position = offset_position(start)
         if self._reader is None:
             self._reader = self._new_reader()
-        if not self._reader.is_open or self._reader.position != lsn:
-            self._reader.open(lsn)
+        if not self._reader.is_open or self._reader.position != position:
+            self._reader.open(position)
             self._windows.reset()  # windows opened before this position are unknown now
         self._maybe_heartbeat(db)
         try:
             result = self._reader.read(stream.max_batch_rows, stream.max_batch_bytes, stream.max_batch_wait)
         except SourceUnavailableError as exc:  # the server restarted under us: read the rest again once it is back
-            log.warning("%s; reconnecting at %s", exc, lsn)
-            self._reader.open(lsn)
+            log.warning("%s; reconnecting at %s", exc, position)
+            self._reader.open(position)
             self._windows.reset()
             return start
-        if result.end_lsn == lsn:
+        if result.end == position:
             return start
-        end, rows = result.end_lsn, self._with_closed_windows(result.rows)
+        last, rows = result, self._with_closed_windows(result.rows)
         while all(map(holdable, rows)) and time.monotonic() < self._last_batch_at + MARKS_ONLY_BATCH_INTERVAL:
             try:
                 more = self._reader.read(stream.max_batch_rows, stream.max_batch_bytes, stream.max_batch_wait)
             except SourceUnavailableError:
                 break  # the batch read so far stands; the next latestOffset reconnects
-            if more.end_lsn != end:
-                end, rows = more.end_lsn, rows + self._with_closed_windows(more.rows)
+            if more.end != last.end:
+                last, rows = more, rows + self._with_closed_windows(more.rows)
         self._last_batch_at = time.monotonic()
         # A heartbeat-only transaction gives a 0-row batch: the offset still advances, so the
         # slot is acknowledged past it and an idle database does not retain WAL.
         os.makedirs(self.spool, exist_ok=True)
-        path = spool_path(self.spool, lsn, end)
+        path = spool_path(self.spool, position, last.end)
+        rows = with_open_transaction(rows, last)
         write_spool(path, rows_to_arrow(rows))
         self._spooled_rows[path] = len(rows)
-        return {"lsn": end}
+        return position_offset(last.end)
 
     def _with_closed_windows(self, rows: list[tuple]) -> list[tuple]:
         """``rows`` and the reads of the backfill windows closed among them that go through Spark."""
@@ -262,7 +294,7 @@ class ReplicationStreamReader(DataSourceStreamReader):
 
     def partitions(self, start: dict, end: dict) -> list[InputPartition]:
         """One partition per core for large batches (collected in order, so row order holds)."""
-        lo, hi = int(start["lsn"]), int(end["lsn"])
+        lo, hi = offset_position(start), offset_position(end)
         path = spool_path(self.spool, lo, hi)
         rows = self._spooled_rows.get(path, 0)
         if self.slices == 1 or rows < MIN_ROWS_PER_SLICE * 2:
@@ -287,7 +319,7 @@ class ReplicationStreamReader(DataSourceStreamReader):
                         else table.to_batches())
             return
         replay = ReplicationStreamReader(partition.options)
-        batches = list(replay.reread_from_slot({"lsn": partition.start}, {"lsn": partition.end}))
+        batches = list(replay.reread_from_slot(position_offset(partition.start), position_offset(partition.end)))
         whole = pa.Table.from_batches(batches, CHANGE_ARROW_SCHEMA)
         if self.references:  # the executors' writers take the rows from the file: put it back
             os.makedirs(os.path.dirname(partition.path), exist_ok=True)
@@ -300,15 +332,15 @@ class ReplicationStreamReader(DataSourceStreamReader):
 
     def reread_from_slot(self, start: dict, end: dict) -> Iterator[pa.RecordBatch]:
         """Re-read exactly ``(start, end]`` from the slot with a reader of its own."""
-        if int(start["lsn"]) == int(end["lsn"]):
+        if offset_position(start) == offset_position(end):
             return iter([])
         reader = self._new_reader()
         try:
-            reader.open(int(start["lsn"]))
-            result = reader.read(0, 0, 0, stop_at=int(end["lsn"]))
+            reader.open(offset_position(start))
+            result = reader.read(0, 0, 0, stop_at=offset_position(end))
         finally:
             reader.close()
-        return iter([rows_to_arrow(result.rows + self._reread_windows(result.rows))])
+        return iter([rows_to_arrow(with_open_transaction(result.rows + self._reread_windows(result.rows), result))])
 
     def _reread_windows(self, rows: list[tuple]) -> list[tuple]:
         """The reads a batch carried, rebuilt from the store for its high watermarks (``closing`` pages)."""
@@ -327,11 +359,11 @@ class ReplicationStreamReader(DataSourceStreamReader):
         return reads
 
     def commit(self, end: dict) -> None:
-        lsn = int(end["lsn"])
+        position = offset_position(end)
+        lsn = position[0]  # a batch may end inside a transaction: the slot moves to commit boundaries only
         if self._reader is None:
             self._reader = self._new_reader()
-        self._spooled_rows = {p: n for p, n in self._spooled_rows.items()
-                              if int(Path(p).stem.split("-")[1]) > lsn}
+        self._spooled_rows = {p: n for p, n in self._spooled_rows.items() if spooled_end(Path(p).name) > position}
         if self._reader.is_open:
             self._reader.acknowledge(lsn)
         else:
@@ -342,20 +374,20 @@ class ReplicationStreamReader(DataSourceStreamReader):
                 self._reader.acknowledge(lsn)
             finally:
                 self._reader.close()
-        self._remove_spooled(lsn)
+        self._remove_spooled(position)
         try:  # the batch is delivered: pages closed in it are emitted (a later commit retries)
             sink, schema = self._backfill_store()
             sink.retrying(lambda conn: store.finish_emitted_pages(conn, schema, lsn))
         except Exception as exc:  # noqa: BLE001
             log.warning("could not mark delivered backfill pages emitted yet: %s", exc)
 
-    def _remove_spooled(self, committed: int) -> None:
+    def _remove_spooled(self, committed: Position) -> None:
         folder = Path(self.spool)
         if not folder.is_dir():
             return
         for path in folder.glob("*.arrow*"):
             try:
-                if int(path.name.split(".")[0].split("-")[1]) <= committed:  # also a crash's .arrow.tmp
+                if spooled_end(path.name) <= committed:  # also a crash's .arrow.tmp
                     path.unlink()
             except (ValueError, IndexError, FileNotFoundError):
                 continue

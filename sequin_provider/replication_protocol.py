@@ -1,0 +1,141 @@
+"""The streaming replication protocol of a logical slot, spoken by us over libpq (psycopg's ``pq``).
+
+Why not psycopg2's ``LogicalReplicationConnection``: it answers the walsender's keepalives on its
+own, and when our last explicit flush position is at or past the start of the last data message
+it read, it moves the flush position it reports to the keepalive's ``wal_end`` (psycopg2's
+``pqpath.c``, keepalive branch). With interleaved transactions the messages of a transaction
+replayed at its commit can all start below the commit we just confirmed; a keepalive that arrives
+while we read them (the walsender asks for one after ``wal_sender_timeout/2`` without a reply: a GC
+pause, a frozen VM, a busy reader) then confirms past transactions we received but have not
+delivered, and a crash loses them (tests/test_replication_keepalive.py shows it).
+
+Here the server hears exactly one position: the one the caller last passed to ``send_status``
+(and nothing, ``0/0``, which the server ignores, before the first). A keepalive that asks for a
+reply gets that same position. That is the invariant DESIGN §2.8 asks for, kept by construction.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from typing import Any
+
+import psycopg
+from psycopg import pq
+from psycopg.conninfo import make_conninfo
+
+PG_EPOCH_OFFSET_US = 946_684_800_000_000
+"""Microseconds from the Unix epoch to PostgreSQL's (2000-01-01), for status message clocks."""
+_XLOG_DATA = struct.Struct(">QQQ")  # after b"w": dataStart, walEnd, sendTime
+_KEEPALIVE = struct.Struct(">QQB")  # after b"k": walEnd, sendTime, replyRequested
+_STATUS = struct.Struct(">cQQQQB")  # b"r", write, flush, apply, clock, replyRequested
+_W, _K = ord("w"), ord("k")
+
+
+class ReplicationProtocolError(psycopg.OperationalError):
+    """The replication connection failed; the text is the server's or libpq's own message."""
+
+
+def quote_option(value: str) -> str:
+    """A START_REPLICATION option value as a SQL string literal."""
+    return "'" + value.replace("'", "''") + "'"
+
+
+class ReplicationStream:
+    """One logical replication connection in COPY BOTH mode: data messages out, status in.
+
+    ``read()`` returns the next ``(data_start, payload)`` or None when nothing is buffered;
+    keepalives are consumed inside it and answered, when they ask, with the position of the last
+    ``send_status``. Not thread-safe: one thread owns it (``replication.ChangeReader``'s reader).
+    """
+
+    def __init__(self, dsn: str, session_options: str, status_interval: float = 10.0) -> None:
+        conninfo = make_conninfo(dsn, replication="database", options=session_options)
+        self._conn = pq.PGconn.connect(conninfo.encode())
+        if self._conn.status != pq.ConnStatus.OK:
+            message = self._error()
+            self._conn.finish()
+            raise ReplicationProtocolError(message)
+        self._flush_lsn = 0
+        self._status_interval = status_interval
+        self._last_status = time.monotonic()
+        self.wal_end = 0
+        """The walsender's position as of the last message or keepalive read (for diagnostics)."""
+
+    def _error(self, result: Any = None) -> str:
+        text = result.error_message if result is not None and result.error_message else self._conn.error_message
+        return text.decode("utf-8", "replace").strip() or "replication connection failed"
+
+    def start(self, slot: str, start_lsn: str, options: dict[str, str]) -> None:
+        """``START_REPLICATION SLOT slot LOGICAL start_lsn (options)``: the connection enters COPY BOTH."""
+        rendered = ", ".join(f'"{k}" {quote_option(v)}' for k, v in options.items())
+        command = f'START_REPLICATION SLOT "{slot}" LOGICAL {start_lsn}' + (f" ({rendered})" if rendered else "")
+        result = self._conn.exec_(command.encode())
+        if result.status != pq.ExecStatus.COPY_BOTH:
+            raise ReplicationProtocolError(self._error(result))
+        self._conn.nonblocking = 1
+        self._last_status = time.monotonic()
+
+    def fileno(self) -> int:
+        """The socket, for ``select``."""
+        return self._conn.socket
+
+    def read(self) -> tuple[int, bytes] | None:
+        """The next data message as ``(data_start, payload)``, or None when none is buffered."""
+        conn = self._conn
+        consumed = False
+        while True:
+            size, data = conn.get_copy_data(1)
+            if size > 0:
+                kind = data[0]
+                if kind == _W:
+                    data_start, self.wal_end, _ = _XLOG_DATA.unpack_from(data, 1)
+                    return data_start, bytes(data[25:])
+                if kind == _K:
+                    self.wal_end, _, reply = _KEEPALIVE.unpack_from(data, 1)
+                    if reply:
+                        self.send_status()
+                    continue
+                raise ReplicationProtocolError(f"unexpected replication message type {chr(kind)!r}")
+            if size == 0:
+                if consumed:
+                    return None
+                try:
+                    conn.consume_input()
+                except psycopg.OperationalError as exc:
+                    raise ReplicationProtocolError(str(exc).strip() or self._error()) from None
+                consumed = True
+                continue
+            # -1: the server ended the copy (an error or a shutdown); -2: libpq's own error
+            result = conn.get_result()
+            raise ReplicationProtocolError(self._error(result))
+
+    def send_status_if_due(self, interval: float | None = None) -> None:
+        """Send a status update (the same position) when none went out for ``interval`` seconds
+        (default: the stream's status interval), so the walsender never times us out."""
+        if time.monotonic() - self._last_status >= (self._status_interval if interval is None else interval):
+            self.send_status()
+
+    def send_status(self, flush_lsn: int | None = None) -> None:
+        """Send a standby status update; ``flush_lsn``, when given, becomes the position we report
+        from now on (it never moves back). Only this reaches the slot's confirmed position."""
+        if flush_lsn is not None and flush_lsn > self._flush_lsn:
+            self._flush_lsn = flush_lsn
+        lsn = self._flush_lsn
+        clock = int(time.time() * 1_000_000) - PG_EPOCH_OFFSET_US
+        conn = self._conn
+        message = _STATUS.pack(b"r", lsn, lsn, lsn, clock, 0)
+        while conn.put_copy_data(message) == 0:  # nonblocking and libpq's buffer is full
+            time.sleep(0.001)
+        while conn.flush() == 1:  # nonblocking: the rest is still queued
+            time.sleep(0.001)
+        self._last_status = time.monotonic()
+
+    @property
+    def flush_lsn(self) -> int:
+        """The position the server has been told (0 before the first ``send_status`` with one)."""
+        return self._flush_lsn
+
+    def close(self) -> None:
+        """Close the connection (safe to call twice)."""
+        self._conn.finish()
