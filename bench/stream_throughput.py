@@ -117,7 +117,7 @@ def run_decoder_only(dsn: str, slot: str, start_lsn: int, end_lsn: int, expected
         while seen < expected:
             result = reader.read(200_000, 1 << 30, 0.5)
             seen += len(result.rows)
-            if result.transactions == 0 and reader.position and reader.position >= end_lsn:
+            if result.transactions == 0 and reader.position and reader.position[0] >= end_lsn:
                 break
     finally:
         reader.close()

@@ -211,8 +211,8 @@ class ReplicationStreamReader(DataSourceStreamReader):
                             chunk_bytes=min(CHUNK_BYTES, stream.max_batch_bytes))
 
     def initialOffset(self) -> dict:
-        # Spark may ask more than once for a new query, and the slot may move in between
-        # (psycopg2 confirms a keepalive's wal_end when nothing unacknowledged was received): one
+        # Spark may ask more than once for a new query, and the slot may move in between (an
+        # operator's pg_replication_slot_advance, a previous app's last acknowledgement): one
         # answer per reader keeps batch 0's start consistent.
         if self._initial_lsn is None:
             db, _ = self._settings()
