@@ -491,17 +491,17 @@ class ChangeReader:
     def _stream(self, decoder: PgOutputDecoder, start: Position) -> None:
         stream, cond = self._stream_conn, self._cond
         assert stream is not None
-        base, skip = start  # the first transaction's first ``skip`` rows were handed out before
+        boundary, skip = start  # the first transaction's first ``skip`` rows were handed out before
         first_idx, pending, pending_bytes = skip, [], 0
         chunk_rows, chunk_bytes = self.chunk_rows, self.chunk_bytes
-        received = base  # end LSN of the last complete transaction received
+        received = 0  # end LSN of the last complete transaction received (0: none yet)
         last_progress = time.monotonic()  # when the acknowledged position last moved (or nothing was owed)
         acked = 0
         stall = self.test_stall
 
         def hand_on(commit_lsn: int = 0) -> None:
             nonlocal first_idx, pending, pending_bytes
-            chunk = _Chunk(received, first_idx, pending, pending_bytes, commit_lsn)
+            chunk = _Chunk(boundary, first_idx, pending, pending_bytes, commit_lsn)
             first_idx = 0 if commit_lsn else first_idx + len(pending)
             pending, pending_bytes = [], 0
             with cond:
@@ -556,7 +556,8 @@ class ChangeReader:
                             hand_on()
                     elif isinstance(event, Commit):
                         hand_on(event.end_lsn)
-                        received, skip = event.end_lsn, 0
+                        received = boundary = event.end_lsn
+                        skip = 0
                     elif isinstance(event, LogicalMessage):
                         if event.transactional and event.prefix.startswith(MESSAGE_PREFIX) and event.prefix != HEARTBEAT_PREFIX:
                             row = decoder.message_row(event)  # numbered even when skipped
