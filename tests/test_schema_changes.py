@@ -82,20 +82,24 @@ def test_a_primary_key_change_keeps_the_key_rows_were_written_under(dsn: str) ->
 
 def test_a_key_declared_out_of_column_order_keeps_its_key_order(dsn: str) -> None:
     """The Relation message flags key columns in column order; ``record_pks`` is in key order
-    (as backfills read it) whenever today's key has the same columns, and in column order only
-    for rows written under another key than today's."""
-    execute(dsn, "CREATE TABLE k (a text, b int, c text, PRIMARY KEY (b, a))")
-    rows = capture(dsn, ["k"],
+    (as backfills read it) whenever today's key has the same columns, and in column order for rows
+    written under another key than today's (which the stream cannot order otherwise)."""
+    execute(dsn, "CREATE TABLE k (a text, b int, c text, PRIMARY KEY (b, a))",
+            "CREATE TABLE k2 (a text, b int, c text, PRIMARY KEY (b, a))")
+    rows = capture(dsn, ["k", "k2"],
                    "INSERT INTO k VALUES ('x', 1, 'y')", "UPDATE k SET c = 'z'", "DELETE FROM k",
-                   "INSERT INTO k VALUES ('x', 2, 'y')",
-                   "ALTER TABLE k DROP CONSTRAINT k_pkey", "ALTER TABLE k ADD PRIMARY KEY (c, b)",
-                   "INSERT INTO k VALUES ('w', 3, 'v')")
+                   "INSERT INTO k2 VALUES ('x', 2, 'y')", "DELETE FROM k2",
+                   "ALTER TABLE k ADD COLUMN d int", "INSERT INTO k VALUES ('x', 3, 'y', 4)",
+                   "ALTER TABLE k2 DROP CONSTRAINT k2_pkey", "ALTER TABLE k2 ADD PRIMARY KEY (c, b)",
+                   "INSERT INTO k2 VALUES ('w', 3, 'v')")
     assert changes_of(rows) == [
         ("k", "insert", {"a": "x", "b": 1, "c": "y"}, None, ["1", "x"]),
         ("k", "update", {"a": "x", "b": 1, "c": "z"}, {}, ["1", "x"]),
         ("k", "delete", {"a": "x", "b": 1}, None, ["1", "x"]),
-        ("k", "insert", {"a": "x", "b": 2, "c": "y"}, None, ["x", "2"]),  # not today's key: column order
-        ("k", "insert", {"a": "w", "b": 3, "c": "v"}, None, ["v", "3"]),
+        ("k2", "insert", {"a": "x", "b": 2, "c": "y"}, None, ["x", "2"]),  # not today's key: column order
+        ("k2", "delete", {"a": "x", "b": 2}, None, ["x", "2"]),
+        ("k", "insert", {"a": "x", "b": 3, "c": "y", "d": 4}, None, ["3", "x"]),
+        ("k2", "insert", {"a": "w", "b": 3, "c": "v"}, None, ["v", "3"]),
     ]
 
 
