@@ -304,6 +304,11 @@ def relation_key(qualified: str, replica_identity: str, columns: list[str], key_
                  " column order", qualified, ", ".join(flagged), ", ".join(today) or "none")
         return flagged
     today = catalog_key()
+    if not today:
+        log.warning("%s (REPLICA IDENTITY %s): no primary key in today's catalog (the table or its key was dropped"
+                    " since), and the WAL does not record it: record_pks = [] for the rows of this point of the WAL",
+                    qualified, _IDENTITY_NAMES.get(replica_identity, replica_identity))
+        return []
     absent = [c for c in today if c not in columns]
     if absent:
         log.warning("%s (REPLICA IDENTITY %s): primary key column(s) %s of today's catalog are not in the rows of"

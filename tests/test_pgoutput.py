@@ -246,6 +246,10 @@ def test_replica_identity_full_and_index_use_todays_key_when_the_row_has_it(comp
     decoder, _ = key_decoder(["key_id"], compiled)
     decoder.decode(relation_payload(1, "f", full))
     assert decoder.decode(tuple_payload(b"I", 1, ["1", "a", "x"]))[9] == []
+    # no primary key today (the table was dropped since): no key either
+    decoder, _ = key_decoder([], compiled)
+    decoder.decode(relation_payload(1, "f", full))
+    assert decoder.decode(tuple_payload(b"I", 1, ["1", "a", "x"]))[9] == []
     # USING INDEX on code, primary key id: inserts carry the key; a delete's key tuple has only
     # code, so its record_pks are [] rather than a partial key
     index = [("id", 23, False), ("code", 25, True), ("v", 25, False)]
