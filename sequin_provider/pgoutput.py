@@ -276,6 +276,50 @@ class Relation:
     prefixes: list[str] = field(default_factory=list)
     pk_positions: list[int] = field(default_factory=list)
     kinds: bytes = b""  # CONVERTER_KINDS of the converters, for the compiled renderer
+    old_key_positions: list[int] = field(default_factory=list)  # pk_positions when a key tuple ('K') carries them all
+
+
+def relation_key(qualified: str, replica_identity: str, columns: list[str], key_flags: list[bool],
+                 catalog_key: Callable[[], list[str]] | None) -> list[str]:
+    """The columns whose values are a change's ``record_pks``, in key order (DESIGN §6).
+
+    REPLICA IDENTITY DEFAULT: the Relation message flags exactly the primary key as it was at this
+    point of the WAL, so the flags decide; they come in column order, so today's key
+    (``catalog_key``) gives the order when it has the same columns, and a row written under another
+    key than today's (renamed or replaced since) keeps the column order. No flag: the table had no
+    primary key then, ``[]``. FULL, USING INDEX, NOTHING: the WAL does not say which columns formed
+    the key, so it is today's primary key when all of its columns are in the row as written, else
+    ``[]`` (a warning is logged): the stream never makes up a key from columns the row lacks.
+    ``catalog_key`` None (a decoder without a catalog): the flagged columns."""
+    flagged = [c for c, k in zip(columns, key_flags) if k]
+    if catalog_key is None:
+        return flagged
+    if replica_identity == "d":
+        if len(flagged) < 2:
+            return flagged
+        today = catalog_key()
+        if sorted(today) == sorted(flagged):
+            return today
+        log.info("%s: rows of this point of the WAL have the primary key (%s), today's is (%s): record_pks in"
+                 " column order", qualified, ", ".join(flagged), ", ".join(today) or "none")
+        return flagged
+    today = catalog_key()
+    if not today:
+        log.warning("%s (REPLICA IDENTITY %s): no primary key in today's catalog (the table or its key was dropped"
+                    " since), and the WAL does not record it: record_pks = [] for the rows of this point of the WAL",
+                    qualified, _IDENTITY_NAMES.get(replica_identity, replica_identity))
+        return []
+    absent = [c for c in today if c not in columns]
+    if absent:
+        log.warning("%s (REPLICA IDENTITY %s): primary key column(s) %s of today's catalog are not in the rows of"
+                    " this point of the WAL (%s), which does not record the key: record_pks = [] for them",
+                    qualified, _IDENTITY_NAMES.get(replica_identity, replica_identity), ", ".join(absent),
+                    ", ".join(columns))
+        return []
+    return today
+
+
+_IDENTITY_NAMES = {"d": "DEFAULT", "f": "FULL", "i": "USING INDEX", "n": "NOTHING"}
 
 
 @dataclass(frozen=True)
@@ -454,7 +498,8 @@ class PgOutputDecoder:
 
     ``decode(payload)`` returns a ``ChangeRow`` for Insert/Update/Delete, a ``Begin``/``Commit``/
     ``LogicalMessage``/``Truncate`` object for those, and None for Relation/Type/Origin.
-    ``primary_key(relid, schema, name)`` tells the primary-key columns of a table (catalog).
+    ``primary_key(relid, schema, name)`` tells today's primary-key columns of a table (catalog):
+    ``relation_key`` says when it is asked and what of it is used.
     ``compiled`` chooses the compiled tuple parser and renderer (default: when built) or the
     Python references, which define what both do.
     """
@@ -526,9 +571,9 @@ class PgOutputDecoder:
             pos += 8  # type oid + typmod
             columns.append(col)
             keys.append(bool(flags & 1))
-        pk = self._primary_key(relid, schema, name) if self._primary_key else []
-        if not pk:
-            pk = [c for c, k in zip(columns, keys) if k]
+        lookup = self._primary_key
+        pk = relation_key(f"{schema}.{name}", replident, columns, keys,
+                          None if lookup is None else lambda: lookup(relid, schema, name))
         self.relations[relid] = self.make_relation(relid, schema, name, replident, columns, oids, keys, pk)
 
     def make_relation(self, relid: int, schema: str, name: str, replica_identity: str, columns: list[str],
@@ -539,6 +584,9 @@ class PgOutputDecoder:
         rel.kinds = bytes(CONVERTER_KINDS.get(c, 0) for c in rel.converters)
         rel.prefixes = [_json_string(c) + ":" for c in columns]
         rel.pk_positions = [columns.index(c) for c in primary_key if c in columns]
+        # a key tuple ('K': deletes, USING INDEX) carries only the identity columns: when they miss
+        # part of the primary key, its record_pks would be a wrong (partial) key, so it has none
+        rel.old_key_positions = rel.pk_positions if all(key_flags[i] for i in rel.pk_positions) else []
         return rel
 
     def render_copy(self, rel: Relation, data: bytes | bytearray) -> tuple[bytes, bytes, bytes, bytes, int]:
@@ -621,7 +669,7 @@ class PgOutputDecoder:
             return self._row(rel, "delete", record, None, pks, missing)
         old, _ = self._parse_tuple(buf, 6)  # key only: the record carries the replica identity columns
         record, missing = self._render(rel, old, only=[i for i, k in enumerate(rel.key_flags) if k])
-        return self._row(rel, "delete", record, None, self._pks(rel, old), missing)
+        return self._row(rel, "delete", record, None, pk_texts(old, rel.old_key_positions), missing)
 
     # -- other ------------------------------------------------------------------------------
     def message_row(self, event: LogicalMessage) -> ChangeRow:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 from decimal import Decimal
 from typing import Any
 
@@ -10,7 +11,7 @@ import psycopg
 import pytest
 
 from sequin_provider.config import TableConfig
-from sequin_provider.pgoutput import DecodeError, PgOutputDecoder, TypeRegistry, parse_array_literal
+from sequin_provider.pgoutput import COMPILED, DecodeError, PgOutputDecoder, TypeRegistry, parse_array_literal
 from sequin_provider.replication import ChangeReader, create_slot, ensure_publication
 from tests.conftest import execute
 
@@ -183,3 +184,80 @@ def test_vector_types_fall_back_to_text(dsn: str) -> None:
     execute(dsn, "CREATE TABLE v (id int PRIMARY KEY, iv int2vector, ov oidvector)")
     (row,) = capture(dsn, ["v"], "INSERT INTO v VALUES (1, '1 2 3', '4 5')")
     assert record(row) == {"id": 1, "iv": "1 2 3", "ov": "4 5"}
+
+
+def relation_payload(relid: int, replica_identity: str, columns: list[tuple[str, int, bool]]) -> bytes:
+    """A Relation message: (name, type oid, key flag) per column, in column order."""
+    body = b"".join(bytes([1 if key else 0]) + name.encode() + b"\0" + struct.pack(">Ii", oid, -1)
+                    for name, oid, key in columns)
+    return (b"R" + struct.pack(">I", relid) + b"public\0t\0" + replica_identity.encode()
+            + struct.pack(">h", len(columns)) + body)
+
+
+def tuple_payload(kind: bytes, relid: int, values: list[str | None], old: bytes = b"") -> bytes:
+    """An Insert ('I', new tuple) or Delete ('D', ``old`` 'K' or 'O') of text values."""
+    data = b"".join(b"n" if v is None else b"t" + struct.pack(">i", len(v.encode())) + v.encode() for v in values)
+    return kind + struct.pack(">I", relid) + (old or b"N") + struct.pack(">h", len(values)) + data
+
+
+def key_decoder(today: list[str] | None, compiled: bool) -> tuple[PgOutputDecoder, list[int]]:
+    """A decoder whose catalog says today's primary key is ``today``; the list counts lookups."""
+    asked: list[int] = []
+
+    def lookup(relid: int, schema: str, name: str) -> list[str]:
+        asked.append(relid)
+        return list(today or [])
+
+    return PgOutputDecoder(TypeRegistry(), None if today is None else lookup, compiled=compiled), asked
+
+
+DECODERS = [False, True] if COMPILED else [False]
+
+
+@pytest.mark.parametrize("compiled", DECODERS)
+def test_replica_identity_default_key_flags_decide_record_pks(compiled: bool) -> None:
+    cols = [("a", 25, True), ("b", 23, True), ("c", 25, False)]
+    # today's key has the flagged columns: its order (b, a), as backfills read it
+    decoder, asked = key_decoder(["b", "a"], compiled)
+    decoder.decode(relation_payload(1, "d", cols))
+    assert decoder.decode(tuple_payload(b"I", 1, ["x", "1", "y"]))[9] == ["1", "x"]
+    assert decoder.decode(tuple_payload(b"D", 1, ["x", "1", None], b"K"))[7:10] == ('{"a":"x","b":1}', None, ["1", "x"])
+    # today's key is another (the key changed since): the flags, in column order, never today's columns
+    decoder, _ = key_decoder(["c"], compiled)
+    decoder.decode(relation_payload(1, "d", cols))
+    assert decoder.decode(tuple_payload(b"I", 1, ["x", "1", "y"]))[9] == ["x", "1"]
+    # one key column: the catalog is not asked; no key column (no primary key then): []
+    decoder, asked = key_decoder(["c"], compiled)
+    decoder.decode(relation_payload(1, "d", [("id", 23, True), ("c", 25, False)]))
+    decoder.decode(relation_payload(2, "d", [("id", 23, False), ("c", 25, False)]))
+    assert decoder.decode(tuple_payload(b"I", 1, ["5", "y"]))[9] == ["5"]
+    assert decoder.decode(tuple_payload(b"I", 2, ["5", "y"]))[9] == []
+    assert asked == []
+
+
+@pytest.mark.parametrize("compiled", DECODERS)
+def test_replica_identity_full_and_index_use_todays_key_when_the_row_has_it(compiled: bool) -> None:
+    full = [("id", 23, True), ("code", 25, True), ("v", 25, True)]
+    decoder, _ = key_decoder(["id"], compiled)
+    decoder.decode(relation_payload(1, "f", full))
+    assert decoder.decode(tuple_payload(b"I", 1, ["1", "a", "x"]))[9] == ["1"]
+    assert decoder.decode(tuple_payload(b"D", 1, ["1", "a", "x"], b"O"))[9] == ["1"]
+    # today's key column is not in the row as written (renamed since): no key rather than a wrong one
+    decoder, _ = key_decoder(["key_id"], compiled)
+    decoder.decode(relation_payload(1, "f", full))
+    assert decoder.decode(tuple_payload(b"I", 1, ["1", "a", "x"]))[9] == []
+    # no primary key today (the table was dropped since): no key either
+    decoder, _ = key_decoder([], compiled)
+    decoder.decode(relation_payload(1, "f", full))
+    assert decoder.decode(tuple_payload(b"I", 1, ["1", "a", "x"]))[9] == []
+    # USING INDEX on code, primary key id: inserts carry the key; a delete's key tuple has only
+    # code, so its record_pks are [] rather than a partial key
+    index = [("id", 23, False), ("code", 25, True), ("v", 25, False)]
+    decoder, _ = key_decoder(["id"], compiled)
+    decoder.decode(relation_payload(1, "i", index))
+    assert decoder.decode(tuple_payload(b"I", 1, ["1", "a", "x"]))[9] == ["1"]
+    assert decoder.decode(tuple_payload(b"D", 1, [None, "a", None], b"K"))[7:10] == ('{"code":"a"}', None, [])
+    # a decoder without a catalog: the flagged columns
+    decoder, _ = key_decoder(None, compiled)
+    decoder.decode(relation_payload(1, "f", full))
+    assert decoder.decode(tuple_payload(b"I", 1, ["1", "a", "x"]))[9] == ["1", "a", "x"]
