@@ -500,8 +500,7 @@ class ChangeReader:
                         if event.transactional and event.prefix.startswith(MESSAGE_PREFIX) and event.prefix != HEARTBEAT_PREFIX:
                             pending.append(decoder.message_row(event))
                     elif isinstance(event, Truncate):
-                        log.warning("TRUNCATE of %s is not delivered as messages (see README: Truncate)",
-                                    ", ".join(event.relations))
+                        pending.extend(decoder.truncate_rows(event))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer by read()/acknowledge()
             with cond:
                 self._error = exc
