@@ -89,7 +89,7 @@ _RECEIVE = """
         FROM {s}.stream_messages m
         WHERE m.sink = %(sink)s AND m.commit_lsn <= %(visible)s
         ORDER BY m.commit_lsn, m.commit_idx LIMIT %(head)s),
-    barriers AS (
+    barriers AS MATERIALIZED (
         SELECT commit_lsn, commit_idx, barrier FROM head WHERE barrier IS NOT NULL),
     firsts AS (
         SELECT DISTINCT ON (group_id COLLATE "C") row_id, commit_lsn, commit_idx, group_id, barrier, ready
