@@ -6,6 +6,8 @@ stream's micro-batch completes and the slot advances while the group keeps its o
 redelivers due groups one message at a time in position order, with exponential backoff
 (1 s x 2^(n-1), +/-15 % jitter, capped); after ``max_retry_count`` attempts a message is kept as
 ``discarded`` with its last error and its group moves on. Nothing is ever dropped silently.
+A parked truncate is a barrier for its table (docs/stream-behaviour.md: TRUNCATE): the retry
+delivers it only after the earlier parked messages of its table, and their later ones after it.
 """
 
 from __future__ import annotations

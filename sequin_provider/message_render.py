@@ -248,6 +248,7 @@ def copy_binary_rows(fields: Sequence[bytes | pa.Array], compiled: bool = COMPIL
 
 
 def _columns(rows: RenderedRows) -> tuple[pa.Array, ...]:
+    """The columns of ``rows`` that every stream row has (all but the barrier)."""
     return (rows.commit_lsn, rows.commit_idx, rows.group_id, rows.idempotency_key, rows.data)
 
 
@@ -282,8 +283,6 @@ def copy_binary_tuple(row: Sequence[object]) -> bytes:
     return (_FIELDS_7 + struct.pack("!i", len(sink)) + sink + struct.pack("!iqii", 8, lsn, 4, idx)
             + struct.pack("!i", len(group)) + group + struct.pack("!i", len(key)) + key
             + struct.pack("!i", len(data)) + data + tail)
-
-
 
 
 def read_rows_copy_binary(reads: StoreReads, page_id: int, records: pa.Array, record_pks: pa.Array) -> pa.Buffer:

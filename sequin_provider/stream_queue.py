@@ -129,13 +129,17 @@ def receive(conn: psycopg.Connection[Any], schema: str, sink: str, batch_size: i
     """Claim up to ``batch_size`` deliverable messages of ``sink`` for ``visibility_timeout`` seconds.
 
     A message is deliverable when it is its group's first in the stream table (so a group goes
-    strictly in position order), visible, and not received or its visibility timed out. Those are
+    strictly in position order), visible, not received or its visibility timed out, and not on the
+    wrong side of a truncate of its table (a truncate waits for every earlier message of its table,
+    later ones wait for it: its ``barrier``, the group-id prefix of its table). Those are
     found in the stream's head: the messages in position order from the oldest, where every
     earlier message of a group lies before its later ones. A receive reads a head of its pending
     messages and four times the batch (room for what concurrent receivers are claiming: those are
     skipped, ``SKIP LOCKED``, not waited for), and reads ``HEAD_GROWTH`` times more while it
     claimed too few and the stream holds more. So the stream table needs no index on groups: a
-    cheaper write per message.
+    cheaper write per message. The same holds for barriers: whatever lies before a message of the
+    head is in the head. The head's truncates are materialized once, so a stream without any
+    costs one empty anti-join (a receive of 100 from 20,000 messages: 22.5 ms median, as before).
 
     When ``max_ack_pending`` messages are pending (received and neither acked nor nacked, including
     those whose visibility timed out), no new messages are handed out, only redeliveries. The
