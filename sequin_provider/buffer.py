@@ -6,6 +6,8 @@ stream's micro-batch completes and the slot advances while the group keeps its o
 redelivers due groups one message at a time in position order, with exponential backoff
 (1 s x 2^(n-1), +/-15 % jitter, capped); after ``max_retry_count`` attempts a message is kept as
 ``discarded`` with its last error and its group moves on. Nothing is ever dropped silently.
+A parked truncate is a barrier for its table (docs/stream-behaviour.md: TRUNCATE): the retry
+delivers it only after the earlier parked messages of its table, and their later ones after it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ BACKOFF_BASE = 1.0
 BACKOFF_CAP = 300.0
 JITTER = 0.15
 FOLLOWER_ERROR = "waiting behind an earlier parked message of its group"
+BARRIER_ERROR = "waiting behind an earlier parked message of its table (a truncate is a barrier for its table)"
 
 
 def backoff_seconds(attempts: int, rng: random.Random | None = None) -> float:
@@ -53,6 +56,7 @@ class ParkRow:
     attempts: int
     error: str
     delay: float = 0.0
+    barrier: str | None = None  # a truncate's: the group-id prefix of its table (store migration 12)
 
 
 @dataclass(frozen=True)
@@ -70,10 +74,11 @@ class Parked:
     attempts: int
     next_attempt_at: datetime
     last_error: str | None
+    barrier: str | None = None
 
 
 COLUMNS = "sink, commit_lsn, commit_idx, group_id, idempotency_key, data, source, state, attempts, next_attempt_at," \
-          " last_error"
+          " last_error, barrier"
 
 
 def park(conn: psycopg.Connection[Any], schema: str, rows: Sequence[ParkRow]) -> int:
@@ -83,15 +88,16 @@ def park(conn: psycopg.Connection[Any], schema: str, rows: Sequence[ParkRow]) ->
     with conn.transaction(), conn.cursor() as cur:
         cur.execute(sql.SQL(
             "INSERT INTO {}.buffered_messages (sink, commit_lsn, commit_idx, group_id, idempotency_key, data, source,"
-            " attempts, last_error, next_attempt_at)"
-            " SELECT sink, lsn, idx, grp, key, data, source, attempts, err, now() + delay * interval '1 second'"
+            " attempts, last_error, next_attempt_at, barrier)"
+            " SELECT sink, lsn, idx, grp, key, data, source, attempts, err, now() + delay * interval '1 second', barrier"
             " FROM unnest(%s::text[], %s::bigint[], %s::int[], %s::text[], %s::text[], %s::text[], %s::text[],"
-            " %s::int[], %s::text[], %s::float8[]) AS r(sink, lsn, idx, grp, key, data, source, attempts, err, delay)"
+            " %s::int[], %s::text[], %s::float8[], %s::text[])"
+            " AS r(sink, lsn, idx, grp, key, data, source, attempts, err, delay, barrier)"
             " ON CONFLICT DO NOTHING").format(_ident(schema)),
             ([r.sink for r in rows], [r.commit_lsn for r in rows], [r.commit_idx for r in rows],
              [r.group_id for r in rows], [r.idempotency_key for r in rows], [r.data for r in rows],
              [r.source for r in rows], [r.attempts for r in rows], [r.error[:4000] for r in rows],
-             [r.delay for r in rows]))
+             [r.delay for r in rows], [r.barrier for r in rows]))
         return cur.rowcount
 
 
@@ -113,6 +119,42 @@ def parked_groups(conn: psycopg.Connection[Any], schema: str, sink: str, groups:
                               (sink, list(wanted))).fetchall()
     conn.commit()
     return {r[0] for r in parked} & wanted
+
+
+def parked_barriers(conn: psycopg.Connection[Any], schema: str, sink: str,
+                    prefixes: Iterable[str] = ()) -> tuple[set[str], set[str]]:
+    """The barriers of ``sink``'s parked truncates (every later message of their tables must be
+    parked behind them), and which of ``prefixes`` (the barriers of a batch's truncates) have any
+    parked message (such a truncate must be parked behind it). Asked on every push: the first is
+    one look at a partial index that holds only parked truncates."""
+    barred = {r[0] for r in conn.execute(sql.SQL(
+        "SELECT DISTINCT barrier FROM {}.buffered_messages WHERE sink = %s AND state = 'parked'"
+        " AND barrier IS NOT NULL").format(_ident(schema)), (sink,)).fetchall()}
+    held: set[str] = set()
+    wanted = sorted(set(prefixes))
+    if wanted:
+        held = {r[0] for r in conn.execute(sql.SQL(
+            "SELECT p FROM unnest(%s::text[]) p WHERE EXISTS (SELECT 1 FROM {}.buffered_messages b"
+            " WHERE b.sink = %s AND b.state = 'parked' AND starts_with(b.group_id, p))").format(_ident(schema)),
+            (wanted, sink)).fetchall()}
+    conn.commit()
+    return barred, held
+
+
+def behind_barrier(conn: psycopg.Connection[Any], schema: str, message: Parked) -> bool:
+    """Whether a parked message must wait for another of its table: a truncate for any earlier
+    parked message of its table, any other message for an earlier parked truncate of its table."""
+    if message.barrier is not None:
+        query = ("SELECT EXISTS (SELECT 1 FROM {}.buffered_messages WHERE sink = %s AND state = 'parked'"
+                 " AND (commit_lsn, commit_idx) < (%s, %s) AND starts_with(group_id, %s))")
+        params: tuple[Any, ...] = (message.sink, message.commit_lsn, message.commit_idx, message.barrier)
+    else:
+        query = ("SELECT EXISTS (SELECT 1 FROM {}.buffered_messages WHERE sink = %s AND state = 'parked'"
+                 " AND barrier IS NOT NULL AND (commit_lsn, commit_idx) < (%s, %s) AND starts_with(%s, barrier))")
+        params = (message.sink, message.commit_lsn, message.commit_idx, message.group_id)
+    row = conn.execute(sql.SQL(query).format(_ident(schema)), params).fetchone()
+    conn.commit()
+    return bool(row and row[0])
 
 
 def due_groups(conn: psycopg.Connection[Any], schema: str, sink: str, limit: int = 10_000) -> list[str]:
@@ -246,9 +288,16 @@ def retry_sink(config: SequinConfig, sink: SinkConfig, deliver: Deliver,
                 connections.append(local.conn)
         return local.conn  # type: ignore[no-any-return]
 
+    barriers = False  # whether any parked truncate of this sink makes a barrier (checked per message then)
+    held: set[str] = set()  # groups that stopped at a barrier in this round
+
     def retry_group(group: str) -> None:
         conn = connection()
         for message in group_messages(conn, schema, sink.name, group):
+            if barriers and behind_barrier(conn, schema, message):
+                with lock:
+                    held.add(group)
+                return  # its table's barrier is not passed yet: a later round, or the next run
             try:
                 data = message.data if message.data is not None else (render(message) if render else None)
                 if data is None:
@@ -281,8 +330,17 @@ def retry_sink(config: SequinConfig, sink: SinkConfig, deliver: Deliver,
             return report
         try:
             groups = due_groups(guard, schema, sink.name)
+            barriers = bool(parked_barriers(guard, schema, sink.name)[0])
             with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"retry-{sink.name}") as pool:
-                list(pool.map(retry_group, groups))
+                while groups:
+                    # Groups go concurrently; with a truncate parked, a group may stop at its table's
+                    # barrier until the groups ahead of it are delivered: another round then, as long
+                    # as the last one delivered something.
+                    held.clear()
+                    before = report.delivered + report.discarded
+                    list(pool.map(retry_group, groups))
+                    progressed = report.delivered + report.discarded > before
+                    groups = [g for g in due_groups(guard, schema, sink.name) if g in held] if held and progressed else []
             counted = guard.execute(sql.SQL("SELECT count(*) FROM {}.buffered_messages WHERE sink = %s"
                                             " AND state = 'parked'").format(_ident(schema)), (sink.name,)).fetchone()
             report.still_parked = int(counted[0]) if counted else 0

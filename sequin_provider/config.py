@@ -21,6 +21,8 @@ import yaml
 
 DEFAULT_CONFIG_PATH = "sequin.yaml"
 ACTIONS = ("insert", "update", "delete")
+TRUNCATE_MODES = ("deliver", "skip")
+"""A sink's ``truncate`` setting: a TRUNCATE of one of its tables is one message per table, or none."""
 IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]*$")
 ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
@@ -119,6 +121,7 @@ class SinkConfig:
     message_kind: str = "change"
     max_retry_count: int | None = None
     initial_backfill: tuple[InitialBackfill, ...] = ()
+    truncate: str = "deliver"  # a TRUNCATE of a table: one ``truncate`` message (deliver) or none (skip)
 
     @property
     def consumer_id(self) -> str:
@@ -370,7 +373,7 @@ def _url_port_ok(url: str) -> bool:
 
 def _parse_sink(r: _Reader, value: Any, path: str, databases: set[str]) -> SinkConfig:
     allowed = {"name", "database", "tables", "table", "actions", "filter", "transform", "message_grouping",
-               "message_kind", "max_retry_count", "initial_backfill", "destination"}
+               "message_kind", "max_retry_count", "initial_backfill", "destination", "truncate"}
     item = r.mapping(value, path, allowed, {"name", "destination"})
     name = r.identifier(item["name"], f"{path}.name")
     database = r.string(item["database"], f"{path}.database") if item.get("database") is not None else None
@@ -400,6 +403,9 @@ def _parse_sink(r: _Reader, value: Any, path: str, databases: set[str]) -> SinkC
         transform = r.string(transform, f"{path}.transform")
         if transform != "record_only" and not re.match(r"^[\w.]+:[\w]+$", transform):
             raise r.fail(f"{path}.transform", f"expected 'record_only' or 'module:function', got {transform!r}")
+    truncate = item.get("truncate", "deliver")
+    if truncate not in TRUNCATE_MODES:
+        raise r.fail(f"{path}.truncate", f"expected deliver or skip, got {truncate!r}")
     retry = item.get("max_retry_count")
     return SinkConfig(
         name=name,
@@ -414,6 +420,7 @@ def _parse_sink(r: _Reader, value: Any, path: str, databases: set[str]) -> SinkC
         max_retry_count=None if retry is None else r.integer(retry, f"{path}.max_retry_count", 0),
         initial_backfill=_parse_initial_backfill(r, item.get("initial_backfill", False), f"{path}.initial_backfill",
                                                  tables),
+        truncate=truncate,
     )
 
 

@@ -16,9 +16,9 @@ import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Collection, Iterable
 
-from sequin_provider.buffer import FOLLOWER_ERROR, DeliveryError, ParkRow, backoff_seconds
+from sequin_provider.buffer import BARRIER_ERROR, FOLLOWER_ERROR, DeliveryError, ParkRow, backoff_seconds
 from sequin_provider.config import SinkConfig
 from sequin_provider.messages import sql_string
 
@@ -33,8 +33,14 @@ def _table_match(schema: str, name: str) -> str:
 
 def selected_actions(sink: SinkConfig) -> list[str]:
     """The change actions a sink takes (record sinks never get deletes); reads are taken from the
-    sink's own backfills only."""
-    return [a for a in sink.actions if not (sink.message_kind == "record" and a == "delete")]
+    sink's own backfills only. ``truncate`` with ``truncate: deliver``, except for sinks whose
+    message is the record alone (``message_kind: record``, ``transform: record_only``): their
+    message has no action, so a truncate would be an empty record, as a delete would be the old
+    row (docs/stream-behaviour.md: TRUNCATE)."""
+    actions = [a for a in sink.actions if not (sink.message_kind == "record" and a == "delete")]
+    if sink.truncate == "deliver" and message_kind(sink) == "change":
+        actions.append("truncate")
+    return actions
 
 
 def selection_predicate(sink: SinkConfig) -> str:
@@ -135,6 +141,8 @@ class Outgoing:
     idempotency_key: list[str] = field(default_factory=list)
     data: list[str | None] = field(default_factory=list)
     failed: dict[int, tuple[str, str]] = field(default_factory=dict)
+    barriers: dict[int, str] = field(default_factory=dict)
+    """The truncates among the messages: index -> barrier (``message_render.truncate_barriers``)."""
 
     def __len__(self) -> int:
         return len(self.commit_lsn)
@@ -145,12 +153,14 @@ class Outgoing:
         for column in ("commit_lsn", "commit_idx", "group_id", "idempotency_key", "data"):
             getattr(self, column).extend(getattr(other, column))
         self.failed.update({offset + i: failure for i, failure in other.failed.items()})
+        self.barriers.update({offset + i: barrier for i, barrier in other.barriers.items()})
 
     def park_row(self, sink: str, i: int, attempts: int, error: str) -> ParkRow:
         """Message ``i`` as a row of the buffer."""
         source = self.failed[i][0] if i in self.failed else None
         return ParkRow(sink, self.commit_lsn[i], self.commit_idx[i], self.group_id[i], self.idempotency_key[i],
-                       self.data[i], source, attempts, error, backoff_seconds(attempts) if attempts else 0.0)
+                       self.data[i], source, attempts, error, backoff_seconds(attempts) if attempts else 0.0,
+                       self.barriers.get(i))
 
 
 @dataclass
@@ -162,7 +172,8 @@ class PushResult:
 
 
 def push_in_group_order(sink: str, messages: Outgoing, send: Callable[[list[str]], None], batch_size: int,
-                        lanes: int, parked_groups: set[str]) -> PushResult:
+                        lanes: int, parked_groups: set[str], barred: Collection[str] = (),
+                        held: Collection[str] = ()) -> PushResult:
     """Deliver ``messages`` (in position order) through ``send``, in order within each group.
 
     Groups are spread over ``lanes`` that send concurrently; each lane sends its messages in
@@ -170,14 +181,33 @@ def push_in_group_order(sink: str, messages: Outgoing, send: Callable[[list[str]
     error (one attempt made); a failed transform parks its message; after either, and for groups
     already in ``parked_groups``, every later message of the group is parked behind them
     without being tried. The caller writes ``parked`` to the buffer before the batch completes.
+
+    A truncate (``messages.barriers``) is a barrier for its table: the messages before it are
+    sent (or parked) first, then it alone, then the rest. It is parked instead when an earlier
+    message of its table is parked (in this batch, or in the buffer: its barrier in ``held``),
+    and so is every later message of its table, as are those of the tables whose truncate the
+    buffer holds (``barred``). Without truncates on either side, nothing of this costs anything.
     """
     result = PushResult()
+    if not messages.barriers and not barred:
+        _send_lanes(sink, messages, range(len(messages)), send, batch_size, lanes, set(parked_groups), result)
+    else:
+        _send_through_barriers(sink, messages, send, batch_size, lanes, set(parked_groups), set(barred), set(held),
+                               result)
+    result.parked.sort(key=lambda r: (r.commit_lsn, r.commit_idx))
+    return result
+
+
+def _send_lanes(sink: str, messages: Outgoing, indices: Iterable[int], send: Callable[[list[str]], None],
+                batch_size: int, lanes: int, parked_groups: set[str], result: PushResult) -> None:
+    """``push_in_group_order`` for the messages at ``indices`` (in position order), none of them a truncate."""
     lock = threading.Lock()
     groups, data, failed = messages.group_id, messages.data, messages.failed
     count = max(lanes, 1)
     lane_of: dict[str, int] = {}
     by_lane: dict[int, list[int]] = {}
-    for i, g in enumerate(groups):
+    for i in indices:
+        g = groups[i]
         lane = lane_of.get(g)
         if lane is None:
             lane = lane_of[g] = len(lane_of) % count  # groups dealt round-robin in order of first message
@@ -227,5 +257,46 @@ def push_in_group_order(sink: str, messages: Outgoing, send: Callable[[list[str]
     else:
         with ThreadPoolExecutor(max_workers=len(by_lane), thread_name_prefix=f"push-{sink}") as pool:
             list(pool.map(run_lane, by_lane.values()))
-    result.parked.sort(key=lambda r: (r.commit_lsn, r.commit_idx))
-    return result
+
+
+def _send_through_barriers(sink: str, messages: Outgoing, send: Callable[[list[str]], None], batch_size: int,
+                           lanes: int, blocked: set[str], barred: set[str], held: set[str],
+                           result: PushResult) -> None:
+    """``push_in_group_order`` of a batch with truncates, or behind a parked one: the messages
+    between two truncates go as usual (``_send_lanes``), each truncate alone in between. Rare, so
+    plain: a group id names its table by its prefix (``schema.table:``; "" for a sink that does
+    not group, whose truncate is a barrier for every message)."""
+    groups = messages.group_id
+    segment: list[int] = []
+
+    def flush_segment() -> None:
+        if segment:
+            _send_lanes(sink, messages, list(segment), send, batch_size, lanes, blocked, result)
+            segment.clear()
+            blocked.update(r.group_id for r in result.parked)
+
+    for i in range(len(messages)):
+        barrier = messages.barriers.get(i)
+        if barrier is None:
+            if barred and any(groups[i].startswith(b) for b in barred):
+                result.parked.append(messages.park_row(sink, i, 0, BARRIER_ERROR))
+            else:
+                segment.append(i)
+            continue
+        flush_segment()  # everything before the truncate is delivered or parked
+        if (barrier in barred or barrier in held or groups[i] in blocked
+                or any(g.startswith(barrier) for g in blocked)):
+            result.parked.append(messages.park_row(sink, i, 0, BARRIER_ERROR))
+        elif i in messages.failed:
+            result.parked.append(messages.park_row(sink, i, 1, messages.failed[i][1]))
+        else:
+            try:
+                send([messages.data[i]])  # type: ignore[list-item]  # not failed: rendered
+            except DeliveryError as exc:
+                result.parked.append(messages.park_row(sink, i, 1, str(exc)))
+            else:
+                result.delivered += 1
+                continue
+        barred.add(barrier)
+        blocked.add(groups[i])
+    flush_segment()

@@ -95,6 +95,7 @@ class RenderedRows:
     group_id: pa.Array
     idempotency_key: pa.Array
     data: pa.Array
+    barrier: pa.Array | None = None  # truncates' barriers (``truncate_barriers``); None when there are none
 
     def __len__(self) -> int:
         return len(self.commit_lsn)
@@ -113,6 +114,21 @@ def group_ids(batch: pa.RecordBatch, sink: SinkRendering, position: pa.Array | N
     if pks is None:
         pks = json_string_arrays(batch.column("record_pks"))
     return pc.binary_join_element_wise(batch.column("table_schema"), ".", batch.column("table_name"), ":", pks, "")
+
+
+def truncate_barriers(batch: pa.RecordBatch, sink: SinkRendering) -> pa.Array | None:
+    """The ``barrier`` of each truncate of ``batch`` (null for other rows): the group-id prefix of its
+    table's messages for this sink, ``schema.table:`` (default and custom groups both begin so), or
+    ``""`` when the sink does not group, so its truncates are barriers for the whole sink. None
+    when the batch holds no truncate, which is the rule: the check is one comparison per row."""
+    if "truncate" not in sink.actions or not len(batch):
+        return None
+    truncate = pc.fill_null(pc.equal(batch.column("action"), "truncate"), False)
+    if not pc.any(truncate).as_py():
+        return None
+    prefix = (pc.binary_join_element_wise(batch.column("table_schema"), ".", batch.column("table_name"), ":", "")
+              if sink.grouped else pa.array([""] * len(batch), pa.string()))
+    return pc.if_else(truncate, prefix, pa.scalar(None, pa.string()))
 
 
 def render(batch: pa.RecordBatch, sink: SinkRendering, group: pa.Array | None = None) -> RenderedRows:
@@ -155,12 +171,13 @@ def render(batch: pa.RecordBatch, sink: SinkRendering, group: pa.Array | None = 
             parts = ['{"record":', record, ',"changes":', pc.fill_null(batch.column("changes"), "null"),
                      ',"action":"', batch.column("action"), '","metadata":', *metadata, "}"]
         data = pc.binary_join_element_wise(*parts, "")
-    return RenderedRows(lsn, idx, group, key, data)
+    return RenderedRows(lsn, idx, group, key, data, truncate_barriers(batch, sink))
 
 
 COPY_BINARY_HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack("!ii", 0, 0)
 COPY_BINARY_TRAILER = struct.pack("!h", -1)
-_FIELDS_6 = struct.pack("!h", 6)
+_FIELDS_7 = struct.pack("!h", 7)
+_NULL_FIELD = struct.pack("!i", -1)
 
 
 def _length_prefixed(values: pa.Array) -> pa.Array:
@@ -230,29 +247,42 @@ def copy_binary_rows(fields: Sequence[bytes | pa.Array], compiled: bool = COMPIL
     return joined[0].as_buffer()
 
 
+def _columns(rows: RenderedRows) -> tuple[pa.Array, ...]:
+    """The columns of ``rows`` that every stream row has (all but the barrier)."""
+    return (rows.commit_lsn, rows.commit_idx, rows.group_id, rows.idempotency_key, rows.data)
+
+
 def stream_rows_copy_binary(sink_name: str, rows: RenderedRows) -> pa.Buffer:
     """``rows`` as tuples of COPY binary (``store.STREAM_COLUMNS``), without header or trailer.
 
-    Rows with a null group, key or message (a change the sink's tables do not name) are left out."""
+    Rows with a null group, key or message (a change the sink's tables do not name) are left out.
+    The barrier is a constant null field, but for the truncates among ``rows`` (rare: each is
+    written on its own, ``copy_binary_tuple``)."""
     complete = pc.and_(pc.and_(pc.is_valid(rows.group_id), pc.is_valid(rows.idempotency_key)), pc.is_valid(rows.data))
     if not pc.all(complete).as_py():
-        rows = RenderedRows(*(pc.filter(c, complete) for c in (rows.commit_lsn, rows.commit_idx, rows.group_id,
-                                                                 rows.idempotency_key, rows.data)))
+        barrier = None if rows.barrier is None else pc.filter(rows.barrier, complete)
+        rows = RenderedRows(*(pc.filter(c, complete) for c in _columns(rows)), barrier)
     name = sink_name.encode()
-    return copy_binary_rows([_FIELDS_6 + struct.pack("!i", len(name)) + name, rows.commit_lsn, rows.commit_idx,
-                             rows.group_id, rows.idempotency_key, rows.data])
+    truncates = b""
+    if rows.barrier is not None and rows.barrier.null_count < len(rows.barrier):
+        is_truncate = pc.is_valid(rows.barrier)
+        truncates = b"".join(copy_binary_tuple((sink_name, *row)) for row in zip(
+            *(pc.filter(c, is_truncate).to_pylist() for c in (*_columns(rows), rows.barrier))))
+        rows = RenderedRows(*(pc.filter(c, pc.invert(is_truncate)) for c in _columns(rows)))
+    tuples = copy_binary_rows([_FIELDS_7 + struct.pack("!i", len(name)) + name, rows.commit_lsn, rows.commit_idx,
+                               rows.group_id, rows.idempotency_key, rows.data, _NULL_FIELD])
+    return pa.py_buffer(tuples.to_pybytes() + truncates) if truncates else tuples
 
 
 def copy_binary_tuple(row: Sequence[object]) -> bytes:
-    """One stream row (``store.StreamRow``: sink, lsn, idx, group, key, data) as a COPY binary tuple."""
+    """One stream row (``store.StreamRow``: sink, lsn, idx, group, key, data[, barrier]) as a COPY binary tuple."""
     sink, lsn, idx, group, key, data = (str(row[0]).encode(), int(row[1]), int(row[2]), str(row[3]).encode(),
                                         str(row[4]).encode(), str(row[5]).encode())
-    return (_FIELDS_6 + struct.pack("!i", len(sink)) + sink + struct.pack("!iqii", 8, lsn, 4, idx)
+    barrier = row[6] if len(row) > 6 else None
+    tail = _NULL_FIELD if barrier is None else struct.pack("!i", len(str(barrier).encode())) + str(barrier).encode()
+    return (_FIELDS_7 + struct.pack("!i", len(sink)) + sink + struct.pack("!iqii", 8, lsn, 4, idx)
             + struct.pack("!i", len(group)) + group + struct.pack("!i", len(key)) + key
-            + struct.pack("!i", len(data)) + data)
-
-
-_FIELDS_7 = struct.pack("!h", 7)
+            + struct.pack("!i", len(data)) + data + tail)
 
 
 def read_rows_copy_binary(reads: StoreReads, page_id: int, records: pa.Array, record_pks: pa.Array) -> pa.Buffer:

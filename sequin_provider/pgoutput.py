@@ -352,9 +352,11 @@ class Commit:
 
 @dataclass(frozen=True)
 class Truncate:
-    """TRUNCATE of one or more captured tables (not delivered as messages; see README)."""
+    """TRUNCATE of one or more captured tables: their names (for logs) and relation ids
+    (``PgOutputDecoder.truncate_rows`` makes them change rows)."""
 
     relations: tuple[str, ...]
+    relids: tuple[int, ...] = ()
 
 
 ChangeRow = tuple
@@ -687,12 +689,25 @@ class PgOutputDecoder:
         return LogicalMessage(transactional, lsn, prefix, bytes(buf[pos + 4:pos + 4 + length]))
 
     def _truncate(self, buf: bytes) -> Truncate:
-        count = _UNPACK_I32(buf, 1)[0]
+        count = _UNPACK_I32(buf, 1)[0]  # then one byte of options (CASCADE, RESTART IDENTITY)
+        relids = tuple(_UNPACK_U32(buf, 6 + 4 * i)[0] for i in range(count))
         names = []
-        for i in range(count):
-            rel = self.relations.get(_UNPACK_U32(buf, 6 + 4 * i)[0])
+        for relid in relids:
+            rel = self.relations.get(relid)
             names.append(f"{rel.schema}.{rel.name}" if rel else "?")
-        return Truncate(tuple(names))
+        return Truncate(tuple(names), relids)
+
+    def truncate_rows(self, event: Truncate) -> list[ChangeRow]:
+        """One ``truncate`` change row per table of a TRUNCATE, at its place in the transaction
+        (DESIGN §5): ``record`` ``{}``, ``changes`` null, no key. The Relation message of every
+        table precedes the Truncate in the stream, as it precedes a table's first change."""
+        rows = []
+        for relid in event.relids:
+            rel = self.relations.get(relid)
+            if rel is None:
+                raise DecodeError(f"TRUNCATE of relation {relid} before its Relation message")
+            rows.append(self._row(rel, "truncate", "{}", None, [], []))
+        return rows
 
 
 def _cstring(buf: bytes, pos: int) -> tuple[str, int]:

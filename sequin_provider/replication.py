@@ -566,8 +566,11 @@ class ChangeReader:
                                 continue
                             pending.append(row)
                     elif isinstance(event, Truncate):
-                        log.warning("TRUNCATE of %s is not delivered as messages (see README: Truncate)",
-                                    ", ".join(event.relations))
+                        for row in decoder.truncate_rows(event):  # numbered even when skipped
+                            if skip:
+                                skip -= 1
+                            else:
+                                pending.append(row)
                 stream.send_status_if_due()
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer by read()/acknowledge()
             with cond:

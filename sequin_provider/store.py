@@ -205,6 +205,17 @@ ALTER TABLE {schema}.backfills ADD COLUMN IF NOT EXISTS requested_by text;
 DROP INDEX IF EXISTS {schema}.stream_messages_group;
 ALTER TABLE {schema}.stream_messages ALTER COLUMN data TYPE text;
 """),
+    # A truncate message is a barrier for its table (docs/stream-behaviour.md: TRUNCATE). Its
+    # ``barrier`` is the group-id prefix of its table's messages for its sink ("schema.table:",
+    # or "" when the sink does not group: then the whole sink), null for every other message, so
+    # a receive (stream_queue) and a push or retry (delivery, buffer) can tell which earlier and
+    # later messages it separates without storing the table of every message.
+    (12, "truncate messages are barriers for their table", """
+ALTER TABLE {schema}.stream_messages ADD COLUMN IF NOT EXISTS barrier text;
+ALTER TABLE {schema}.buffered_messages ADD COLUMN IF NOT EXISTS barrier text;
+CREATE INDEX IF NOT EXISTS buffered_messages_barrier ON {schema}.buffered_messages (sink)
+    WHERE barrier IS NOT NULL AND state = 'parked';
+"""),
 )
 
 READS_RELEASED = """(m.backfill_page IS NULL OR EXISTS (SELECT 1 FROM {s}.backfill_pages p
@@ -789,10 +800,11 @@ def schema_version(conn: psycopg.Connection[Any], schema: str = "sequin") -> int
     return int(row[0]) if row else 0
 
 
-StreamRow = tuple[str, int, int, str, str, str]
-"""(sink, commit_lsn, commit_idx, group_id, idempotency_key, data JSON)."""
+StreamRow = tuple
+"""(sink, commit_lsn, commit_idx, group_id, idempotency_key, data JSON[, barrier]): a truncate
+message's barrier (migration 12); without it, null."""
 
-STREAM_COLUMNS = ("sink", "commit_lsn", "commit_idx", "group_id", "idempotency_key", "data")
+STREAM_COLUMNS = ("sink", "commit_lsn", "commit_idx", "group_id", "idempotency_key", "data", "barrier")
 COPY_TEXT_ESCAPES: tuple[tuple[str, str], ...] = (("\\", "\\\\"), ("\n", "\\n"), ("\r", "\\r"), ("\t", "\\t"))
 """Replacements that make a value safe as a field of COPY's text format (backslash first)."""
 
@@ -807,7 +819,9 @@ def copy_text(value: object) -> str:
 
 def copy_line(row: StreamRow) -> str:
     """A stream row as one line of COPY text (``STREAM_COLUMNS`` order, no trailing newline)."""
-    return "\t".join(copy_text(v) for v in row)
+    fields = [copy_text(v) for v in row[:6]]
+    fields.append(copy_text(row[6]) if len(row) > 6 and row[6] is not None else "\\N")
+    return "\t".join(fields)
 
 
 def insert_stream_messages(conn: psycopg.Connection[Any], schema: str, rows: Sequence[StreamRow]) -> int:
@@ -846,12 +860,12 @@ def insert_stream_copy(conn: psycopg.Connection[Any], schema: str, chunks: Itera
         seen.extend(pending)  # whatever the failed COPY did not take yet
     with conn.transaction(), conn.cursor() as cur:
         cur.execute("CREATE TEMP TABLE IF NOT EXISTS sequin_incoming (sink text, commit_lsn bigint, commit_idx integer,"
-                    " group_id text, idempotency_key text, data text) ON COMMIT DELETE ROWS")
+                    " group_id text, idempotency_key text, data text, barrier text) ON COMMIT DELETE ROWS")
         with cur.copy(sql.SQL("COPY sequin_incoming ({}) FROM STDIN {}").format(columns, copy_format)) as copy:
             for chunk in seen:
                 copy.write(chunk)
         cur.execute(sql.SQL(
-            "INSERT INTO {} ({}) SELECT sink, commit_lsn, commit_idx, group_id, idempotency_key, data"
+            "INSERT INTO {} ({}) SELECT sink, commit_lsn, commit_idx, group_id, idempotency_key, data, barrier"
             " FROM sequin_incoming ORDER BY commit_lsn, commit_idx ON CONFLICT DO NOTHING").format(target, columns))
         return cur.rowcount
 

@@ -7,7 +7,7 @@ windows: every change to a windowed table between the two marks adds its key (an
 that moved the key, the old key) to the window, and at the high mark the page's staged rows whose
 key is in that set are dropped: the change events carry a newer state than the read could. A
 high mark whose low mark this process did not see (it restarted in between) means the window is
-unknown, so the page is stale and read again. This module is pure Python: no Spark, no I/O.
+unknown, so the page is stale and read again; so does a TRUNCATE of the table inside the window. This module is pure Python: no Spark, no I/O.
 A page's reads are rows for the Spark pipeline (``read_rows``), or, for sinks that need no
 Spark, written by the backfill task as it stages the page, hidden until the window closes
 (``page_reads``).
@@ -113,8 +113,14 @@ class Window:
     overflow: bool = False
 
     def add(self, row: Sequence[Any]) -> None:
-        """Record the key(s) a change row touches."""
+        """Record the key(s) a change row touches. A truncate touches every row the page may have
+        read, so its window is given up like one that overflows: the page is read again after it."""
         if self.overflow:
+            return
+        if row[6] == "truncate":
+            log.info("backfill %d page %d: its table was truncated inside its window; the page will be read again",
+                     self.mark.backfill_id, self.mark.page_id)
+            self.overflow, self.changed = True, set()
             return
         self.changed.add(tuple(row[9]))
         moved = old_key(row, self.mark.primary_key)

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import psycopg
-import pytest
 
 from sequin_provider.embedded_postgres import EmbeddedPostgres
 from tests.conftest import StreamApp, execute, sink_messages, wait_for, write_config

@@ -44,6 +44,6 @@ def retry_sinks(config: SequinConfig, sink_name: str | None = None, workers: int
                 def into_stream(m: Parked, data: str, conn: Any = conn) -> None:
                     store.insert_stream_messages(conn, config.store.schema,
                                                  [(m.sink, m.commit_lsn, m.commit_idx, m.group_id, m.idempotency_key,
-                                                   data)])
+                                                   data, m.barrier)])
                 reports.append(buffer.retry_sink(config, sink, into_stream, _renderer(sink), workers=1))
     return reports

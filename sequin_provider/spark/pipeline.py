@@ -29,7 +29,7 @@ from pyspark.sql import functions as F
 
 from sequin_provider import store
 from sequin_provider.config import ConfigError, SequinConfig, SinkConfig, load_config
-from sequin_provider.buffer import FOLLOWER_ERROR, ParkRow, park, parked_groups
+from sequin_provider.buffer import FOLLOWER_ERROR, ParkRow, park, parked_barriers, parked_groups
 from sequin_provider.delivery import (
     Outgoing,
     Transform,
@@ -39,6 +39,7 @@ from sequin_provider.delivery import (
     load_transform,
     needs_parsed_record,
     push_in_group_order,
+    selected_actions,
     selection_predicate,
 )
 from sequin_provider.message_render import (
@@ -127,6 +128,9 @@ def _outgoing(rows: RenderedRows, sink: SinkConfig, transform: Transform | None)
     of failing the batch."""
     out = Outgoing(rows.commit_lsn.to_pylist(), rows.commit_idx.to_pylist(), rows.group_id.to_pylist(),
                    rows.idempotency_key.to_pylist(), rows.data.to_pylist())
+    if rows.barrier is not None:  # truncates
+        out.barriers.update((int(i), b) for i, b in zip(pc.indices_nonzero(pc.is_valid(rows.barrier)).to_pylist(),
+                                                         pc.drop_null(rows.barrier).to_pylist()))
     if transform is not None:
         for i, data in enumerate(out.data):
             try:
@@ -148,6 +152,7 @@ class StreamWriter:
         self.schema = config.store.schema
         self.sinks = config.sinks_of(db.name)
         self.copies = any(s.destination.type == "sequin_stream" for s in self.sinks)
+        self.pushes = any(s.destination.type != "sequin_stream" and "truncate" in selected_actions(s) for s in self.sinks)
         self.transforms = [load_transform(s.transform) for s in self.sinks]
         self.sink = SequinStreamSink(config.store_dsn(db.name), config.store.schema, config.stream.store_retry_timeout)
         self.buffer = SequinStreamSink(config.store_dsn(db.name), config.store.schema, config.stream.store_retry_timeout)
@@ -177,7 +182,8 @@ class StreamWriter:
                     blocked.add(group)
                 else:
                     rows.append(copy_binary_tuple((sink.name, messages.commit_lsn[j], messages.commit_idx[j], group,
-                                                   messages.idempotency_key[j], messages.data[j])))
+                                                   messages.idempotency_key[j], messages.data[j],
+                                                   messages.barriers.get(j))))
             if rows:
                 yield b"".join(rows)
 
@@ -187,6 +193,7 @@ class StreamWriter:
         seconds, delivered, parked)."""
         stats: dict[str, Any] = {"rows": 0, "max_lsn": None, "open_lsn": None}
         slices: list[tuple[str, int, int]] = []
+        truncated: set[str] = set()
 
         def chunks() -> Iterator[bytes | memoryview]:
             yield COPY_BINARY_HEADER
@@ -204,6 +211,8 @@ class StreamWriter:
                     opened = open_transaction_lsn(changes)
                     if opened is not None:
                         stats["open_lsn"] = opened
+                    if not spooled and self.pushes:  # its push jobs co-locate a truncated table (Pipeline._push_sink)
+                        truncated.update(truncated_tables(changes))
                     if self.copies:  # push sinks of a spooled batch are sent after the COPY (write_share)
                         yield from self.payload(with_selections(changes, self.renderings) if spooled else changes)
             yield COPY_BINARY_TRAILER
@@ -228,7 +237,8 @@ class StreamWriter:
                 delivered, pushed_parked = delivered + sent, pushed_parked + held
         yield pa.RecordBatch.from_pydict({"rows": [stats["rows"]], "written": [written], "max_lsn": [stats["max_lsn"]],
                                           "store_seconds": [seconds], "delivered": [delivered],
-                                          "parked": [pushed_parked], "open_lsn": [stats["open_lsn"]]},
+                                          "parked": [pushed_parked], "open_lsn": [stats["open_lsn"]],
+                                          "truncated": [sorted(truncated)]},
                                          schema=WRITE_RESULT_SCHEMA)
 
 
@@ -242,6 +252,34 @@ def share_keys(changes: pa.RecordBatch) -> pa.Array:
     that contain the separators may make two groups share a key, which only sends both from one task."""
     pks = pc.binary_join(changes.column("record_pks"), "\x1f")
     return pc.binary_join_element_wise(changes.column("table_schema"), changes.column("table_name"), pks, "\x1e")
+
+
+def table_keys(changes: pa.RecordBatch | pa.Table) -> pa.Array:
+    """``schema\0table`` of each change."""
+    return pc.binary_join_element_wise(changes.column("table_schema"), changes.column("table_name"), "\0")
+
+
+def truncated_tables(changes: pa.RecordBatch) -> list[str]:
+    """The tables (``table_keys``) that ``changes`` truncate; one comparison per change when none."""
+    truncate = pc.fill_null(pc.equal(changes.column("action"), "truncate"), False)
+    if not pc.any(truncate).as_py():
+        return []
+    return pc.unique(table_keys(changes.filter(truncate))).to_pylist()
+
+
+def barrier_shares(keys: pa.Table, actions: pa.Array, shares: pa.Array | None) -> pa.Array | None:
+    """Share keys (``share_keys``; None: each message its own) with every change of a table that a
+    change among them truncates given one share, its table: a truncate is a barrier for its table
+    (``delivery.push_in_group_order``), so that table's messages must be sent by one task. For a
+    sink that does not group (``shares`` None) a truncate is a barrier for every message."""
+    truncate = pc.fill_null(pc.equal(actions, "truncate"), False)
+    if not pc.any(truncate).as_py():
+        return shares
+    if shares is None:
+        return pa.array(["\0"] * len(keys), pa.string())
+    tables = table_keys(keys)
+    barred = pc.is_in(tables, value_set=pc.unique(tables.filter(truncate)))
+    return pc.if_else(barred, pc.binary_join_element_wise("\0", tables, ""), shares)
 
 
 def first_of_group(groups: pa.Array) -> np.ndarray:
@@ -279,7 +317,8 @@ class PushWriter:
         delivered, parked = self._deliver(messages)
         yield pa.RecordBatch.from_pydict({"rows": [len(messages)], "written": [0], "max_lsn": [top],
                                           "store_seconds": [time.monotonic() - started], "delivered": [delivered],
-                                          "parked": [parked], "open_lsn": [None]}, schema=WRITE_RESULT_SCHEMA)
+                                          "parked": [parked], "open_lsn": [None], "truncated": [[]]},
+                                         schema=WRITE_RESULT_SCHEMA)
 
     def write_share(self, slices: list[tuple[str, int, int]]) -> tuple[int, int]:
         """Deliver or park this partition's share of a spooled batch: the sink's messages of every
@@ -302,7 +341,9 @@ class PushWriter:
             order = pc.sort_indices(keys, [("commit_lsn", "ascending"), ("commit_idx", "ascending")])
             file_rows, keys = file_rows.take(order), keys.take(order)
             rows = file_rows.to_numpy()
-            first = rows[first_of_group(share_keys(keys))] if self.rendering.grouped else rows
+            shares = barrier_shares(keys, changes.column("action").take(file_rows),
+                                    share_keys(keys) if self.rendering.grouped else None)
+            first = rows[first_of_group(shares)] if shares is not None else rows
             mine = np.zeros(len(first), dtype=bool)
             for _, offset, count in (s for s in slices if s[0] == path):
                 mine |= (first >= offset) & (first < offset + count)
@@ -318,7 +359,10 @@ class PushWriter:
         name = self.sink_config.name
         groups = set(messages.group_id)
         blocked = self.store.retrying(lambda conn: parked_groups(conn, self.schema, name, groups))
-        result = push_in_group_order(name, messages, self.client.send, self.client.batch_size, self.lanes, blocked)
+        barriers = set(messages.barriers.values())
+        barred, held = self.store.retrying(lambda conn: parked_barriers(conn, self.schema, name, barriers))
+        result = push_in_group_order(name, messages, self.client.send, self.client.batch_size, self.lanes, blocked,
+                                     barred, held)
         if result.parked:
             self.store.retrying(lambda conn: park(conn, self.schema, result.parked))
             log.warning("sink %s: %d messages parked in the buffer, first error: %s", name, len(result.parked),
@@ -328,12 +372,13 @@ class PushWriter:
 
 WRITE_RESULT_SCHEMA = pa.schema([("rows", pa.int64()), ("written", pa.int64()), ("max_lsn", pa.int64()),
                                  ("store_seconds", pa.float64()), ("delivered", pa.int64()), ("parked", pa.int64()),
-                                 ("open_lsn", pa.int64())])
+                                 ("open_lsn", pa.int64()), ("truncated", pa.list_(pa.string()))])
 WRITE_RESULT_DDL = ("rows bigint, written bigint, max_lsn bigint, store_seconds double, delivered bigint, parked bigint,"
-                    " open_lsn bigint")
+                    " open_lsn bigint, truncated array<string>")
 """A task's report: change rows read, stream rows copied, the highest position read, its seconds,
-push messages delivered and parked, and the commit LSN of the transaction the batch ends inside
-(its marker row was in this task's rows; null otherwise)."""
+push messages delivered and parked, the commit LSN of the transaction the batch ends inside (its
+marker row was in this task's rows; null otherwise), and the tables truncated in a ``payload=full``
+batch that has push sinks (``truncated_tables``)."""
 _WRITERS: dict[tuple[str, str], StreamWriter] = {}
 _PUSHERS: dict[tuple[str, str, str], PushWriter] = {}
 
@@ -418,7 +463,8 @@ class Pipeline:
             projected = projected.persist()  # rendered once, read by the stream job and each push job
         try:
             results = projected.mapInArrow(self._write, WRITE_RESULT_DDL).toArrow()
-            pushed = [self._push_sink(projected, i, sink) for i, sink in push_jobs]
+            truncated = sorted(set(pc.list_flatten(results.column("truncated")).to_pylist())) if push_jobs else []
+            pushed = [self._push_sink(projected, i, sink, truncated) for i, sink in push_jobs]
         finally:
             if push_jobs:
                 projected.unpersist()
@@ -450,14 +496,20 @@ class Pipeline:
                      " streamed while rendering)",
                      batch_id, rows_in, written, elapsed, store_seconds, results.num_rows)
 
-    def _push_sink(self, projected: DataFrame, i: int, sink: SinkConfig) -> pa.Table:
+    def _push_sink(self, projected: DataFrame, i: int, sink: SinkConfig, truncated: list[str]) -> pa.Table:
         """Deliver a push sink's messages of a ``payload=full`` batch: partitioned by group, in
-        position order within each partition, so a group is sent in order by one task. Returns
-        the tasks' reports."""
+        position order within each partition, so a group is sent in order by one task; a table
+        truncated in the batch (``truncated``, ``table_keys``) is one partition, as a truncate is a
+        barrier for its table (for a sink that does not group, for all of it). Returns the tasks' reports."""
         columns = [F.col(c) for c in RENDER_COLUMNS] + [F.col(f"_select_{i}"), F.col(f"_group_{i}")]
         partitions = max(2, int(projected.sparkSession.sparkContext.defaultParallelism))
+        share = F.col(f"_group_{i}")
+        if truncated and "truncate" in selected_actions(sink):
+            table = F.concat(F.col("table_schema"), F.lit("\0"), F.col("table_name"))
+            share = (F.lit("") if not sink.message_grouping else
+                     F.when(table.isin(truncated), F.concat(F.lit("\0"), table)).otherwise(share))
         return (projected.where(F.col(f"_select_{i}")).select(*columns)
-                .repartition(partitions, F.col(f"_group_{i}")).sortWithinPartitions("commit_lsn", "commit_idx")
+                .repartition(partitions, share).sortWithinPartitions("commit_lsn", "commit_idx")
                 .mapInArrow(self._push[sink.name], WRITE_RESULT_DDL).toArrow())
 
     def _record_status(self, batch_id: int, rows: int, elapsed: float, end_lsn: int | None) -> None:
