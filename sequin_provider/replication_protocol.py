@@ -26,7 +26,7 @@ from psycopg.conninfo import make_conninfo
 
 PG_EPOCH_OFFSET_US = 946_684_800_000_000
 """Microseconds from the Unix epoch to PostgreSQL's (2000-01-01), for status message clocks."""
-_XLOG_DATA = struct.Struct(">QQQ")  # after b"w": dataStart, walEnd, sendTime
+_DATA_START = struct.Struct(">Q").unpack_from  # after b"w": dataStart (then walEnd, sendTime, the payload at 25)
 _KEEPALIVE = struct.Struct(">QQB")  # after b"k": walEnd, sendTime, replyRequested
 _STATUS = struct.Struct(">cQQQQB")  # b"r", write, flush, apply, clock, replyRequested
 _W, _K = ord("w"), ord("k")
@@ -60,7 +60,7 @@ class ReplicationStream:
         self._status_interval = status_interval
         self._last_status = time.monotonic()
         self.wal_end = 0
-        """The walsender's position as of the last message or keepalive read (for diagnostics)."""
+        """The walsender's position as of the last keepalive read (for diagnostics)."""
 
     def _error(self, result: Any = None) -> str:
         text = result.error_message if result is not None and result.error_message else self._conn.error_message
@@ -88,9 +88,8 @@ class ReplicationStream:
             size, data = conn.get_copy_data(1)
             if size > 0:
                 kind = data[0]
-                if kind == _W:
-                    data_start, self.wal_end, _ = _XLOG_DATA.unpack_from(data, 1)
-                    return data_start, bytes(data[25:])
+                if kind == _W:  # the hot path: one per change
+                    return _DATA_START(data, 1)[0], data[25:].tobytes()
                 if kind == _K:
                     self.wal_end, _, reply = _KEEPALIVE.unpack_from(data, 1)
                     if reply:
