@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any, Callable, Iterable
 
 from sequin_provider.buffer import FOLLOWER_ERROR, DeliveryError, ParkRow, backoff_seconds
@@ -106,15 +108,51 @@ def load_transform(spec: str | None) -> Transform | None:
     return func  # type: ignore[no-any-return]
 
 
+_DECIMAL_MARK = "\x00sequin-decimal:"
+_DECIMAL_TEXT = re.compile('"\\\\u0000sequin-decimal:([^"]*)"')
+"""A ``Decimal`` goes through ``json.dumps`` (which cannot encode it, and whose C encoder writes
+every float subclass with ``float.__repr__``) as a string with this mark, then is put back as its
+text. No text of a change holds a NUL (PostgreSQL text and jsonb refuse it), and a string a
+transform made that looks like a mark is detected by the count (``exact_dumps``)."""
+
+
+def exact_dumps(value: Any) -> str:
+    """Compact JSON of ``value`` in which a ``Decimal`` is written with every digit it has.
+
+    ``json.dumps`` in C with a ``default`` hook, then one regex pass only when there were decimals.
+    Measured on a loaded 2-core machine, a 17-field message with one decimal: parse with ``Decimal``
+    plus this, 70-100 us against 45-90 us for floats and plain ``json.dumps`` (noisy; about 1.5x)."""
+    decimals = 0
+
+    def encode(obj: Any) -> str:
+        nonlocal decimals
+        if isinstance(obj, Decimal):
+            if not obj.is_finite():
+                raise ValueError(f"Out of range decimal values are not JSON compliant: {obj}")
+            decimals += 1
+            return _DECIMAL_MARK + str(obj)
+        raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
+
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=encode)
+    if not decimals:
+        return text
+    text, marks = _DECIMAL_TEXT.subn(lambda m: m.group(1), text)
+    if marks != decimals:  # a string of the transform's own looked like a mark
+        raise ValueError("a string value holds a NUL followed by 'sequin-decimal:'")
+    return text
+
+
 def apply_transform(sink: SinkConfig, transform: Transform, message: str) -> str:
     """Run a user's transform on one rendered message; its result must be JSON-serialisable.
 
-    The transform sees numerics as Python floats (json.loads), so keep exact decimals out of
-    transforms or return them as strings.
+    The transform gets JSON numbers with a fraction or an exponent as ``Decimal`` (integers as
+    ``int``), so a value it passes through keeps every digit (a float would turn
+    12345678901234567890.1234567890 into 1.2345678901234567e19); it may return ``Decimal``,
+    ``int``, ``float`` and the other JSON types. Non-finite numerics are strings already.
     """
     try:
-        return json.dumps(transform(json.loads(message)), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    except Exception as exc:  # noqa: BLE001 - user code
+        return exact_dumps(transform(json.loads(message, parse_float=Decimal)))
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code (sys.exit in a transform must not kill the worker)
         raise TransformError(f"transform {sink.transform!r} of sink {sink.name!r} failed: "
                              f"{type(exc).__name__}: {exc}") from exc
 
