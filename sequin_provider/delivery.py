@@ -18,7 +18,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from sequin_provider.buffer import FOLLOWER_ERROR, DeliveryError, ParkRow, backoff_seconds
 from sequin_provider.config import SinkConfig
@@ -39,15 +39,16 @@ def selected_actions(sink: SinkConfig) -> list[str]:
     return [a for a in sink.actions if not (sink.message_kind == "record" and a == "delete")]
 
 
-def selection_predicate(sink: SinkConfig) -> str:
+def selection_predicate(sink: SinkConfig, with_filter: bool = True) -> str:
     """SQL predicate: this sink's tables and actions (``selected_actions``), its own backfills'
-    reads (a backfill is for one sink), and its filter. ``message_render.selection`` is the same
-    selection without a filter, over Arrow columns."""
+    reads (a backfill is for one sink), and (``with_filter``) its filter, evaluated only on the
+    rows the rest selects. ``message_render.selection`` is the same selection without a filter,
+    over Arrow columns."""
     actions = selected_actions(sink)
     tables = " OR ".join(_table_match(t.schema, t.name) for t in sink.tables)
     predicate = (f"({tables}) AND (action IN ({', '.join(sql_string(a) for a in actions) or 'NULL'})"
                  f" OR (action = 'read' AND backfill_sink = {sql_string(sink.name)}))")
-    if sink.filter:
+    if sink.filter and with_filter:
         predicate += f" AND coalesce(({sink.filter}), false)"
     return predicate
 
@@ -200,14 +201,16 @@ class PushResult:
 
 
 def push_in_group_order(sink: str, messages: Outgoing, send: Callable[[list[str]], None], batch_size: int,
-                        lanes: int, parked_groups: set[str]) -> PushResult:
+                        lanes: int, parked_groups: set[str] | Mapping[str, tuple[int, int]]) -> PushResult:
     """Deliver ``messages`` (in position order) through ``send``, in order within each group.
 
     Groups are spread over ``lanes`` that send concurrently; each lane sends its messages in
     order, ``batch_size`` per request. A request that fails parks all its messages with the
     error (one attempt made); a failed transform parks its message; after either, and for groups
     already in ``parked_groups``, every later message of the group is parked behind them
-    without being tried. The caller writes ``parked`` to the buffer before the batch completes.
+    without being tried. ``parked_groups`` maps a group to the position of its first parked
+    message (``buffer.parked_heads``: messages before it are sent), or is a set (all are held).
+    The caller writes ``parked`` to the buffer before the batch completes.
     """
     result = PushResult()
     lock = threading.Lock()
@@ -226,8 +229,15 @@ def push_in_group_order(sink: str, messages: Outgoing, send: Callable[[list[str]
         with lock:
             result.parked.extend(rows)
 
+    heads = parked_groups if isinstance(parked_groups, Mapping) else dict.fromkeys(parked_groups, (-1, -1))
+    lsns, idxs = messages.commit_lsn, messages.commit_idx
+
+    def held(i: int, blocked: set[str]) -> bool:
+        group = groups[i]
+        return group in blocked or (group in heads and (lsns[i], idxs[i]) > heads[group])
+
     def run_lane(lane: list[int]) -> None:
-        blocked = set(parked_groups)
+        blocked: set[str] = set()
         pending: list[int] = []
 
         def flush() -> None:
@@ -244,7 +254,7 @@ def push_in_group_order(sink: str, messages: Outgoing, send: Callable[[list[str]
             pending.clear()
 
         for i in lane:
-            if blocked and groups[i] in blocked:
+            if (blocked or heads) and held(i, blocked):
                 park([i], FOLLOWER_ERROR, 0)
             elif failed and i in failed:
                 flush()  # earlier messages of this group may be pending: send them first
