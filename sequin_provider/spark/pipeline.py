@@ -61,7 +61,15 @@ from sequin_provider.message_render import (
 )
 from sequin_provider.messages import CHANGE_FIELD_NAMES, CHANGE_SCHEMA_DDL
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
-from sequin_provider.spark.poison import JSON_COLUMNS, isolate, key_of, parse_changes, position_key, without_failed
+from sequin_provider.spark.poison import (
+    JSON_COLUMNS,
+    engine_error,
+    isolate,
+    key_of,
+    parse_changes,
+    position_key,
+    without_failed,
+)
 from sequin_provider.spark.source import SPOOL_SLICE_DDL, spool_slice_rows, spool_table
 from sequin_provider.spark.worker_heap import freeze_long_lived
 from sequin_provider.sinks.webhook import WebhookClient
@@ -70,6 +78,7 @@ log = logging.getLogger(__name__)
 
 RENDER_COLUMNS = tuple(c for c in CHANGE_FIELD_NAMES if c not in ("xid", "backfill_sink"))
 """The change row's columns the executors render messages from (``record``/``changes`` as JSON text)."""
+SUBEXPRESSION_ELIMINATION = "spark.sql.subexpressionElimination.enabled"
 
 
 def group_in_jvm(sink: SinkConfig) -> bool:
@@ -474,12 +483,28 @@ class Pipeline:
             except Exception:  # noqa: BLE001 - the batch itself cannot be read: not a filter's doing
                 raise error from None
             failed = isolate(changes, self.sinks)
-            if not failed:
+            if not failed and not engine_error(error):
                 raise error
-            parked = self._park_filter_failures(changes, failed)
-            log.warning("batch %d: %d changes parked for sinks whose filter fails on them (%s); delivering the rest",
-                        batch_id, parked, ", ".join(self.sinks[i].name for i in failed))
-            return self._deliver(project_batch(changes, self.sinks, failed))
+            if failed:
+                parked = self._park_filter_failures(changes, failed)
+                log.warning("batch %d: %d changes parked for sinks whose filter fails on them (%s); delivering"
+                            " the rest", batch_id, parked, ", ".join(self.sinks[i].name for i in failed))
+            # Spark hoists a subexpression used twice (two sinks with one filter) out of the ANDs
+            # that guard it and evaluates it on every row (measured: a row whose filter failed
+            # failed the batch again). Without that, a failed row's filter is never run
+            # (project_batch tests the position first, and AND stops at false), and a filter runs
+            # on its own sink's tables only (the error may have been another table's row: then
+            # nothing was isolated, and this run delivers the batch or fails with its error).
+            conf = changes.sparkSession.conf
+            before = conf.get(SUBEXPRESSION_ELIMINATION, None)
+            conf.set(SUBEXPRESSION_ELIMINATION, "false")
+            try:
+                return self._deliver(project_batch(changes, self.sinks, failed))
+            finally:
+                if before is None:
+                    conf.unset(SUBEXPRESSION_ELIMINATION)
+                else:
+                    conf.set(SUBEXPRESSION_ELIMINATION, before)
         finally:
             changes.unpersist()
 

@@ -22,7 +22,7 @@ import threading
 from typing import Any, Mapping
 
 import pyarrow as pa
-from pyspark.errors.exceptions.captured import CapturedException
+from pyspark.errors.exceptions.captured import CapturedException, PythonException
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
@@ -68,6 +68,12 @@ def filter_error(sink: SinkConfig, exc: BaseException) -> str:
     text = str(exc).strip()
     reason = text.splitlines()[0] if text else type(exc).__name__
     return f'sink {sink.name}: filter "{sink.filter}" failed: {reason}'
+
+
+def engine_error(exc: BaseException) -> bool:
+    """Whether a failed job's error is Spark's own (an expression's runtime error), not one raised
+    by Python code in a task (a store or network error of a writer)."""
+    return isinstance(exc, CapturedException) and not isinstance(exc, PythonException)
 
 
 def _span(first: tuple[int, int], last: tuple[int, int]) -> Column:
