@@ -1,6 +1,7 @@
 """The persistent buffer of parked messages (DESIGN §2.4, §9) and its retry.
 
-A message that a sink refuses (non-2xx, timeout, connection error) or whose transform raises is
+A message that a sink refuses (non-2xx, timeout, connection error), whose transform raises, or
+whose change the sink's filter fails on (a runtime error of the engine, such as an invalid cast) is
 parked here with its error and attempt count, and so is every later message of its group, so the
 stream's micro-batch completes and the slot advances while the group keeps its order. ``retry``
 redelivers due groups one message at a time in position order, with exponential backoff
@@ -12,6 +13,7 @@ delivers it only after the earlier parked messages of its table, and their later
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import threading
@@ -33,6 +35,24 @@ BACKOFF_CAP = 300.0
 JITTER = 0.15
 FOLLOWER_ERROR = "waiting behind an earlier parked message of its group"
 BARRIER_ERROR = "waiting behind an earlier parked message of its table (a truncate is a barrier for its table)"
+CHANGE_SOURCE_PREFIX = "change:"
+"""``source`` of a message parked because the sink's filter failed on its change: this prefix and the
+change row as JSON (``change_source``), kept to evaluate the filter again on retry. The ``source``
+of a failed transform is a message (JSON, which never starts with a letter other than those of
+``true``/``false``/``null``), so the prefix tells the two apart."""
+
+
+def change_source(change: dict[str, Any]) -> str:
+    """The ``source`` of a message whose filter failed: its change row (``messages.CHANGE_COLUMNS``)."""
+    return CHANGE_SOURCE_PREFIX + json.dumps(change, separators=(",", ":"), ensure_ascii=False)
+
+
+def parked_change(source: str | None) -> dict[str, Any] | None:
+    """The change row kept in a parked message's ``source`` (``change_source``), or None when the
+    message was parked after its filter (its ``source``, if any, is the message before its transform)."""
+    if source is None or not source.startswith(CHANGE_SOURCE_PREFIX):
+        return None
+    return json.loads(source[len(CHANGE_SOURCE_PREFIX):])  # type: ignore[no-any-return]
 
 
 def backoff_seconds(attempts: int, rng: random.Random | None = None) -> float:
@@ -43,8 +63,9 @@ def backoff_seconds(attempts: int, rng: random.Random | None = None) -> float:
 
 @dataclass(frozen=True)
 class ParkRow:
-    """A message to park: ``data`` is the rendered message, or None with ``source`` (the message
-    before its transform) when the transform failed."""
+    """A message to park: ``data`` is the rendered message, or None with ``source``: the message
+    before its transform when the transform failed, the change row (``change_source``) when the
+    sink's filter failed on it."""
 
     sink: str
     commit_lsn: int
@@ -102,23 +123,43 @@ def park(conn: psycopg.Connection[Any], schema: str, rows: Sequence[ParkRow]) ->
 
 
 def parked_groups(conn: psycopg.Connection[Any], schema: str, sink: str, groups: Iterable[str]) -> set[str]:
-    """Which of ``groups`` have parked messages in ``sink`` (their next messages must be parked too).
+    """Which of ``groups`` have parked messages in ``sink`` (their next messages must be parked too)."""
+    return set(parked_heads(conn, schema, sink, groups))
+
+
+def parked_heads(conn: psycopg.Connection[Any], schema: str, sink: str,
+                 groups: Iterable[str]) -> dict[str, tuple[int, int]]:
+    """For each of ``groups`` with parked messages in ``sink``, the position of its first one: a
+    message of the group after it waits behind it; one before it (earlier in a batch whose later
+    change was parked first) does not.
 
     Asked on every push of every batch, usually with thousands of groups and nothing parked: the
     sink's parked groups are read first (at most one more than asked about), and only when there
     are more of them than that are the groups sent to the store to match."""
     wanted = set(groups)
     if not wanted:
-        return set()
+        return {}
     parked = conn.execute(sql.SQL("SELECT DISTINCT group_id FROM {}.buffered_messages WHERE sink = %s"
                                   " AND state = 'parked' LIMIT %s").format(_ident(schema)),
                           (sink, len(wanted) + 1)).fetchall()
-    if len(parked) > len(wanted):
-        parked = conn.execute(sql.SQL("SELECT DISTINCT group_id FROM {}.buffered_messages WHERE sink = %s"
-                                      " AND state = 'parked' AND group_id = ANY(%s)").format(_ident(schema)),
-                              (sink, list(wanted))).fetchall()
+    asked = list(wanted) if len(parked) > len(wanted) else [g for (g,) in parked if g in wanted]
+    rows = conn.execute(sql.SQL("SELECT DISTINCT ON (group_id) group_id, commit_lsn, commit_idx"
+                                " FROM {}.buffered_messages WHERE sink = %s AND state = 'parked'"
+                                " AND group_id = ANY(%s) ORDER BY group_id, commit_lsn, commit_idx")
+                        .format(_ident(schema)), (sink, asked)).fetchall() if asked else []
     conn.commit()
-    return {r[0] for r in parked} & wanted
+    return {g: (int(lsn), int(idx)) for g, lsn, idx in rows}
+
+
+def sinks_with_parked(conn: psycopg.Connection[Any], schema: str, sinks: Sequence[str]) -> set[str]:
+    """Which of ``sinks`` have parked messages (one indexed probe per sink, in one round trip)."""
+    if not sinks:
+        return set()
+    rows = conn.execute(sql.SQL("SELECT s FROM unnest(%s::text[]) s WHERE EXISTS (SELECT 1 FROM"
+                                " {}.buffered_messages b WHERE b.sink = s AND b.state = 'parked')")
+                        .format(_ident(schema)), (list(sinks),)).fetchall()
+    conn.commit()
+    return {r[0] for r in rows}
 
 
 def parked_barriers(conn: psycopg.Connection[Any], schema: str, sink: str,
@@ -247,8 +288,22 @@ class DeliveryError(RuntimeError):
     """A sink did not take a message (its text says why: HTTP status, timeout, connection error)."""
 
 
+class FilterFailed(RuntimeError):
+    """The sink's filter, evaluated again on a parked change, failed again (its text says why)."""
+
+
+class Filtered(Exception):
+    """The sink's filter, evaluated again on a parked change, does not take it: the message is
+    dropped from the buffer (counted as filtered, not delivered)."""
+
+
 Deliver = Callable[["Parked", str], None]
 """Delivers one parked message (its rendered form given) or raises DeliveryError."""
+
+Render = Callable[["Parked"], str]
+"""The rendered form of a parked message that has none (``data`` is None): its transform applied
+again, or its change run through the sink's filter again; raises ``Filtered`` when the filter
+no longer takes it, ``FilterFailed`` or the transform's error when it fails again."""
 
 
 @dataclass
@@ -257,6 +312,7 @@ class RetryReport:
 
     sink: str
     delivered: int = 0
+    filtered: int = 0
     failed: int = 0
     discarded: int = 0
     still_parked: int = 0
@@ -267,13 +323,14 @@ class RetryReport:
         """One line for logs and the CLI."""
         if self.skipped:
             return f"{self.sink}: skipped ({self.skipped})"
-        return (f"{self.sink}: delivered {self.delivered}, failed again {self.failed}, discarded {self.discarded},"
-                f" still parked {self.still_parked}")
+        return (f"{self.sink}: delivered {self.delivered}, filtered {self.filtered}, failed again {self.failed},"
+                f" discarded {self.discarded}, still parked {self.still_parked}")
 
 
 def retry_sink(config: SequinConfig, sink: SinkConfig, deliver: Deliver,
-               render: Callable[[Parked], str] | None = None, workers: int = 8) -> RetryReport:
-    """Redeliver ``sink``'s due parked messages group by group, in order (one retry run per sink at a time)."""
+               render: Render | None = None, workers: int = 8) -> RetryReport:
+    """Redeliver ``sink``'s due parked messages group by group, in order (one retry run per sink at a
+    time); a message dropped by the sink's filter (``Filtered``) lets its group move on."""
     report = RetryReport(sink.name)
     schema = config.store.schema
     dsn = config.store_dsn(sink.database)
@@ -303,11 +360,18 @@ def retry_sink(config: SequinConfig, sink: SinkConfig, deliver: Deliver,
                 if data is None:
                     raise DeliveryError("the message has no rendered form")
                 deliver(message, data)
-            except Exception as exc:  # noqa: BLE001 - DeliveryError, a transform's error
+            except Filtered:
+                remove(conn, schema, message)
+                log.info("sink %s: parked change %s:%s dropped, the sink's filter no longer takes it", sink.name,
+                         message.commit_lsn, message.commit_idx)
+                with lock:
+                    report.filtered += 1
+                continue
+            except Exception as exc:  # noqa: BLE001 - DeliveryError, FilterFailed, a transform's error
                 attempts = message.attempts + 1
                 give_up = sink.max_retry_count is not None and attempts >= sink.max_retry_count
-                record_failure(conn, schema, message, f"{type(exc).__name__}: {exc}" if not isinstance(
-                    exc, DeliveryError) else str(exc), give_up, backoff_seconds(attempts))
+                record_failure(conn, schema, message, str(exc) if isinstance(exc, (DeliveryError, FilterFailed))
+                               else f"{type(exc).__name__}: {exc}", give_up, backoff_seconds(attempts))
                 with lock:
                     if give_up:
                         report.discarded += 1

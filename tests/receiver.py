@@ -10,6 +10,7 @@ import json
 import socket
 import threading
 import time
+from decimal import Decimal
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
@@ -22,11 +23,13 @@ Policy = Callable[[list[dict[str, Any]]], tuple[int, float]]
 class Receiver:
     """A webhook endpoint on loopback that records the messages of every request it answers 2xx."""
 
-    def __init__(self, secret: str | None = None) -> None:
+    def __init__(self, secret: str | None = None, exact: bool = False) -> None:
+        """``exact``: parse the bodies with decimals as ``Decimal`` (every digit as sent), not floats."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.secret = secret
+        self.exact = exact
         self.policy: Policy = lambda messages: (200, 0.0)
         self.accepted: list[dict[str, Any]] = []
         self.stalled: list[dict[str, Any]] = []  # answered after the client's timeout: delivery was ambiguous
@@ -51,7 +54,7 @@ class Receiver:
                 if receiver.secret and self.headers.get(SIGNATURE_HEADER) != signature(receiver.secret, body):
                     with receiver.lock:
                         receiver.bad_signatures += 1
-                payload = json.loads(body)
+                payload = json.loads(body, parse_float=Decimal if receiver.exact else float)
                 messages = payload["data"] if isinstance(payload, dict) and "data" in payload else [payload]
                 status, stall = receiver.policy(messages)
                 if stall:

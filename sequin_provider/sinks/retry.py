@@ -3,23 +3,61 @@ of the Airflow retry operator)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import psycopg
 
 from sequin_provider import buffer, store
-from sequin_provider.buffer import Parked, RetryReport
+from sequin_provider.buffer import DeliveryError, Parked, Render, RetryReport, parked_change
 from sequin_provider.config import ConfigError, SequinConfig, SinkConfig
 from sequin_provider.delivery import apply_transform, load_transform
 from sequin_provider.sinks.webhook import WebhookClient
 
 
-def _renderer(sink: SinkConfig) -> Callable[[Parked], str] | None:
-    """Re-applies the sink's transform to a message whose transform failed when it was parked."""
+class _Filters:
+    """The retry run's ``spark.poison.FilterCheck``, made when a parked filter failure is first met
+    (Spark is imported, and for a filter a local session started, only then)."""
+
+    def __init__(self) -> None:
+        self.check: Any = None
+
+    def get(self) -> Any:
+        if self.check is None:
+            from sequin_provider.spark.poison import FilterCheck
+
+            self.check = FilterCheck()
+        return self.check
+
+    def close(self) -> None:
+        if self.check is not None:
+            self.check.close()
+
+
+def _renderer(sink: SinkConfig, filters: _Filters) -> Render:
+    """Renders a parked message that has no rendered form: re-applies the sink's transform to a
+    message whose transform failed, or runs a change the sink's filter failed on through the
+    sink's current selection (``buffer.Filtered`` when it no longer takes it), then renders and
+    transforms it as the stream would."""
     transform = load_transform(sink.transform)
-    if transform is None:
-        return None
-    return lambda message: apply_transform(sink, transform, message.source or "null")
+
+    def render(message: Parked) -> str:
+        change = parked_change(message.source)
+        if change is None:
+            if transform is None:
+                raise DeliveryError("the message has no rendered form")
+            return apply_transform(sink, transform, message.source or "null")
+        import pyarrow as pa
+
+        from sequin_provider import message_render
+
+        check = filters.get()
+        rendering = message_render.SinkRendering.of(sink, sink.database)
+        check.passes(sink, rendering, change)
+        rendered = message_render.render(check.change_batch(change), rendering, pa.array([message.group_id]))
+        data: str = rendered.data[0].as_py()
+        return data if transform is None else apply_transform(sink, transform, data)
+
+    return render
 
 
 def retry_sinks(config: SequinConfig, sink_name: str | None = None, workers: int = 8) -> list[RetryReport]:
@@ -28,22 +66,32 @@ def retry_sinks(config: SequinConfig, sink_name: str | None = None, workers: int
     if sink_name is not None and not sinks:
         raise ConfigError(config.source, "sinks", f"no sink named {sink_name!r}")
     reports = []
-    for sink in sinks:
-        with psycopg.connect(config.store_dsn(sink.database), connect_timeout=10) as conn:
-            store.migrate(conn, config.store.schema)
-            conn.commit()
-        if sink.destination.type == "webhook":
-            client = WebhookClient(sink)
-            try:
-                reports.append(buffer.retry_sink(config, sink, lambda m, data, c=client: c.send([data]), _renderer(sink),
-                                                 workers))
-            finally:
-                client.close()
-        else:  # a Sequin Stream sink parks only messages whose transform failed: retried into the stream
-            with psycopg.connect(config.store_dsn(sink.database), connect_timeout=10) as conn:
-                def into_stream(m: Parked, data: str, conn: Any = conn) -> None:
-                    store.insert_stream_messages(conn, config.store.schema,
-                                                 [(m.sink, m.commit_lsn, m.commit_idx, m.group_id, m.idempotency_key,
-                                                   data, m.barrier)])
-                reports.append(buffer.retry_sink(config, sink, into_stream, _renderer(sink), workers=1))
+    filters = _Filters()
+    try:
+        for sink in sinks:
+            reports.append(_retry_one(config, sink, filters, workers))
+    finally:
+        filters.close()
     return reports
+
+
+def _retry_one(config: SequinConfig, sink: SinkConfig, filters: _Filters, workers: int) -> RetryReport:
+    """One sink's retry run."""
+    with psycopg.connect(config.store_dsn(sink.database), connect_timeout=10) as conn:
+        store.migrate(conn, config.store.schema)
+        conn.commit()
+    if sink.destination.type == "webhook":
+        client = WebhookClient(sink)
+        try:
+            return buffer.retry_sink(config, sink, lambda m, data, c=client: c.send([data]),
+                                     _renderer(sink, filters), workers)
+        finally:
+            client.close()
+    # a Sequin Stream sink parks messages whose transform or filter failed, and those behind them:
+    # retried into the stream
+    with psycopg.connect(config.store_dsn(sink.database), connect_timeout=10) as conn:
+        def into_stream(m: Parked, data: str, conn: Any = conn) -> None:
+            store.insert_stream_messages(conn, config.store.schema,
+                                         [(m.sink, m.commit_lsn, m.commit_idx, m.group_id, m.idempotency_key, data,
+                                           m.barrier)])
+        return buffer.retry_sink(config, sink, into_stream, _renderer(sink, filters), workers=1)
