@@ -135,6 +135,7 @@ def test_peak_memory_does_not_grow_with_the_size_of_a_transaction(tmp_path: Path
 
 
 @pytest.mark.skipif(not os.environ.get("SEQUIN_SOAK"), reason="make soak: 10,000,000 rows take too long for CI")
+@pytest.mark.timeout(7200)  # 20,400,000 messages through the store: longer than the suite's 900 s per test
 def test_soak_a_10m_row_transaction_in_the_peak_memory_of_200k(tmp_path: Path, dsn: str, dbname: str,
                                                                 stream_app: Any) -> None:
     check_peak_memory(tmp_path, dsn, dbname, stream_app, 10_000_000)
