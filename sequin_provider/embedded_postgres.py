@@ -1,7 +1,9 @@
 """A throwaway PostgreSQL cluster with ``wal_level=logical`` for tests, the demo and benchmarks.
 
 ``EmbeddedPostgres`` runs ``initdb``/``pg_ctl`` from the server binaries it finds (``PATH``,
-``pg_config --bindir`` or ``/usr/lib/postgresql/*/bin``). ``initdb`` refuses to run as root, so
+``pg_config --bindir`` or ``/usr/lib/postgresql/*/bin``), or, when ``SEQUIN_PG_VERSION`` (or the
+``version`` field) names a major 12–18, from that version's binaries fetched by
+``postgres_binaries``. ``initdb`` refuses to run as root, so
 when this process is root the cluster is created and run as an unprivileged OS user. When
 ``SEQUIN_TEST_DSN`` is set, that server is used instead and nothing is started.
 """
@@ -21,10 +23,11 @@ from pathlib import Path
 
 import psycopg
 
-SERVER_BINARIES = ("initdb", "pg_ctl", "postgres")
+from sequin_provider import postgres_binaries
+from sequin_provider.postgres_binaries import SERVER_BINARIES
 
 
-class EmbeddedPostgresError(RuntimeError):
+class EmbeddedPostgresError(postgres_binaries.PostgresBinariesError):
     """Raised when no cluster can be started and no ``SEQUIN_TEST_DSN`` is given."""
 
 
@@ -60,6 +63,13 @@ def find_server_bindir() -> Path:
     )
 
 
+def kept_data_dir(parent: Path) -> Path:
+    """The demo's kept cluster folder under ``parent``: ``pg`` for the system's server, ``pg16`` for
+    ``SEQUIN_PG_VERSION=16`` (a data folder only starts with the major that created it)."""
+    version = postgres_binaries.requested_version()
+    return parent / ("pg" if version is None else f"pg{version.split('.')[0]}")
+
+
 def free_port() -> int:
     """Return a TCP port on 127.0.0.1 that is free right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -87,10 +97,12 @@ class EmbeddedPostgres:
 
     Use as a context manager; ``dsn(dbname)`` gives a connection string to any database in it.
     ``data_dir`` defaults to a fresh temporary folder that is removed on ``stop()``; a given
-    ``data_dir`` (the demo's ``./var/pg``) is reused across runs and kept.
+    ``data_dir`` (the demo's ``./var/pg``) is reused across runs and kept. ``version`` picks the
+    server (a major such as ``"16"``); ``None`` means ``SEQUIN_PG_VERSION``, else the system's.
     """
 
     data_dir: Path | None = None
+    version: str | None = None
     wal_level: str = "logical"
     settings: dict[str, str] = field(default_factory=dict)
     use_env_dsn: bool = True
@@ -98,6 +110,7 @@ class EmbeddedPostgres:
     _owned_dir: bool = False
     _started: bool = False
     _external_dsn: str | None = None
+    _bindir: Path | None = None
 
     def __enter__(self) -> EmbeddedPostgres:
         self.start()
@@ -111,13 +124,29 @@ class EmbeddedPostgres:
         """True when an existing server from ``SEQUIN_TEST_DSN`` is used."""
         return self._external_dsn is not None
 
+    @property
+    def bindir(self) -> Path:
+        """The folder of the server binaries this cluster runs (resolved, and fetched, once)."""
+        if self._bindir is None:
+            version = self.version or postgres_binaries.requested_version()
+            self._bindir = postgres_binaries.server_bindir(version) if version else find_server_bindir()
+        return self._bindir
+
+    @property
+    def major(self) -> int:
+        """The server's major version (of ``SEQUIN_TEST_DSN``'s server when external)."""
+        if self._external_dsn:
+            with psycopg.connect(self._external_dsn) as conn:
+                return conn.info.server_version // 10000
+        return postgres_binaries.server_major(self.bindir)
+
     def start(self) -> None:
         """Start the cluster (or adopt ``SEQUIN_TEST_DSN``) and wait until it accepts connections."""
         env_dsn = os.environ.get("SEQUIN_TEST_DSN") if self.use_env_dsn else None
         if env_dsn:
             self._external_dsn = env_dsn
             return
-        bindir = find_server_bindir()
+        bindir = self.bindir
         user = _unprivileged_user()
         if self.data_dir is None:
             self.data_dir = Path(tempfile.mkdtemp(prefix="sequin-pg-"))
@@ -130,6 +159,7 @@ class EmbeddedPostgres:
             os.chown(self.data_dir, user.pw_uid, user.pw_gid)
             os.chmod(self.data_dir, 0o700)
             run_kwargs = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}
+        self._check_data_version(pgdata)
         if not (pgdata / "PG_VERSION").exists():
             self._run([str(bindir / "initdb"), "-D", str(pgdata), "-U", "postgres", "--auth=trust",
                        "--encoding=UTF8", "--locale=C", "--no-sync"], run_kwargs)
@@ -155,6 +185,14 @@ class EmbeddedPostgres:
                    "-o", opt_string, "-w", "-t", "60", "start"], run_kwargs)
         self._started = True
         self._wait_ready()
+
+    def _check_data_version(self, pgdata: Path) -> None:
+        """A kept data folder made by another major cannot be started: say so plainly."""
+        marker = pgdata / "PG_VERSION"
+        if marker.exists() and int(marker.read_text().strip().split(".")[0]) != self.major:
+            raise EmbeddedPostgresError(
+                f"{pgdata} was created by PostgreSQL {marker.read_text().strip()}, but this server is "
+                f"PostgreSQL {self.major}: remove {self.data_dir} or set SEQUIN_PG_VERSION to its major")
 
     def _run(self, argv: list[str], run_kwargs: dict[str, object]) -> None:
         result = subprocess.run(argv, capture_output=True, text=True, cwd=str(self.data_dir), **run_kwargs)  # type: ignore[call-overload]
@@ -190,7 +228,9 @@ class EmbeddedPostgres:
                 "SELECT slot_name FROM pg_replication_slots WHERE database = %s", (name,)
             ).fetchall():
                 conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
-            conn.execute(psycopg.sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(psycopg.sql.Identifier(name)))
+            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s "
+                         "AND pid <> pg_backend_pid()", (name,))  # DROP ... WITH (FORCE) is 13+
+            conn.execute(psycopg.sql.SQL("DROP DATABASE IF EXISTS {}").format(psycopg.sql.Identifier(name)))
             conn.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(name)))
         return self.dsn(name)
 
@@ -209,7 +249,7 @@ class EmbeddedPostgres:
             if user is not None:
                 run_kwargs = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}
             try:
-                self._run([str(find_server_bindir() / "pg_ctl"), "-D", str(self.data_dir / "data"),
+                self._run([str(self.bindir / "pg_ctl"), "-D", str(self.data_dir / "data"),
                            "-m", mode, "-w", "stop"], run_kwargs)
             except EmbeddedPostgresError:
                 pass

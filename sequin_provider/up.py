@@ -16,14 +16,14 @@ import psycopg
 from sequin_provider.airflow_standalone import AirflowStandalone, airflow_env
 from sequin_provider.config import load_config
 from sequin_provider.demo import CONFIG, SCHEMA, VAR
-from sequin_provider.embedded_postgres import EmbeddedPostgres
+from sequin_provider.embedded_postgres import EmbeddedPostgres, kept_data_dir
 from sequin_provider.provisioning import initialize
 
 
 def main() -> int:
     """Start everything, then wait for Ctrl-C."""
     VAR.mkdir(exist_ok=True)
-    with EmbeddedPostgres(data_dir=VAR / "pg", use_env_dsn=False) as pg:
+    with EmbeddedPostgres(data_dir=kept_data_dir(VAR), use_env_dsn=False) as pg:
         dsn = pg.dsn("shop")
         with psycopg.connect(pg.dsn("postgres"), autocommit=True) as conn:
             exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = 'shop'").fetchone()

@@ -10,7 +10,6 @@ import hashlib
 import random
 import re
 import subprocess
-import threading
 import time
 from datetime import datetime, timezone
 from decimal import Decimal
@@ -26,7 +25,15 @@ from sequin_provider.embedded_postgres import EmbeddedPostgres
 from sequin_provider.pgoutput import lsn_to_int
 from sequin_provider.replication import slot_info
 from sequin_provider.spark.pipeline import payload_mode
-from tests.conftest import StreamApp, execute, sink_messages, spark_jvm_arguments, wait_for, write_config
+from tests.conftest import (
+    StreamApp,
+    execute,
+    sink_messages,
+    spark_jvm_arguments,
+    wait_for,
+    write_config,
+)
+from tests.key_workload import KeyWorkload, check_against_workload
 
 SCHEMA = [
     "CREATE TABLE accounts (id int PRIMARY KEY, name text NOT NULL, balance numeric(20,2))",
@@ -301,77 +308,12 @@ def simple_config(tmp_path: Path, dsn: str, db: str, store_dsn: str | None = Non
         """)
 
 
-class Workload:
-    """Random transactions on ``kv`` from a thread; records what committed, per key, in commit order."""
-
-    def __init__(self, dsn: str, keys: int = 200, seed: int = 7) -> None:
-        self.dsn = dsn
-        self.keys = keys
-        self.rng = random.Random(seed)
-        self.expected: dict[int, list[tuple[str, int | None]]] = {}
-        self.state: dict[int, int] = {}
-        self.committed = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self.error: BaseException | None = None
-
-    def _run(self) -> None:
-        try:
-            with psycopg.connect(self.dsn) as conn:
-                while not self._stop.is_set():
-                    ops: list[tuple[int, str, int | None]] = []
-                    state = dict(self.state)
-                    for _ in range(self.rng.randint(1, 20)):
-                        key = self.rng.randrange(self.keys)
-                        if key not in state:
-                            state[key] = 0
-                            conn.execute("INSERT INTO kv VALUES (%s, 0)", (key,))
-                            ops.append((key, "insert", 0))
-                        elif self.rng.random() < 0.15:
-                            del state[key]
-                            conn.execute("DELETE FROM kv WHERE id = %s", (key,))
-                            ops.append((key, "delete", None))
-                        else:
-                            state[key] += 1
-                            conn.execute("UPDATE kv SET v = %s WHERE id = %s", (state[key], key))
-                            ops.append((key, "update", state[key]))
-                    conn.commit()
-                    self.state = state
-                    for key, action, value in ops:
-                        self.expected.setdefault(key, []).append((action, value))
-                        self.committed += 1
-                    time.sleep(0.002)
-        except BaseException as exc:  # noqa: BLE001 - reported by stop()
-            self.error = exc
-
-    def start(self) -> Workload:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(30)
-        if self.error:
-            raise self.error
-
-
-def check_against_workload(messages: list[dict[str, Any]], workload: Workload) -> None:
-    """Nothing lost, nothing duplicated, per key exactly the committed sequence in order."""
-    keys = [m["metadata"]["idempotency_key"] for m in messages]
-    assert len(keys) == len(set(keys)), "duplicate messages in the sink"
-    got: dict[int, list[tuple[str, int | None]]] = {}
-    for m in messages:  # position order
-        got.setdefault(m["record"]["id"], []).append((m["action"], m["record"].get("v")))
-    assert got == workload.expected
-    assert len(messages) == workload.committed
-
-
 def test_sigkill_mid_workload_loses_and_duplicates_nothing(tmp_path: Path, dsn: str, dbname: str, stream_app: Any) -> None:
     execute(dsn, "CREATE TABLE kv (id int PRIMARY KEY, v int)")
     config = simple_config(tmp_path, dsn, dbname)
     app = stream_app(config)
     app.wait_streaming(dsn)
-    workload = Workload(dsn).start()
+    workload = KeyWorkload(dsn).start()
     rng = random.Random(11)
     for _ in range(3):
         wait_for(lambda: len(sink_messages(dsn, "kv")) > workload.committed // 3, 120, what="progress before kill")
