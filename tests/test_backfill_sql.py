@@ -19,7 +19,8 @@ from sequin_provider.backfill_sql import record_sql
 from sequin_provider.pgoutput import PgOutputDecoder, Relation, TypeRegistry
 from sequin_provider.replication import REPLICATION_SESSION_OPTIONS, _Catalog
 from tests.conftest import execute
-from tests.test_pgoutput import TYPE_MATRIX, capture
+from tests.test_pgoutput import capture
+from tests.type_matrix import TYPE_MATRIX
 
 EDGE_VALUES: dict[str, list[str]] = {
     "text": ["E'tab\\tnl\\ncr\\r bs\\\\ q\" \\x01 \\x1f \\x7f \\u00fc \\U0001F600 \\u2028 \\b\\f'", "''", "'{\"x\"}'"],

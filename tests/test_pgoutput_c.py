@@ -15,10 +15,20 @@ import pytest
 
 from sequin_provider import pgoutput
 from sequin_provider.config import TableConfig
-from sequin_provider.pgoutput import UNCHANGED_TOAST, DecodeError, PgOutputDecoder, TypeRegistry
-from sequin_provider.replication import REPLICATION_SESSION_OPTIONS, _Catalog, create_slot, ensure_publication
+from sequin_provider.pgoutput import (
+    UNCHANGED_TOAST,
+    DecodeError,
+    PgOutputDecoder,
+    TypeRegistry,
+)
+from sequin_provider.replication import (
+    REPLICATION_SESSION_OPTIONS,
+    _Catalog,
+    create_slot,
+    ensure_publication,
+)
 from tests.conftest import execute
-from tests.test_pgoutput import TYPE_MATRIX
+from tests.type_matrix import TYPE_MATRIX
 
 CHANGE_KINDS = (b"I", b"U", b"D")
 
