@@ -1,6 +1,6 @@
 """``sequin_backfill``: start a backfill from the UI ("Trigger DAG" shows the form below).
 
-Sends the rows a table holds now to one sink as ``read`` messages (README, Backfills): ``full`` reads
+Sends the rows a table holds now to one sink as ``read`` messages (docs/backfills.md): ``full`` reads
 every row in primary-key order; ``partial`` reads rows with ``sort_column >= start_position``.
 The stream app of the sink's database must be running.
 

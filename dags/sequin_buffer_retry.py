@@ -1,4 +1,4 @@
-"""``sequin_buffer_retry``: every minute, redeliver the parked messages that are due (README, The buffer).
+"""``sequin_buffer_retry``: every minute, redeliver the parked messages that are due (docs/buffer.md).
 
 One sink (``SEQUIN_RETRY_SINK`` in the DAG processor's environment) or, by default, every sink. A
 run succeeds while messages stay parked (the ``sequin_monitoring`` DAG alerts on those) and

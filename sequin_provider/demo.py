@@ -33,7 +33,7 @@ SCHEMA = (
     "CREATE TABLE order_items (order_id int REFERENCES orders ON DELETE CASCADE, line int, sku text, qty int,"
     " PRIMARY KEY (order_id, line))",
 )
-CONFIG = """# Written by `make demo`; see README.md for every key.
+CONFIG = """# Written by `make demo`; see docs/configuration.md for every key.
 databases:
   - name: shop
     dsn: {dsn}

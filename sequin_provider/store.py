@@ -183,7 +183,7 @@ ALTER TABLE {schema}.backfill_rows ADD COLUMN IF NOT EXISTS order_key text[];
 """),
     # A plain Sequin Stream sink's reads are written by the backfill task as it stages the page, at
     # the page's read position (just after its low watermark), hidden until the stream app closes
-    # the page's window (DESIGN §7, README: backfills): the close then takes back only the reads
+    # the page's window (DESIGN §7, docs/backfills.md): the close then takes back only the reads
     # whose key changed inside the window, instead of writing every read on the stream's path.
     (9, "backfill reads written by the task, hidden until their window closes", """
 ALTER TABLE {schema}.stream_messages ADD COLUMN IF NOT EXISTS backfill_page bigint;
@@ -195,7 +195,7 @@ ALTER TABLE {schema}.backfill_pages ADD COLUMN IF NOT EXISTS read_lsn bigint;
 ALTER TABLE {schema}.backfills ADD COLUMN IF NOT EXISTS requested_by text;
 """),
     # The cheapest message row: every change of a Sequin Stream sink is one, and its write is the
-    # largest cost of the stream and of a backfill (README: Performance). A receive finds each
+    # largest cost of the stream and of a backfill (docs/performance.md). A receive finds each
     # group's first message in the stream's head (stream_queue.receive), so no index on groups is
     # written per message; and the data is stored as the text it is rendered to, unparsed: it is
     # JSON by construction (the compiled renderer, held equal to its Python reference, or

@@ -91,7 +91,7 @@ def old_key(row: Sequence[Any], primary_key: Sequence[str]) -> Key | None:
 
     Numbers are compared as the text they were rendered from; values whose JSON rendering is not
     their Postgres text (timestamps, bytea) may not match, which only matters for an update of
-    such a key while its page is in flight (README: backfills)."""
+    such a key while its page is in flight (docs/backfills.md, "Guarantees and limits")."""
     if row[6] != "update" or not row[8] or row[8] == "{}":
         return None
     try:

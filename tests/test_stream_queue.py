@@ -98,8 +98,8 @@ def test_a_counter_gone_wrong_is_recounted_when_it_reads_full(dsn: str, conn: ps
 
 def test_receiving_writes_no_index_entry(dsn: str, conn: psycopg.Connection) -> None:
     """A receive updates only unindexed columns, so its updates are HOT (the table's fillfactor leaves
-    room on the page for nearly all of them): this is what lets the pull API keep up (README:
-    Performance). An index on a column a receive sets makes none of them HOT and fails this test."""
+    room on the page for nearly all of them): this is what lets the pull API keep up
+    (docs/architecture.md, "The pull API's store side"). An index on a column a receive sets makes none of them HOT and fails this test."""
     put_stream_messages(dsn, SINK, [(i, 0, f"g{i}") for i in range(1, 201)])
     with conn.transaction():  # pg_stat_xact_user_tables counts this transaction's updates
         got = stream_queue.receive(conn, "sequin", SINK, 200, 30, 1000)
@@ -126,7 +126,7 @@ def test_a_receive_reads_past_a_long_head_of_waiting_messages(dsn: str, conn: ps
 def test_a_message_row_writes_one_index_entry(conn: psycopg.Connection) -> None:
     """The stream table's only index is its primary key (the position): a message row is the largest
     cost of the stream and of a backfill, and a receive finds groups' first messages without an
-    index on groups (README: Performance). An index added here should come with its measurement."""
+    index on groups (docs/performance.md, "Pull API"). An index added here should come with its measurement."""
     indexes = conn.execute("SELECT indexdef FROM pg_indexes WHERE schemaname = 'sequin'"
                            " AND tablename = 'stream_messages'").fetchall()
     assert [i[0].split(" USING ")[1] for i in indexes] == ["btree (sink, commit_lsn, commit_idx)"]

@@ -6,7 +6,7 @@ sha256=<hex HMAC-SHA256 of the body>`` so the receiver can check it came from us
 
 The client is the standard library's ``http.client`` over a pool of kept-alive connections: the
 stream tasks send every change of a webhook sink through it, and ``httpx`` spent four times its
-CPU per request (README: *Performance*). It honours ``HTTP(S)_PROXY``/``NO_PROXY`` and
+CPU per request (docs/architecture.md, "Measured refinements"). It honours ``HTTP(S)_PROXY``/``NO_PROXY`` and
 ``SSL_CERT_FILE`` as ``httpx`` did, and follows no redirects.
 """
 

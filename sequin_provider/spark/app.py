@@ -35,12 +35,12 @@ group columns): its generated code is hot, and the optimising JIT tier pays for 
 BACKFILL_JAVA_OPTIONS = "-XX:+UseParallelGC -XX:TieredStopAtLevel=1"
 """The backfill app's JVM only schedules Python tasks: the quick JIT tier alone saves it about 3 s
 of CPU at start-up (7.6 -> 4.3-5.0 s, sampled per process during bench/backfill_throughput.py's
-run (b); README: Detailed benchmarks), CPU the backfill's own databases share on small machines."""
+run (b); docs/architecture.md, "Measured refinements"), CPU the backfill's own databases share on small machines."""
 SPOOL_STREAM_JAVA_OPTIONS = BACKFILL_JAVA_OPTIONS
 """A ``payload=spool`` stream app's JVM carries one row per spool slice and plans micro-batches:
 no per-change code for the optimising tier to speed up, while compiling Spark's planning code
 with it kept 2/3 of the JVM's CPU busy for minutes (300 compilations per batch after 10 batches).
-Measured per thread under load (README: Performance): the JVM's CPU per change fell from 4.3-5.4
+Measured per thread under load (docs/architecture.md, "Measured refinements"): the JVM's CPU per change fell from 4.3-5.4
 to 2.1-2.9 us in a young app and was 1.0-1.5 us after a minute of traffic (1.7-2.1 with both tiers)."""
 
 

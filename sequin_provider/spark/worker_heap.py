@@ -5,7 +5,7 @@ collection walks every object the collector tracks. A worker holds about 100,000
 long as it does: the modules it imported (pyspark, pyarrow, psycopg, this package, and what the
 first tasks import lazily) and its writer's configuration and renderings. Walking them took
 15-50 ms per task; with two Python tasks per partition of every micro-batch, that was two thirds of
-the Python workers' CPU at a steady 5,000 changes/s (README: Performance). Frozen, a collection
+the Python workers' CPU at a steady 5,000 changes/s (docs/architecture.md, "Measured refinements"). Frozen, a collection
 after a task walks the few hundred objects the task left.
 """
 
