@@ -261,10 +261,8 @@ def cmd_token_list(args: argparse.Namespace) -> int:
 
 
 def cmd_api(args: argparse.Namespace) -> int:
-    """Serve the Sequin Stream HTTP pull API."""
-    import uvicorn
-
-    from sequin_provider.stream_api import create_app
+    """Serve the Sequin Stream HTTP pull API (until SIGTERM or Ctrl-C: open long polls answer at once)."""
+    from sequin_provider.stream_api import serve
 
     config = _config(args)
     for db in config.databases:  # the tables must exist before the first request
@@ -273,7 +271,7 @@ def cmd_api(args: argparse.Namespace) -> int:
     streams = [s.name for s in config.sinks if s.destination.type == "sequin_stream"]
     print(f"serving Sequin Streams {', '.join(streams) or '(none configured)'} on http://{args.host}:{args.port}"
           f" (OpenAPI: /docs)", file=sys.stderr)
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    serve(config, args.host, args.port, args.log_level)
     return 0
 
 

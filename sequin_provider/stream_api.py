@@ -3,11 +3,18 @@
 Wire-compatible with Sequin's public API: ``POST|GET /api/sequin_streams/{name}/receive``,
 ``POST .../ack`` and ``POST .../nack``, also under the older prefix ``/api/http_pull_consumers``.
 Every request carries ``Authorization: Bearer <token>`` (tokens: ``sequin token create``). Errors
-are JSON ``{"code": ..., "summary": ...}`` with status 400, 401, 403, 404, 413 or 429.
+are JSON ``{"code": ..., "summary": ...}`` with status 400, 401, 403, 404, 413, 429 or 503.
 
 Long polls (``wait_for``) wake as soon as the stream app makes new messages visible (NOTIFY on
 ``store.VISIBLE_CHANNEL``) and re-check at least every second, which also catches visibility
 timeouts expiring and nacks from other API processes. ``max_waiting`` is enforced per API process.
+
+A receive whose client disconnects stops at once: a long poll watches its connection while it waits
+and gives up its ``max_waiting`` slot; nothing is claimed once the client is gone, and messages
+claimed while it went are released (``stream_queue.release``). ``serve`` (``sequin api``) answers
+open long polls with no messages as soon as it is told to stop (SIGTERM, Ctrl-C), so it exits
+within seconds. A store that cannot be reached answers 503 ``unavailable`` (one log line, no
+traceback).
 """
 
 from __future__ import annotations
@@ -17,21 +24,24 @@ import logging
 import threading
 import time
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
-from typing import Annotated, Any, AsyncIterator, Awaitable, Callable, TypeVar
+from types import FrameType
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, TypeVar
 
 import anyio.to_thread
 import psycopg
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 from pydantic import BaseModel, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from sequin_provider import stream_queue
 from sequin_provider.config import SequinConfig
+from sequin_provider.receive_params import InvalidReceiveParameter, ReceiveParams, parse_receive
 from sequin_provider.store import VISIBLE_CHANNEL
 
 log = logging.getLogger(__name__)
@@ -42,6 +52,13 @@ MAX_BODY_BYTES = 1024 * 1024
 MAX_ACK_IDS = 10_000
 TOKEN_CACHE_SECONDS = 2.0
 RECHECK_SECONDS = 1.0
+SHUTDOWN_GRACE_SECONDS = 3.0
+"""After a stop signal, requests still running this long are cancelled (long polls end at once)."""
+STORE_WARNING_SECONDS = 10.0
+POOL_WAIT_SECONDS = 30.0
+POOL_POLL_SECONDS = 0.5
+"""A request waits up to ``POOL_WAIT_SECONDS`` for a pooled connection (then 503), in steps of
+``POOL_POLL_SECONDS`` so that it gives up as soon as the process is stopping."""
 
 
 class ApiError(Exception):
@@ -57,19 +74,6 @@ class ErrorBody(BaseModel):
 
     code: str
     summary: str
-
-
-BatchSize = Annotated[int, Field(ge=1, le=1000)]
-WaitFor = Annotated[int, Field(ge=500, le=300_000)]
-
-
-class ReceiveParams(BaseModel):
-    """``receive`` parameters, from the query string (text, parsed to integers) or a JSON body
-    (validated strictly: ``true`` or ``"5"`` is not a batch size)."""
-
-    batch_size: BatchSize | None = Field(None, description="messages to return at most (1-1000, default 1)")
-    max_batch_size: BatchSize | None = Field(None, description="alias of batch_size")
-    wait_for: WaitFor | None = Field(None, description="long poll: wait up to this many ms for a message (500-300000)")
 
 
 class AckRequest(BaseModel):
@@ -97,10 +101,43 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": what} for status, what in (
         (400, "invalid parameters or body"), (401, "missing or unknown bearer token"), (403, "revoked token"),
         (404, "no Sequin Stream sink of that name"), (413, "body larger than 1 MiB"),
-        (429, "max_waiting long-polling receivers already waiting"))}
+        (429, "max_waiting long-polling receivers already waiting"), (503, "the message store is unavailable"))}
 
 
 BEARER_SCHEME = {"type": "http", "scheme": "bearer", "description": "an API token from `sequin token create`"}
+
+
+class ClientConnection:
+    """Whether a request's client is still connected. ``gone()`` asks the server now; ``watching(wake)``
+    sets ``wake`` as soon as the client disconnects (the server's ``http.disconnect``), for a long
+    poll. Call after the request's body was read."""
+
+    def __init__(self, request: Request) -> None:
+        self._request = request
+        self._gone = False
+
+    async def gone(self) -> bool:
+        """True once the client has disconnected."""
+        if not self._gone:
+            self._gone = await self._request.is_disconnected()
+        return self._gone
+
+    @asynccontextmanager
+    async def watching(self, wake: asyncio.Event) -> AsyncIterator[None]:
+        """While inside, a disconnect sets ``wake``."""
+        async def watch() -> None:
+            while (await self._request.receive())["type"] != "http.disconnect":
+                pass
+            self._gone = True
+            wake.set()
+
+        task = asyncio.create_task(watch())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
 
 
 @dataclass(frozen=True)
@@ -130,10 +167,12 @@ class StreamService:
                                           kwargs={"autocommit": False, "connect_timeout": 5}) for dsn in dsns}
         self._tokens: dict[str, tuple[str, float]] = {}
         self._waiting: dict[str, int] = {}
-        self._events: dict[str, asyncio.Event] = {}
+        self._waiters: dict[str, set[asyncio.Event]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
+        self._stopping = False
         self._listeners: list[threading.Thread] = []
+        self._store_warned: tuple[str, float] = ("", 0.0)
 
     # lifecycle ---------------------------------------------------------------------------------
     def ensure_open(self) -> None:
@@ -153,13 +192,35 @@ class StreamService:
             thread.start()
             self._listeners.append(thread)
 
+    def stop_waiting(self) -> None:
+        """Answer every long poll now, and new ones at once: the process is stopping (call in the
+        event loop; ``request_stop`` from elsewhere)."""
+        self._stopping = True
+        for waiters in self._waiters.values():
+            for wake in waiters:
+                wake.set()
+
+    def request_stop(self) -> None:
+        """``stop_waiting`` from any thread or a signal handler."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.stop_waiting)
+
     def close(self) -> None:
         """Stop the listeners and close the pools."""
         self._stop.set()
         for thread in self._listeners:
-            thread.join(timeout=5)
+            thread.join(timeout=2)
         for pool in self.pools.values():
-            pool.close()
+            pool.close(timeout=2)
+
+    def warn_store_unavailable(self, summary: str) -> None:
+        """Log that the store cannot be reached: once per different reason, and at most every
+        ``STORE_WARNING_SECONDS`` for the same one."""
+        last, at = self._store_warned
+        now = time.monotonic()
+        if summary != last or now - at >= STORE_WARNING_SECONDS:
+            self._store_warned = (summary, now)
+            log.warning("stream API: %s", summary)
 
     def _listen(self, dsn: str) -> None:
         """Wake the long polls of a sink when the stream app makes its messages visible."""
@@ -182,12 +243,8 @@ class StreamService:
             self._loop.call_soon_threadsafe(self._set_event, sink)
 
     def _set_event(self, sink: str) -> None:
-        event = self._events.pop(sink, None)
-        if event is not None:
-            event.set()
-
-    def _event(self, sink: str) -> asyncio.Event:
-        return self._events.setdefault(sink, asyncio.Event())
+        for wake in self._waiters.get(sink, ()):
+            wake.set()
 
     # requests ----------------------------------------------------------------------------------
     def stream(self, name: str) -> Stream:
@@ -209,7 +266,7 @@ class StreamService:
 
     def fetch_token_status(self, token: str) -> str:
         """A token's status from the store, cached for ``TOKEN_CACHE_SECONDS``."""
-        with self.pools[self.token_dsn].connection() as conn:
+        with self._connection(self.token_dsn) as conn:
             status = stream_queue.token_status(conn, self.schema, token)
         if len(self._tokens) > 10_000:
             self._tokens.clear()
@@ -225,35 +282,77 @@ class StreamService:
             raise ApiError(403, "forbidden", "this API token has been revoked")
 
     def _run(self, stream: Stream, operation: Callable[[psycopg.Connection[Any]], Any]) -> Any:
-        with self.pools[stream.store_dsn].connection() as conn:
+        with self._connection(stream.store_dsn) as conn:
             return operation(conn)
 
-    async def receive(self, stream: Stream, batch_size: int, wait_for_ms: int | None) -> list[stream_queue.Delivery]:
-        """Deliverable messages now, or (long poll) as soon as some arrive within ``wait_for_ms``."""
-        def once() -> list[stream_queue.Delivery]:
-            return self._run(stream, lambda conn: stream_queue.receive(
-                conn, stream.schema, stream.name, batch_size, stream.visibility_timeout, stream.max_ack_pending))
+    @contextmanager
+    def _connection(self, dsn: str) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection of ``dsn`` (as ``pool.connection()``); waiting for one ends with
+        ``PoolTimeout`` after ``POOL_WAIT_SECONDS``, or at once when the process is stopping."""
+        pool = self.pools[dsn]
+        deadline = time.monotonic() + POOL_WAIT_SECONDS
+        while True:
+            try:
+                conn = pool.getconn(timeout=POOL_POLL_SECONDS)
+                break
+            except PoolTimeout:
+                if self._stopping or time.monotonic() >= deadline:
+                    raise
+        try:
+            with conn:
+                yield conn
+        finally:
+            pool.putconn(conn)
 
+    async def receive(self, stream: Stream, batch_size: int, wait_for_ms: int | None,
+                      client: ClientConnection) -> list[stream_queue.Delivery]:
+        """Deliverable messages now, or (long poll) as soon as some arrive within ``wait_for_ms``;
+        nothing once ``client`` is gone, or (long poll) when the process is stopping."""
         if wait_for_ms is None:
-            return await run_in_threadpool(once)
+            return await self._claim(stream, batch_size, client)
+        if self._stopping:
+            return []
         if self._waiting.get(stream.name, 0) >= stream.max_waiting:
             raise ApiError(429, "too_many_requests",
                            f"{stream.max_waiting} receivers are already waiting on {stream.name!r} (max_waiting)")
         self._waiting[stream.name] = self._waiting.get(stream.name, 0) + 1
+        wake = asyncio.Event()
+        waiters = self._waiters.setdefault(stream.name, set())
+        waiters.add(wake)
         try:
-            deadline = time.monotonic() + wait_for_ms / 1000.0
-            while True:
-                event = self._event(stream.name)
-                got = await run_in_threadpool(once)
-                remaining = deadline - time.monotonic()
-                if got or remaining <= 0:
-                    return got
-                try:
-                    await asyncio.wait_for(event.wait(), timeout=min(remaining, RECHECK_SECONDS))
-                except asyncio.TimeoutError:
-                    pass
+            async with client.watching(wake):
+                deadline = time.monotonic() + wait_for_ms / 1000.0
+                while not self._stopping:
+                    wake.clear()  # before the claim: a wake-up during it is not lost
+                    got = await self._claim(stream, batch_size, client)
+                    remaining = deadline - time.monotonic()
+                    if got or remaining <= 0 or await client.gone():
+                        return got
+                    with suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(wake.wait(), timeout=min(remaining, RECHECK_SECONDS))
+                return []
         finally:
+            waiters.discard(wake)
             self._waiting[stream.name] -= 1
+
+    async def _claim(self, stream: Stream, batch_size: int, client: ClientConnection) -> list[stream_queue.Delivery]:
+        """Claim messages for a client still connected; what was claimed while it went is released
+        (visible again at once, its delivery not counted)."""
+        if await client.gone():
+            return []
+        got: list[stream_queue.Delivery] = await run_in_threadpool(self._run, stream, lambda conn: stream_queue.receive(
+            conn, stream.schema, stream.name, batch_size, stream.visibility_timeout, stream.max_ack_pending))
+        if got and await client.gone():
+            ack_ids = [d.ack_id for d in got]
+            try:
+                await run_in_threadpool(self._run, stream, lambda conn: stream_queue.release(
+                    conn, stream.schema, stream.name, ack_ids))
+            except psycopg.Error as exc:
+                log.warning("stream API: could not release %d messages of %r claimed for a client that went (%s);"
+                            " they come back after the visibility timeout", len(got), stream.name, str(exc).strip())
+            self._set_event(stream.name)  # visible again: other long polls may take them
+            return []
+        return got
 
     async def ack(self, stream: Stream, ack_ids: list[uuid.UUID]) -> int:
         return int(await run_in_threadpool(
@@ -360,6 +459,13 @@ def create_app(config: SequinConfig, service: StreamService | None = None) -> Fa
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse({"code": "bad_request", "summary": _validation_summary(exc)}, 400)
 
+    @app.exception_handler(psycopg.OperationalError)
+    async def store_unavailable(_: Request, exc: psycopg.OperationalError) -> JSONResponse:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        summary = f"the message store is unavailable: {reason}"
+        service.warn_store_unavailable(summary)
+        return JSONResponse({"code": "unavailable", "summary": summary}, 503, headers={"Retry-After": "1"})
+
     # The endpoints take the request itself and validate with the models above: FastAPI's per-parameter
     # dependency solving cost more CPU than the store's queries (bench/delivery_throughput.py). The
     # OpenAPI document still describes every parameter and body (openapi_extra, from the same models).
@@ -375,15 +481,11 @@ def create_app(config: SequinConfig, service: StreamService | None = None) -> Fa
     async def receive(name: str, request: Request) -> Response:
         await authorize(request)
         stream = service.stream(name)
-        query = _validated(ReceiveParams, dict(request.query_params)) if request.query_params else None
-        raw = await request.body()
-        body = _validated(ReceiveParams, raw) if raw.strip() else None
-        batch_size = (query.batch_size or query.max_batch_size) if query else None
-        wait_for = query.wait_for if query else None
-        if body is not None:  # a JSON body's values win over the query string's
-            batch_size = body.batch_size or body.max_batch_size or batch_size
-            wait_for = body.wait_for if body.wait_for is not None else wait_for
-        got = await service.receive(stream, batch_size or 1, wait_for)
+        try:
+            asked = parse_receive(request.query_params, await request.body())
+        except InvalidReceiveParameter as exc:
+            raise ApiError(400, "bad_request", str(exc)) from None
+        got = await service.receive(stream, asked.batch_size, asked.wait_for_ms, ClientConnection(request))
         return Response(_deliveries_json(got), media_type="application/json")
 
     def settle_endpoint(operation: str) -> Callable[[str, Request], Awaitable[Response]]:
@@ -437,3 +539,26 @@ def create_app(config: SequinConfig, service: StreamService | None = None) -> Fa
     app.openapi = openapi  # type: ignore[method-assign]
     app.add_middleware(BodyLimit)
     return app
+
+
+class StoppingServer(uvicorn.Server):
+    """uvicorn that tells the API a stop signal came (``StreamService.request_stop``) before it
+    waits for open requests: long polls answer at once instead of holding the exit for ``wait_for``."""
+
+    def __init__(self, config: uvicorn.Config, service: StreamService) -> None:
+        super().__init__(config)
+        self.service = service
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.service.request_stop()
+        super().handle_exit(sig, frame)
+
+
+def serve(config: SequinConfig, host: str, port: int, log_level: str = "warning") -> None:
+    """Serve the API until SIGTERM or Ctrl-C; open long polls answer with no messages at once, and
+    whatever still runs ``SHUTDOWN_GRACE_SECONDS`` later is cancelled."""
+    service = StreamService(config)
+    server = StoppingServer(uvicorn.Config(create_app(config, service), host=host, port=port, log_level=log_level,
+                                           access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS),
+                            service)
+    server.run()

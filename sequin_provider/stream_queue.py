@@ -226,6 +226,15 @@ def nack(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequenc
         _ident(schema)) + _MATCH)
 
 
+def release(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequence[str | uuid.UUID]) -> int:
+    """Give back messages claimed for a client that disconnected before their answer was sent: a
+    nack that also takes back the delivery count, since nobody received them (a message claimed
+    again since, with another ack id, is left alone)."""
+    return _settle(conn, schema, sink, ack_ids, sql.SQL(
+        "UPDATE {}.stream_messages m SET ack_nonce = NULL, state = 'available', not_visible_until = NULL,"
+        " deliver_count = greatest(m.deliver_count - 1, 0) FROM").format(_ident(schema)) + _MATCH)
+
+
 def stream_counts(conn: psycopg.Connection[Any], schema: str, sink: str) -> dict[str, int]:
     """Messages of a sink: total, visible, outstanding (received and not yet acked)."""
     row = conn.execute(sql.SQL(

@@ -245,7 +245,7 @@ def test_openapi_document_describes_the_endpoints(api: tuple[str, Path, httpx.Cl
     params = {p["name"]: p for p in receive_post["parameters"]}
     assert set(params) == {"name", "batch_size", "max_batch_size", "wait_for"}
     assert params["batch_size"]["schema"]["anyOf"][0] == {"type": "integer", "maximum": 1000, "minimum": 1}
-    assert set(receive_post["responses"]) == {"200", "400", "401", "403", "404", "413", "429"}
+    assert set(receive_post["responses"]) == {"200", "400", "401", "403", "404", "413", "429", "503"}
     assert receive_post["security"] == [{"HTTPBearer": []}]
     assert "get" in paths["/api/sequin_streams/{name}/receive"]
     ack = document["components"]["schemas"]["AckRequest"]
