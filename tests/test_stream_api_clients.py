@@ -295,6 +295,8 @@ def test_a_client_gone_while_its_messages_were_claimed_gets_them_released_at_onc
             assert deliveries(api.dsn, "slow_claim") == {lsn: 1 for lsn in lsns}, body
             acked = live.post("/api/sequin_streams/slow_claim/ack", json={"ack_ids": [m["ack_id"] for m in got]})
             assert acked.status_code == 200
+        with psycopg.connect(api.dsn) as conn:  # the release took its messages off the pending count too
+            assert conn.execute("SELECT pending FROM sequin.stream_pending WHERE sink = 'slow_claim'").fetchone() == (0,)
 
 
 # ------------------------------------------------------------------------------------------------
