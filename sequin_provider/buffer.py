@@ -26,6 +26,7 @@ import psycopg
 from psycopg import sql
 
 from sequin_provider.config import SequinConfig, SinkConfig
+from sequin_provider.exceptions import DeliveryError
 from sequin_provider.store import _ident
 
 log = logging.getLogger(__name__)
@@ -284,8 +285,7 @@ def set_state(conn: psycopg.Connection[Any], schema: str, sink: str, to_state: s
 # Retry
 
 
-class DeliveryError(RuntimeError):
-    """A sink did not take a message (its text says why: HTTP status, timeout, connection error)."""
+# ``DeliveryError`` (a sink did not take a message) is defined in ``exceptions``.
 
 
 class FilterFailed(RuntimeError):

@@ -19,6 +19,8 @@ from urllib.parse import quote, urlsplit
 
 import yaml
 
+from sequin_provider.exceptions import ConfigError, UnknownSinkError
+
 DEFAULT_CONFIG_PATH = "sequin.yaml"
 ACTIONS = ("insert", "update", "delete")
 TRUNCATE_MODES = ("deliver", "skip")
@@ -28,12 +30,7 @@ ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 
 
-class ConfigError(ValueError):
-    """An invalid configuration: ``str(err)`` is ``<file>: <key.path>: <reason>``."""
-
-    def __init__(self, source: str, path: str, reason: str) -> None:
-        self.source, self.path, self.reason = source, path, reason
-        super().__init__(f"{source}: {path or '<top>'}: {reason}")
+__all__ = ["ConfigError", "UnknownSinkError"]  # defined in ``exceptions``, importable from here as before
 
 
 @dataclass(frozen=True)
