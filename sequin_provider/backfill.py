@@ -17,7 +17,7 @@ import psycopg
 from psycopg import sql
 
 from sequin_provider import store
-from sequin_provider.config import SequinConfig, TableConfig
+from sequin_provider.config import SequinConfig, TableConfig, UnknownSinkError
 from sequin_provider.replication import table_info
 from sequin_provider.session_lock import SessionLock
 from sequin_provider.store import BackfillError
@@ -122,10 +122,10 @@ def plan_backfill(source: psycopg.Connection[Any], config: SequinConfig, sink_na
     A request with ``sort_column`` is partial: rows with ``sort_column >= start_position`` in
     ``(sort_column, primary key)`` order. Raises ``BackfillError`` naming what is wrong.
     """
-    sink = next((s for s in config.sinks if s.name == sink_name), None)
-    if sink is None:
-        known = ", ".join(s.name for s in config.sinks) or "none"
-        raise BackfillError(f"unknown sink {sink_name!r} (configured sinks: {known})")
+    try:
+        sink = config.sink(sink_name)
+    except UnknownSinkError as exc:
+        raise BackfillError(exc.reason) from None
     qualified = table_name if "." in table_name else f"public.{table_name}"
     table = next((t for t in sink.tables if t.qualified == qualified), None)
     if table is None:
@@ -286,7 +286,7 @@ def create_initial_backfills(source: psycopg.Connection[Any], store_conn: psycop
     sinks = [s for s in config.sinks_of(database)]
     created: list[store.Backfill] = []
     for name in store.new_sinks(store_conn, config.store.schema, [s.name for s in sinks]):
-        sink = next(s for s in sinks if s.name == name)
+        sink = config.sink(name)
         for request in sink.initial_backfill:
             plan_backfill(source, config, name, request.table, request.sort_column, request.start_position,
                           request.max_query_ms)

@@ -104,10 +104,7 @@ def _store_conn(config: SequinConfig, database: str | None) -> psycopg.Connectio
 
 
 def _database_of_sink(config: SequinConfig, sink: str) -> str:
-    found = next((s for s in config.sinks if s.name == sink), None)
-    if found is None:
-        raise BackfillError(f"unknown sink {sink!r} (configured sinks: {', '.join(s.name for s in config.sinks) or 'none'})")
-    return found.database
+    return config.sink(sink).database
 
 
 def _run_backfill(args: argparse.Namespace, backfill_id: int) -> int:
@@ -315,8 +312,7 @@ def cmd_buffer_list(args: argparse.Namespace) -> int:
 
 
 def _database_of_sink_or_none(config: SequinConfig, sink: str) -> str | None:
-    found = next((s for s in config.sinks if s.name == sink), None)
-    return None if found is None else found.database
+    return config.sink(sink).database if config.has_sink(sink) else None
 
 
 def _set_buffer_state(args: argparse.Namespace, to_state: str) -> int:

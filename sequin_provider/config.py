@@ -159,6 +159,17 @@ class SequinConfig:
                 return db
         raise ConfigError(self.source, "databases", f"no database named {name!r}")
 
+    def sink(self, name: str) -> SinkConfig:
+        """The sink named ``name``; ``UnknownSinkError`` (a ``ConfigError``) names the configured ones."""
+        for sink in self.sinks:
+            if sink.name == name:
+                return sink
+        raise UnknownSinkError(self.source, name, [s.name for s in self.sinks])
+
+    def has_sink(self, name: str) -> bool:
+        """Whether a sink is named ``name``."""
+        return any(s.name == name for s in self.sinks)
+
     def sinks_of(self, database: str) -> tuple[SinkConfig, ...]:
         """The sinks reading from ``database``."""
         return tuple(s for s in self.sinks if s.database == database)

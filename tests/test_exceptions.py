@@ -55,3 +55,34 @@ def test_other_exceptions_pass_the_edge_unchanged() -> None:
     with pytest.raises(KeyError):
         with airflow_errors():
             raise KeyError("not ours")
+
+
+# -- finding a sink by name: one lookup, one error ------------------------------------------------
+
+def two_sinks() -> config.SequinConfig:
+    return config.parse_config({"databases": [{"name": "a", "dsn": "postgresql://x/y"}],
+                                "sinks": [{"name": name, "tables": ["t"], "destination": {"type": "sequin_stream"}}
+                                          for name in ("orders", "users")]}, source="app.yaml")
+
+
+def test_sink_by_name_or_an_error_naming_the_configured_sinks() -> None:
+    cfg = two_sinks()
+    assert cfg.sink("users").name == "users" and cfg.has_sink("orders") and not cfg.has_sink("nope")
+    with pytest.raises(exceptions.UnknownSinkError) as raised:
+        cfg.sink("nope")
+    assert str(raised.value) == "app.yaml: sinks: unknown sink 'nope' (configured sinks: orders, users)"
+    assert raised.value.configured == ("orders", "users")
+    with pytest.raises(AirflowFailException, match=r"unknown sink 'nope' \(configured sinks: orders, users\)"):
+        with airflow_errors():
+            cfg.sink("nope")
+
+
+def test_backfill_and_cli_report_an_unknown_sink_the_same_way() -> None:
+    from sequin_provider.backfill import plan_backfill
+    from sequin_provider.cli import _database_of_sink
+
+    cfg = two_sinks()
+    with pytest.raises(store.BackfillError, match=r"^unknown sink 'nope' \(configured sinks: orders, users\)$"):
+        plan_backfill(None, cfg, "nope", "t")  # type: ignore[arg-type]  # fails before any query
+    with pytest.raises(exceptions.UnknownSinkError, match="unknown sink 'nope'"):
+        _database_of_sink(cfg, "nope")

@@ -161,8 +161,8 @@ class SequinBackfillOperator(BaseOperator):
         """Validate against the source catalog and record the backfill (nothing recorded if invalid),
         or adopt the active one that an earlier try of this task instance (``requested_by``) started."""
         settings = self.hook.settings
-        sink = next((s for s in config.sinks if s.name == request["sink"]), None)
-        if sink is not None:
+        if config.has_sink(request["sink"]):
+            sink = config.sink(request["sink"])
             warn_if_elsewhere(self.log, "source", settings.source_dsn, config.database(sink.database).dsn)
             warn_if_elsewhere(self.log, "store", settings.store_dsn, config.store_dsn(sink.database))
         try:
@@ -274,7 +274,7 @@ class SequinBackfillOperator(BaseOperator):
     def _server_up(self, config: SequinConfig, backfill: store.Backfill) -> bool:
         """Whether a backfill server (``sequin backfill serve``) is up for the backfill's database: it
         takes the backfill as it is recorded, so no Spark app of this task's is needed."""
-        database = next(s.database for s in config.sinks if s.name == backfill.sink)
+        database = config.sink(backfill.sink).database
         settings = self.hook.settings
         lock = server_lock(settings.store_dsn, settings.store_schema, database, "sequin-backfill-operator")
         try:
