@@ -86,3 +86,46 @@ def test_backfill_and_cli_report_an_unknown_sink_the_same_way() -> None:
         plan_backfill(None, cfg, "nope", "t")  # type: ignore[arg-type]  # fails before any query
     with pytest.raises(exceptions.UnknownSinkError, match="unknown sink 'nope'"):
         _database_of_sink(cfg, "nope")
+
+
+# -- supervision: one backoff, the restart budget, the stall timeout ------------------------------
+
+def test_one_backoff_formula_for_restarts_and_redeliveries() -> None:
+    import random
+
+    from sequin_provider.backoff import exponential_backoff
+    from sequin_provider.supervision import backoff_delay
+
+    assert [exponential_backoff(n, 10, 300) for n in (0, 1, 2, 3, 4, 5, 6)] == [10, 10, 20, 40, 80, 160, 300]
+    assert [backoff_delay(n, 0.5, 3) for n in (1, 2, 3, 4)] == [0.5, 1.0, 2.0, 3.0]
+    spread = [exponential_backoff(3, 1, 60, 0.15, random.Random(n)) for n in range(100)]
+    assert all(4 * 0.85 <= d <= 4 * 1.15 for d in spread) and len(set(spread)) > 50
+    assert buffer.backoff_seconds(3, random.Random(7)) == exponential_backoff(3, buffer.BACKOFF_BASE,
+                                                                              buffer.BACKOFF_CAP, buffer.JITTER,
+                                                                              random.Random(7))
+
+
+def test_restart_budget_backs_off_gives_up_and_resets_after_a_healthy_run() -> None:
+    from sequin_provider.supervision import RestartBudget
+
+    budget = RestartBudget(max_restarts=3, initial_backoff=10, max_backoff=25, reset_after=600)
+    assert [budget.next_delay(healthy_for=5) for _ in range(3)] == [10, 20, 25]
+    assert budget.next_delay(healthy_for=5) is None  # a 4th restart in a row: give up
+    budget = RestartBudget(max_restarts=2, initial_backoff=1, max_backoff=100, reset_after=600)
+    assert [budget.next_delay(0), budget.next_delay(0), budget.next_delay(600)] == [1, 2, 1]
+    assert budget.consecutive == 1
+
+
+def test_stall_timeout_follows_the_heartbeat_interval() -> None:
+    from sequin_provider.supervision import HeartbeatWatch, effective_stall_timeout
+
+    assert effective_stall_timeout(300, 15) == (300.0, None)
+    assert effective_stall_timeout(None, 15) == (0.0, None)
+    stall, warning = effective_stall_timeout(300, 0)
+    assert stall == 0.0 and warning is not None and "only exits" in warning
+    stall, warning = effective_stall_timeout(20, 10)
+    assert stall == 20.0 and warning is not None and "close to heartbeat_interval 10s" in warning
+    watch = HeartbeatWatch(start_timeout=60, stall_timeout=10, started=1000.0)
+    assert watch.stall_reason(1061) == "stalled (no first heartbeat for 61s)"
+    watch.observe("t1", 1005)
+    assert watch.stall_reason(1020) == "stalled (no new heartbeat for 15s)"

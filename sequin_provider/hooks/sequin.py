@@ -15,9 +15,10 @@ psycopg calls run in a worker thread (``asyncio.to_thread``), so the loop never 
 from __future__ import annotations
 
 import asyncio
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import psycopg
 from psycopg.conninfo import make_conninfo
@@ -25,6 +26,8 @@ from psycopg.conninfo import make_conninfo
 from airflow.sdk import BaseHook
 from sequin_provider import backfill as backfill_module
 from sequin_provider import buffer, replication, store
+from sequin_provider.exceptions import StoreUnavailableError
+from sequin_provider.supervision import StreamLock
 
 if TYPE_CHECKING:
     from airflow.sdk import Connection
@@ -64,6 +67,16 @@ class SequinConnectionSettings:
         return cls(source_dsn=source_dsn, store_dsn=str(extra("store_dsn") or source_dsn),
                    store_schema=str(extra("store_schema") or DEFAULT_STORE_SCHEMA),
                    config_path=None if extra("config_path") is None else str(extra("config_path")))
+
+
+@contextmanager
+def store_errors(what: str) -> Iterator[None]:
+    """``psycopg.OperationalError`` (a server out of reach) as ``StoreUnavailableError``:
+    ``cannot reach <what>: <libpq's reason>``."""
+    try:
+        yield
+    except psycopg.OperationalError as exc:
+        raise StoreUnavailableError(f"cannot reach {what}: {str(exc).strip()}") from exc
 
 
 # -- the queries, on DSNs (shared by the sync methods and, in a thread, by the async ones) ------
@@ -171,6 +184,20 @@ class SequinHook(BaseHook):
         if not schema_version:
             return True, f"source reachable (server {version}); store schema {self.settings.store_schema!r} not initialised"
         return True, f"source reachable (server {version}); store schema version {schema_version}"
+
+    # -- the store: schema, locks -------------------------------------------------------------
+
+    def migrate_store(self) -> None:
+        """Create or upgrade the store schema (``StoreUnavailableError`` if the store cannot be reached)."""
+        s = self.settings
+        with store_errors("the store"):
+            with psycopg.connect(s.store_dsn, connect_timeout=DEFAULT_CONNECT_TIMEOUT) as conn:
+                store.migrate(conn, s.store_schema)
+
+    def stream_lock(self, database: str, application_name: str) -> StreamLock:
+        """The (not yet taken) lock "one supervised stream app of ``database``" in the store."""
+        s = self.settings
+        return StreamLock(s.store_dsn, s.store_schema, database, application_name)
 
     # -- queries -----------------------------------------------------------------------------
 
