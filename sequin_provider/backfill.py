@@ -212,6 +212,44 @@ def server_lock(store_dsn: str, schema: str, database: str, application_name: st
     return SessionLock(store_dsn, f"sequin-backfill-server:{schema}:{database}", application_name)
 
 
+def run_lock_holder(store_dsn: str, schema: str, backfill_id: int, wait: float,
+                    application_name: str = "sequin-backfill") -> str | None:
+    """Who runs the backfill: the holder of its run lock if it is still held after ``wait`` seconds,
+    else None (nobody runs it; the lock is tried and released at once)."""
+    lock = run_lock(store_dsn, schema, backfill_id, application_name)
+    try:
+        return None if lock.acquire_within(wait) else lock.holder()
+    finally:
+        lock.release()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a recorded backfill runs: ``elsewhere`` (another app holds its run lock), ``server`` (the
+    backfill server of its database takes it as recorded; ``server`` is that server's lock, to follow
+    it with ``follow_backfill``) or ``here`` (the caller runs it)."""
+
+    where: str
+    holder: str | None = None
+    server: SessionLock | None = None
+
+
+def place_backfill(store_dsn: str, schema: str, database: str, backfill_id: int, takeover_wait: float | None = None,
+                   application_name: str = "sequin-backfill") -> Placement:
+    """Decide where backfill ``backfill_id`` of ``database`` runs (``sequin backfill start`` and
+    ``SequinBackfillOperator`` both ask this). ``takeover_wait``: the backfill may already be run by an
+    earlier app (a retried task resuming its own backfill): give that app this many seconds to let go
+    of the run lock before deciding it runs elsewhere; None: a new backfill, nobody runs it yet."""
+    if takeover_wait is not None:
+        holder = run_lock_holder(store_dsn, schema, backfill_id, takeover_wait, application_name)
+        if holder is not None:
+            return Placement("elsewhere", holder)
+    server = server_lock(store_dsn, schema, database, application_name)
+    if server.held_elsewhere():
+        return Placement("server", server.holder(), server)
+    return Placement("here")
+
+
 SERVE_POLL_INTERVAL = 1.0
 """Seconds a backfill server waits between looks at its stores when no ``NOTIFY`` wakes it."""
 FOLLOW_POLL_INTERVAL = 0.2
