@@ -17,7 +17,7 @@ import psycopg
 from psycopg import sql
 
 from sequin_provider import store
-from sequin_provider.config import SequinConfig, TableConfig
+from sequin_provider.config import SequinConfig, TableConfig, UnknownSinkError
 from sequin_provider.replication import table_info
 from sequin_provider.session_lock import SessionLock
 from sequin_provider.store import BackfillError
@@ -122,10 +122,10 @@ def plan_backfill(source: psycopg.Connection[Any], config: SequinConfig, sink_na
     A request with ``sort_column`` is partial: rows with ``sort_column >= start_position`` in
     ``(sort_column, primary key)`` order. Raises ``BackfillError`` naming what is wrong.
     """
-    sink = next((s for s in config.sinks if s.name == sink_name), None)
-    if sink is None:
-        known = ", ".join(s.name for s in config.sinks) or "none"
-        raise BackfillError(f"unknown sink {sink_name!r} (configured sinks: {known})")
+    try:
+        sink = config.sink(sink_name)
+    except UnknownSinkError as exc:
+        raise BackfillError(exc.reason) from None
     qualified = table_name if "." in table_name else f"public.{table_name}"
     table = next((t for t in sink.tables if t.qualified == qualified), None)
     if table is None:
@@ -212,6 +212,44 @@ def server_lock(store_dsn: str, schema: str, database: str, application_name: st
     return SessionLock(store_dsn, f"sequin-backfill-server:{schema}:{database}", application_name)
 
 
+def run_lock_holder(store_dsn: str, schema: str, backfill_id: int, wait: float,
+                    application_name: str = "sequin-backfill") -> str | None:
+    """Who runs the backfill: the holder of its run lock if it is still held after ``wait`` seconds,
+    else None (nobody runs it; the lock is tried and released at once)."""
+    lock = run_lock(store_dsn, schema, backfill_id, application_name)
+    try:
+        return None if lock.acquire_within(wait) else lock.holder()
+    finally:
+        lock.release()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a recorded backfill runs: ``elsewhere`` (another app holds its run lock), ``server`` (the
+    backfill server of its database takes it as recorded; ``server`` is that server's lock, to follow
+    it with ``follow_backfill``) or ``here`` (the caller runs it)."""
+
+    where: str
+    holder: str | None = None
+    server: SessionLock | None = None
+
+
+def place_backfill(store_dsn: str, schema: str, database: str, backfill_id: int, takeover_wait: float | None = None,
+                   application_name: str = "sequin-backfill") -> Placement:
+    """Decide where backfill ``backfill_id`` of ``database`` runs (``sequin backfill start`` and
+    ``SequinBackfillOperator`` both ask this). ``takeover_wait``: the backfill may already be run by an
+    earlier app (a retried task resuming its own backfill): give that app this many seconds to let go
+    of the run lock before deciding it runs elsewhere; None: a new backfill, nobody runs it yet."""
+    if takeover_wait is not None:
+        holder = run_lock_holder(store_dsn, schema, backfill_id, takeover_wait, application_name)
+        if holder is not None:
+            return Placement("elsewhere", holder)
+    server = server_lock(store_dsn, schema, database, application_name)
+    if server.held_elsewhere():
+        return Placement("server", server.holder(), server)
+    return Placement("here")
+
+
 SERVE_POLL_INTERVAL = 1.0
 """Seconds a backfill server waits between looks at its stores when no ``NOTIFY`` wakes it."""
 FOLLOW_POLL_INTERVAL = 0.2
@@ -286,7 +324,7 @@ def create_initial_backfills(source: psycopg.Connection[Any], store_conn: psycop
     sinks = [s for s in config.sinks_of(database)]
     created: list[store.Backfill] = []
     for name in store.new_sinks(store_conn, config.store.schema, [s.name for s in sinks]):
-        sink = next(s for s in sinks if s.name == name)
+        sink = config.sink(name)
         for request in sink.initial_backfill:
             plan_backfill(source, config, name, request.table, request.sort_column, request.start_position,
                           request.max_query_ms)

@@ -365,7 +365,7 @@ class RangeReader:
             rel = decoder.make_relation(shape.oid, shape.schema, shape.name, "d", list(shape.columns),
                                         list(shape.type_oids), [c in shape.primary_key for c in shape.columns],
                                         list(shape.primary_key))
-            sink = next((x for x in self.config.sinks if x.name == backfill.sink), None)
+            sink = self.config.sink(backfill.sink) if self.config.has_sink(backfill.sink) else None
             # a sink whose reads the task writes itself (``delivery.reads_render_in_store``)
             read_sink = sink if sink is not None and reads_render_in_store(sink, shape.schema, shape.name) else None
             # its reads are rendered here from the page's plain COPY text by the compiled decoder;

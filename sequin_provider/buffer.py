@@ -25,7 +25,9 @@ from typing import Any, Callable, Iterable, Sequence
 import psycopg
 from psycopg import sql
 
+from sequin_provider.backoff import exponential_backoff
 from sequin_provider.config import SequinConfig, SinkConfig
+from sequin_provider.exceptions import DeliveryError
 from sequin_provider.store import _ident
 
 log = logging.getLogger(__name__)
@@ -57,8 +59,7 @@ def parked_change(source: str | None) -> dict[str, Any] | None:
 
 def backoff_seconds(attempts: int, rng: random.Random | None = None) -> float:
     """Delay before attempt ``attempts + 1``: 1 s x 2^(attempts-1), +/-15 % jitter, capped."""
-    base = min(BACKOFF_BASE * 2 ** max(attempts - 1, 0), BACKOFF_CAP)
-    return base * (1 + (rng or random).uniform(-JITTER, JITTER))
+    return exponential_backoff(attempts, BACKOFF_BASE, BACKOFF_CAP, JITTER, rng)
 
 
 @dataclass(frozen=True)
@@ -284,8 +285,7 @@ def set_state(conn: psycopg.Connection[Any], schema: str, sink: str, to_state: s
 # Retry
 
 
-class DeliveryError(RuntimeError):
-    """A sink did not take a message (its text says why: HTTP status, timeout, connection error)."""
+# ``DeliveryError`` (a sink did not take a message) is defined in ``exceptions``.
 
 
 class FilterFailed(RuntimeError):

@@ -104,10 +104,7 @@ def _store_conn(config: SequinConfig, database: str | None) -> psycopg.Connectio
 
 
 def _database_of_sink(config: SequinConfig, sink: str) -> str:
-    found = next((s for s in config.sinks if s.name == sink), None)
-    if found is None:
-        raise BackfillError(f"unknown sink {sink!r} (configured sinks: {', '.join(s.name for s in config.sinks) or 'none'})")
-    return found.database
+    return config.sink(sink).database
 
 
 def _run_backfill(args: argparse.Namespace, backfill_id: int) -> int:
@@ -119,7 +116,7 @@ def _run_backfill(args: argparse.Namespace, backfill_id: int) -> int:
 
 def cmd_backfill_start(args: argparse.Namespace) -> int:
     """Validate and record a backfill, then run it (unless --no-run)."""
-    from sequin_provider.backfill import create_backfill, follow_backfill, progress_line, server_lock
+    from sequin_provider.backfill import create_backfill, follow_backfill, place_backfill, progress_line
 
     config = _config(args)
     database = config.database(_database_of_sink(config, args.sink))
@@ -135,11 +132,12 @@ def cmd_backfill_start(args: argparse.Namespace) -> int:
         print(f"recorded as pending; run it with: sequin backfill run {backfill.id} (or a `sequin backfill serve`"
               " running for the database takes it)")
         return 0
-    server = server_lock(config.store_dsn(database.name), config.store.schema, database.name)
-    if server.held_elsewhere():
-        print(f"the backfill server ({server.holder()}) runs it; following it (Ctrl-C stops following, not the"
+    placement = place_backfill(config.store_dsn(database.name), config.store.schema, database.name, backfill.id,
+                               application_name="sequin-backfill-server")
+    if placement.where == "server" and placement.server is not None:
+        print(f"the backfill server ({placement.holder}) runs it; following it (Ctrl-C stops following, not the"
               " backfill)", flush=True)
-        final = follow_backfill(config.store_dsn(database.name), config.store.schema, backfill.id, server,
+        final = follow_backfill(config.store_dsn(database.name), config.store.schema, backfill.id, placement.server,
                                 lambda line: print(line, flush=True))
         if final is not None:
             print(f"backfill {final.id}: {progress_line(final)}")
@@ -313,8 +311,7 @@ def cmd_buffer_list(args: argparse.Namespace) -> int:
 
 
 def _database_of_sink_or_none(config: SequinConfig, sink: str) -> str | None:
-    found = next((s for s in config.sinks if s.name == sink), None)
-    return None if found is None else found.database
+    return config.sink(sink).database if config.has_sink(sink) else None
 
 
 def _set_buffer_state(args: argparse.Namespace, to_state: str) -> int:

@@ -19,6 +19,8 @@ from urllib.parse import quote, urlsplit
 
 import yaml
 
+from sequin_provider.exceptions import ConfigError, UnknownSinkError
+
 DEFAULT_CONFIG_PATH = "sequin.yaml"
 ACTIONS = ("insert", "update", "delete")
 TRUNCATE_MODES = ("deliver", "skip")
@@ -28,12 +30,7 @@ ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 
 
-class ConfigError(ValueError):
-    """An invalid configuration: ``str(err)`` is ``<file>: <key.path>: <reason>``."""
-
-    def __init__(self, source: str, path: str, reason: str) -> None:
-        self.source, self.path, self.reason = source, path, reason
-        super().__init__(f"{source}: {path or '<top>'}: {reason}")
+__all__ = ["ConfigError", "UnknownSinkError"]  # defined in ``exceptions``, importable from here as before
 
 
 @dataclass(frozen=True)
@@ -161,6 +158,17 @@ class SequinConfig:
             if db.name == name:
                 return db
         raise ConfigError(self.source, "databases", f"no database named {name!r}")
+
+    def sink(self, name: str) -> SinkConfig:
+        """The sink named ``name``; ``UnknownSinkError`` (a ``ConfigError``) names the configured ones."""
+        for sink in self.sinks:
+            if sink.name == name:
+                return sink
+        raise UnknownSinkError(self.source, name, [s.name for s in self.sinks])
+
+    def has_sink(self, name: str) -> bool:
+        """Whether a sink is named ``name``."""
+        return any(s.name == name for s in self.sinks)
 
     def sinks_of(self, database: str) -> tuple[SinkConfig, ...]:
         """The sinks reading from ``database``."""

@@ -22,10 +22,11 @@ from typing import Any, Callable, Collection, Iterable, Mapping
 
 from sequin_provider.buffer import BARRIER_ERROR, FOLLOWER_ERROR, DeliveryError, ParkRow, backoff_seconds
 from sequin_provider.config import SinkConfig
+from sequin_provider.exceptions import SequinError
 from sequin_provider.messages import sql_string
 
 
-class TransformError(RuntimeError):
+class TransformError(SequinError, RuntimeError):
     """A sink's transform raised or returned something that is not JSON."""
 
 

@@ -29,6 +29,8 @@ from datetime import datetime, timedelta, timezone
 from itertools import accumulate
 from typing import Callable, Iterable
 
+from sequin_provider.exceptions import SequinError
+
 log = logging.getLogger(__name__)
 
 PG_EPOCH = datetime(2000, 1, 1, tzinfo=timezone.utc)
@@ -365,7 +367,7 @@ changes, record_pks, unchanged_toast, backfill_id, backfill_sink) — the column
 ``messages.CHANGE_COLUMNS`` (the last two are None except for backfill reads)."""
 
 
-class DecodeError(ValueError):
+class DecodeError(SequinError, ValueError):
     """A payload that is not valid pgoutput (or refers to an unknown relation)."""
 
 

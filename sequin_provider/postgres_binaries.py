@@ -22,6 +22,8 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
+from sequin_provider.exceptions import SequinError
+
 VERSION_ENV = "SEQUIN_PG_VERSION"
 CACHE_ENV = "SEQUIN_PG_CACHE"
 REGISTRY = "https://registry.npmjs.org"
@@ -43,7 +45,7 @@ _PLATFORMS = {"x86_64": "linux-x64", "amd64": "linux-x64", "aarch64": "linux-arm
 _FULL_VERSION = re.compile(r"^\d+\.\d+\.\d+(-[0-9A-Za-z.]+)?$")
 
 
-class PostgresBinariesError(RuntimeError):
+class PostgresBinariesError(SequinError, RuntimeError):
     """Raised when the asked-for server binaries cannot be found, fetched or run."""
 
 

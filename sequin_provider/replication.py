@@ -20,6 +20,7 @@ import psycopg
 from psycopg import sql
 
 from sequin_provider.config import TableConfig
+from sequin_provider.exceptions import ReplicationError, SourceUnavailableError
 from sequin_provider.replication_protocol import ReplicationProtocolError, ReplicationStream
 from sequin_provider.pgoutput import (
     Commit,
@@ -46,12 +47,8 @@ then, and a walsender that hears nothing for ``wal_sender_timeout`` ends the con
 message only ever carries the position we acknowledged: ``replication_protocol``.)"""
 
 
-class ReplicationError(RuntimeError):
-    """A prerequisite or slot problem, with an actionable message."""
-
-
-class SourceUnavailableError(ReplicationError):
-    """The replication connection is gone because the source server stopped or is stopping."""
+# ``ReplicationError`` and ``SourceUnavailableError`` (the replication connection is gone because
+# the source server stopped or is stopping) are defined in ``exceptions``.
 
 
 SHUTDOWN_PROBE_INTERVAL = 2.0

@@ -14,6 +14,7 @@ import psycopg
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
+from sequin_provider.exceptions import BackfillError
 from sequin_provider.messages import ReadMessageTemplate, idempotency_key
 
 MIGRATIONS: tuple[tuple[int, str, str], ...] = (
@@ -235,11 +236,8 @@ BACKFILL_TRANSITIONS: dict[str, tuple[str, ...]] = {
 ACTIVE_BACKFILL_STATES = ("pending", "running")
 
 
-class BackfillError(ValueError):
-    """A backfill request or state change that is not allowed, with the reason.
-
-    The backfill functions commit what they change, so they compose with a caller's connection
-    whatever its transaction state."""
+# ``BackfillError`` (``exceptions``): the backfill functions below commit what they change, so they
+# compose with a caller's connection whatever its transaction state.
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import psycopg
 from psycopg import sql
 
+from sequin_provider.exceptions import SequinError
 from sequin_provider.store import READS_RELEASED, _ident
 
 TOKEN_PREFIX = "sqn_"
@@ -249,7 +250,7 @@ def stream_counts(conn: psycopg.Connection[Any], schema: str, sink: str) -> dict
 # API tokens
 
 
-class TokenError(ValueError):
+class TokenError(SequinError, ValueError):
     """A token name that is taken, unknown or invalid."""
 
 

@@ -15,9 +15,10 @@ psycopg calls run in a worker thread (``asyncio.to_thread``), so the loop never 
 from __future__ import annotations
 
 import asyncio
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import psycopg
 from psycopg.conninfo import make_conninfo
@@ -25,6 +26,8 @@ from psycopg.conninfo import make_conninfo
 from airflow.sdk import BaseHook
 from sequin_provider import backfill as backfill_module
 from sequin_provider import buffer, replication, store
+from sequin_provider.exceptions import StoreUnavailableError
+from sequin_provider.supervision import StreamLock
 
 if TYPE_CHECKING:
     from airflow.sdk import Connection
@@ -64,6 +67,16 @@ class SequinConnectionSettings:
         return cls(source_dsn=source_dsn, store_dsn=str(extra("store_dsn") or source_dsn),
                    store_schema=str(extra("store_schema") or DEFAULT_STORE_SCHEMA),
                    config_path=None if extra("config_path") is None else str(extra("config_path")))
+
+
+@contextmanager
+def store_errors(what: str, kind: type[Exception] = psycopg.OperationalError) -> Iterator[None]:
+    """``psycopg.OperationalError`` (a server out of reach; or any ``kind``) as ``StoreUnavailableError``:
+    ``cannot reach <what>: <libpq's reason>``."""
+    try:
+        yield
+    except kind as exc:
+        raise StoreUnavailableError(f"cannot reach {what}: {str(exc).strip()}") from exc
 
 
 # -- the queries, on DSNs (shared by the sync methods and, in a thread, by the async ones) ------
@@ -171,6 +184,67 @@ class SequinHook(BaseHook):
         if not schema_version:
             return True, f"source reachable (server {version}); store schema {self.settings.store_schema!r} not initialised"
         return True, f"source reachable (server {version}); store schema version {schema_version}"
+
+    # -- the store: schema, locks -------------------------------------------------------------
+
+    def migrate_store(self) -> None:
+        """Create or upgrade the store schema (``StoreUnavailableError`` if the store cannot be reached)."""
+        s = self.settings
+        with store_errors("the store"):
+            with psycopg.connect(s.store_dsn, connect_timeout=DEFAULT_CONNECT_TIMEOUT) as conn:
+                store.migrate(conn, s.store_schema)
+
+    def stream_lock(self, database: str, application_name: str) -> StreamLock:
+        """The (not yet taken) lock "one supervised stream app of ``database``" in the store."""
+        s = self.settings
+        return StreamLock(s.store_dsn, s.store_schema, database, application_name)
+
+    # -- backfills and the buffer -------------------------------------------------------------
+
+    check_max_query_ms = staticmethod(store.check_max_query_ms)
+
+    def create_backfill(self, config: SequinConfig, sink: str, table: str, sort_column: str | None,
+                        start_position: str | None, max_query_ms: int, requested_by: str | None = None
+                        ) -> store.Backfill:
+        """Validate a backfill against the source catalog and record it (nothing recorded if invalid):
+        ``BackfillError`` names what is wrong (``BackfillConflict``: the table already has an active
+        one), ``StoreUnavailableError`` if the source or the store cannot be reached."""
+        s = self.settings
+        with store_errors("the source or the store"):
+            with psycopg.connect(s.source_dsn, autocommit=True) as source, psycopg.connect(s.store_dsn) as conn:
+                store.migrate(conn, config.store.schema)
+                conn.commit()
+                return backfill_module.create_backfill(source, conn, config, sink, table, sort_column, start_position,
+                                                       max_query_ms, requested_by)
+
+    def transition_backfill(self, backfill_id: int, state: str, reason: str | None = None) -> store.Backfill:
+        """Move a backfill to ``state`` (``BackfillError`` if it may not; ``StoreUnavailableError``)."""
+        s = self.settings
+        with store_errors("the store", psycopg.Error):
+            with psycopg.connect(s.store_dsn, connect_timeout=DEFAULT_CONNECT_TIMEOUT) as conn:
+                return store.transition_backfill(conn, s.store_schema, backfill_id, state, reason)
+
+    def backfill_run_by(self, backfill_id: int, wait: float, application_name: str) -> str | None:
+        """Who runs the backfill (holds its run lock) after ``wait`` seconds; None: nobody."""
+        s = self.settings
+        with store_errors("the store", psycopg.Error):
+            return backfill_module.run_lock_holder(s.store_dsn, s.store_schema, backfill_id, wait, application_name)
+
+    def place_backfill(self, database: str, backfill_id: int, takeover_wait: float | None,
+                       application_name: str) -> backfill_module.Placement:
+        """Where the backfill runs: ``backfill.place_backfill`` on this connection's store."""
+        s = self.settings
+        with store_errors("the store", psycopg.Error):
+            return backfill_module.place_backfill(s.store_dsn, s.store_schema, database, backfill_id, takeover_wait,
+                                                  application_name)
+
+    def retry_buffer(self, config: SequinConfig, sink: str | None, workers: int) -> list[buffer.RetryReport]:
+        """One retry pass over the due parked messages of ``sink`` (or of every sink), with the config's
+        stores (``sinks.retry.retry_sinks``, the function behind ``sequin buffer retry``)."""
+        from sequin_provider.sinks.retry import retry_sinks
+
+        with store_errors("the store"):
+            return retry_sinks(config, sink, workers)
 
     # -- queries -----------------------------------------------------------------------------
 

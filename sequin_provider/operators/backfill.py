@@ -27,24 +27,16 @@ from datetime import timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Sequence
 
-import psycopg
-
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
-from sequin_provider import store
-from sequin_provider.backfill import (
-    DEFAULT_MAX_QUERY_MS,
-    RUN_LOCK_WAIT,
-    create_backfill,
-    progress_line,
-    run_lock,
-    server_lock,
-)
+from sequin_provider.airflow_errors import airflow_errors, airflow_exception
+from sequin_provider.backfill import DEFAULT_MAX_QUERY_MS, RUN_LOCK_WAIT, progress_line
+from sequin_provider.exceptions import SequinError
 from sequin_provider.hooks.sequin import SequinHook
 from sequin_provider.operators.common import load_sequin_config, optional_text, task_instance_key, warn_if_elsewhere
 from sequin_provider.operators.spark_submit import SparkSubmitRun, default_application, resolve_target, submit_env
-from sequin_provider.store import BackfillConflict, BackfillError
+from sequin_provider.store import BackfillConflict
 from sequin_provider.triggers.sequin import BACKFILL_FAILED_STATES, BackfillCompletedTrigger
 
 if TYPE_CHECKING:
@@ -52,6 +44,9 @@ if TYPE_CHECKING:
 
     from airflow.sdk import Context
     from sequin_provider.config import SequinConfig
+    from sequin_provider.store import Backfill
+
+APPLICATION_NAME = "sequin-backfill-operator"
 
 KINDS = ("full", "partial")
 PROGRESS_LOG_INTERVAL = 30.0
@@ -150,37 +145,28 @@ class SequinBackfillOperator(BaseOperator):
             max_query_ms = int(str(self.max_query_ms).strip())
         except ValueError:
             raise AirflowFailException(f"max_query_ms must be an integer, got {self.max_query_ms!r}") from None
-        try:
-            store.check_max_query_ms(max_query_ms)
-        except BackfillError as exc:
-            raise AirflowFailException(str(exc)) from None
+        with airflow_errors():
+            SequinHook.check_max_query_ms(max_query_ms)
         return {"sink": sink, "table": table, "sort_column": sort_column, "start_position": start_position,
                 "max_query_ms": max_query_ms}
 
-    def create(self, config: SequinConfig, request: dict[str, Any], requested_by: str | None = None) -> store.Backfill:
+    def create(self, config: SequinConfig, request: dict[str, Any], requested_by: str | None = None) -> Backfill:
         """Validate against the source catalog and record the backfill (nothing recorded if invalid),
         or adopt the active one that an earlier try of this task instance (``requested_by``) started."""
         settings = self.hook.settings
-        sink = next((s for s in config.sinks if s.name == request["sink"]), None)
-        if sink is not None:
+        if config.has_sink(request["sink"]):
+            sink = config.sink(request["sink"])
             warn_if_elsewhere(self.log, "source", settings.source_dsn, config.database(sink.database).dsn)
             warn_if_elsewhere(self.log, "store", settings.store_dsn, config.store_dsn(sink.database))
         try:
-            with psycopg.connect(settings.source_dsn, autocommit=True) as source, \
-                    psycopg.connect(settings.store_dsn) as conn:
-                store.migrate(conn, config.store.schema)
-                conn.commit()
-                return create_backfill(source, conn, config, request["sink"], request["table"],
-                                       request["sort_column"], request["start_position"], request["max_query_ms"],
-                                       requested_by)
+            return self.hook.create_backfill(config, request["sink"], request["table"], request["sort_column"],
+                                             request["start_position"], request["max_query_ms"], requested_by)
         except BackfillConflict as exc:
             return self._adopt(exc, request, requested_by)
-        except BackfillError as exc:
-            raise AirflowFailException(str(exc)) from None
-        except psycopg.OperationalError as exc:
-            raise AirflowException(f"cannot reach the source or the store: {str(exc).strip()}") from None
+        except SequinError as exc:
+            raise airflow_exception(exc) from exc
 
-    def _adopt(self, conflict: BackfillConflict, request: dict[str, Any], requested_by: str | None) -> store.Backfill:
+    def _adopt(self, conflict: BackfillConflict, request: dict[str, Any], requested_by: str | None) -> Backfill:
         """The active backfill of the sink's table, if an earlier try of this task started it with the same
         request; otherwise the conflict fails the task."""
         earlier = conflict.active
@@ -208,9 +194,7 @@ class SequinBackfillOperator(BaseOperator):
         self.log.info("backfill %d: %s backfill of %s.%s for sink %r%s, about %s rows", backfill.id, backfill.kind,
                       backfill.table_schema, backfill.table_name, backfill.sink, where,
                       backfill.rows_initial if backfill.rows_initial is not None else "?")
-        if self.adopted and self._run_elsewhere(self.takeover_wait):
-            return self.wait_in_store(backfill)
-        if self._server_up(config, backfill):
+        if self._placed_elsewhere(config, backfill):
             return self.wait_in_store(backfill)
         try:
             self._run = self.submit(path, backfill.id)
@@ -258,35 +242,29 @@ class SequinBackfillOperator(BaseOperator):
     def _run_elsewhere(self, wait: float) -> bool:
         """Whether another app holds the backfill's run lock after ``wait`` seconds (it is running it)."""
         assert self.backfill_id is not None
-        settings = self.hook.settings
-        lock = run_lock(settings.store_dsn, settings.store_schema, self.backfill_id, "sequin-backfill-operator")
-        try:
-            if lock.acquire_within(wait):
-                return False
-            self.log.info("backfill %d is being run by another app (its lock is held by %s)", self.backfill_id,
-                          lock.holder())
-            return True
-        except psycopg.Error as exc:
-            raise AirflowException(f"cannot reach the store: {str(exc).strip()}") from None
-        finally:
-            lock.release()
+        with airflow_errors():
+            holder = self.hook.backfill_run_by(self.backfill_id, wait, APPLICATION_NAME)
+        if holder is not None:
+            self.log.info("backfill %d is being run by another app (its lock is held by %s)", self.backfill_id, holder)
+        return holder is not None
 
-    def _server_up(self, config: SequinConfig, backfill: store.Backfill) -> bool:
-        """Whether a backfill server (``sequin backfill serve``) is up for the backfill's database: it
-        takes the backfill as it is recorded, so no Spark app of this task's is needed."""
-        database = next(s.database for s in config.sinks if s.name == backfill.sink)
-        settings = self.hook.settings
-        lock = server_lock(settings.store_dsn, settings.store_schema, database, "sequin-backfill-operator")
-        try:
-            up = lock.held_elsewhere()
-        except psycopg.Error as exc:
-            raise AirflowException(f"cannot reach the store: {str(exc).strip()}") from None
-        if up:
+    def _placed_elsewhere(self, config: SequinConfig, backfill: Backfill) -> bool:
+        """Whether the backfill runs without a Spark app of this task's (``backfill.place_backfill``): an
+        earlier try's app still runs it (only asked when this try adopted it), or a backfill server
+        (``sequin backfill serve``) is up for its database and takes it as it is recorded."""
+        database = config.sink(backfill.sink).database
+        with airflow_errors():
+            placement = self.hook.place_backfill(database, backfill.id, self.takeover_wait if self.adopted else None,
+                                                 APPLICATION_NAME)
+        if placement.where == "elsewhere":
+            self.log.info("backfill %d is being run by another app (its lock is held by %s)", backfill.id,
+                          placement.holder)
+        elif placement.where == "server":
             self.log.info("backfill %d goes to the backfill server of database %r (%s)", backfill.id, database,
-                          lock.holder())
-        return up
+                          placement.holder)
+        return placement.where != "here"
 
-    def wait_in_store(self, backfill: store.Backfill) -> int:
+    def wait_in_store(self, backfill: Backfill) -> int:
         """Wait for a backfill another process runs until the store says it finished: deferred to
         ``BackfillCompletedTrigger``, or in this worker (``deferrable=False``)."""
         self.log.info("backfill %d is %s: waiting for it in the store", backfill.id, backfill.state)
@@ -337,11 +315,9 @@ class SequinBackfillOperator(BaseOperator):
         """Best effort: move the backfill to a final state (it may already be in one)."""
         assert self.backfill_id is not None
         try:
-            settings = self.hook.settings  # its store schema is the config's (load_sequin_config)
-            with psycopg.connect(settings.store_dsn, connect_timeout=10) as conn:
-                store.transition_backfill(conn, settings.store_schema, self.backfill_id, state, reason)
+            self.hook.transition_backfill(self.backfill_id, state, reason)  # the config's store (load_sequin_config)
             self.log.info("backfill %d: %s (%s)", self.backfill_id, state, reason)
-        except (BackfillError, psycopg.Error) as exc:
+        except SequinError as exc:
             self.log.warning("backfill %d not marked %s: %s", self.backfill_id, state, exc)
 
     def _log_progress(self) -> None:

@@ -10,11 +10,9 @@ from __future__ import annotations
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Sequence
 
-import psycopg
-
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
-from sequin_provider.config import ConfigError
+from airflow.sdk.exceptions import AirflowException
+from sequin_provider.airflow_errors import airflow_errors
 from sequin_provider.hooks.sequin import SequinHook
 from sequin_provider.operators.common import load_sequin_config, optional_text
 
@@ -62,15 +60,9 @@ class SequinBufferRetryOperator(BaseOperator):
 
     def execute(self, context: Context) -> dict[str, int]:
         """Run one retry pass and log a line per sink."""
-        from sequin_provider.sinks.retry import retry_sinks
-
         config, _ = load_sequin_config(self.hook, self.config_path)
-        try:
-            reports = retry_sinks(config, optional_text(self.sink), self.workers)
-        except ConfigError as exc:
-            raise AirflowFailException(str(exc)) from None
-        except psycopg.OperationalError as exc:
-            raise AirflowException(f"cannot reach the store: {str(exc).strip()}") from None
+        with airflow_errors():
+            reports = self.hook.retry_buffer(config, optional_text(self.sink), self.workers)
         for report in reports:
             self.log.info("%s", report.line())
             for error in report.errors:

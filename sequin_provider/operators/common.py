@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from psycopg.conninfo import conninfo_to_dict
 
-from airflow.sdk.exceptions import AirflowFailException
+from sequin_provider.airflow_errors import airflow_errors
 from sequin_provider.config import DEFAULT_CONFIG_PATH, ConfigError, SequinConfig, load_config
 
 if TYPE_CHECKING:
@@ -30,15 +30,14 @@ def config_file(hook: SequinHook, config_path: str | None) -> Path:
 def load_sequin_config(hook: SequinHook, config_path: str | None) -> tuple[SequinConfig, Path]:
     """Load and check the config; a bad file or a schema mismatch fails the task without retries."""
     path = config_file(hook, config_path)
-    try:
+    with airflow_errors():
         config = load_config(path)
-    except ConfigError as exc:
-        raise AirflowFailException(str(exc)) from None
-    schema = hook.settings.store_schema
-    if schema != config.store.schema:
-        raise AirflowFailException(
-            f"connection {hook.sequin_conn_id!r} names store schema {schema!r} but {path} has store.schema"
-            f" {config.store.schema!r}: the operator and the Spark apps must use the same store")
+        schema = hook.settings.store_schema
+        if schema != config.store.schema:
+            raise ConfigError(str(path), "store.schema",
+                              f"connection {hook.sequin_conn_id!r} names store schema {schema!r} but {path} has"
+                              f" store.schema {config.store.schema!r}: the operator and the Spark apps must use the"
+                              " same store")
     return config, path
 
 

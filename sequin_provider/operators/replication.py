@@ -23,91 +23,34 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
-from datetime import datetime
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Sequence
 
-import psycopg
-
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
-from sequin_provider import store
-from sequin_provider.config import ConfigError
+from airflow.sdk.exceptions import AirflowException
+from sequin_provider.airflow_errors import airflow_errors
+from sequin_provider.exceptions import LockHeldError, SupervisionError
 from sequin_provider.hooks.sequin import SequinHook
 from sequin_provider.operators.common import load_sequin_config, optional_text, warn_if_elsewhere
 from sequin_provider.operators.spark_submit import SparkSubmitRun, default_application, resolve_target, submit_env
-from sequin_provider.session_lock import SessionLock
+from sequin_provider.supervision import (
+    HeartbeatWatch,
+    RestartBudget,
+    StreamLock,
+    backoff_delay,
+    effective_stall_timeout,
+    lock_name,
+)
 
 if TYPE_CHECKING:
+    from datetime import datetime
     from pathlib import Path
 
     from airflow.sdk import Context
 
-
-def lock_name(schema: str, database: str) -> str:
-    """Text of the advisory lock of a database's stream app (hashed by ``hashtext``)."""
-    return f"sequin-stream:{schema}:{database}"
-
-
-class StreamLock(SessionLock):
-    """The advisory lock "one supervised stream app per database", held by its own connection."""
-
-    def __init__(self, dsn: str, schema: str, database: str, application_name: str = "sequin-supervisor") -> None:
-        super().__init__(dsn, lock_name(schema, database), application_name)
-        self.schema = schema
-        self.database = database
-
-    def heartbeat(self) -> datetime | None:
-        """``stream_status.heartbeat_at`` of the database, read on the lock's connection (which also
-        proves the lock is still held). Raises ``psycopg.OperationalError`` if the connection is lost."""
-        assert self.conn is not None
-        rows = [r for r in store.read_status(self.conn, self.schema) if r["database"] == self.database]
-        return rows[0]["heartbeat_at"] if rows else None
-
-
-@dataclass
-class HeartbeatWatch:
-    """Stall detection of one app run, by change of the heartbeat on the supervisor's own clock.
-
-    :param started: monotonic time the run started.
-    :param baseline: the heartbeat recorded before the run (a previous run's): not a sign of life.
-    """
-
-    start_timeout: float
-    stall_timeout: float
-    started: float
-    baseline: Any = None
-    last_value: Any = field(init=False, default=None)
-    first_beat: float | None = field(init=False, default=None)
-    last_beat: float | None = field(init=False, default=None)
-
-    def __post_init__(self) -> None:
-        self.last_value = self.baseline
-
-    def observe(self, value: Any, now: float) -> None:
-        """Record a reading of the heartbeat (None: no reading, e.g. the store was unreachable)."""
-        if value is not None and value != self.last_value:
-            self.last_value = value
-            self.last_beat = now
-            if self.first_beat is None:
-                self.first_beat = now
-
-    def stalled(self, now: float) -> bool:
-        """No first heartbeat within ``start_timeout``, or none for ``stall_timeout`` since the last."""
-        if self.last_beat is None:
-            return now - self.started > self.start_timeout
-        return now - self.last_beat > self.stall_timeout
-
-    def healthy_for(self, now: float) -> float:
-        """Seconds since the run's first heartbeat (0 if none)."""
-        return 0.0 if self.first_beat is None else now - self.first_beat
-
-
-def backoff_delay(restart: int, initial: float, maximum: float) -> float:
-    """Delay before restart number ``restart`` (1-based): ``initial`` doubling, capped at ``maximum``."""
-    return min(float(initial) * 2 ** max(restart - 1, 0), float(maximum))
+__all__ = ["HeartbeatWatch", "SequinReplicationOperator", "StreamLock", "backoff_delay", "lock_name"]
+"""The supervision pieces stay importable from here (they live in ``sequin_provider.supervision``)."""
 
 
 class SequinReplicationOperator(BaseOperator):
@@ -185,32 +128,24 @@ class SequinReplicationOperator(BaseOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         """Take the lock, then run, watch and restart the app until stopped or out of restarts."""
         config, path = load_sequin_config(self.hook, self.config_path)
-        try:
+        with airflow_errors():
             db = config.database(optional_text(self.database))
-        except ConfigError as exc:
-            raise AirflowFailException(str(exc)) from None
-        settings = self.hook.settings
-        warn_if_elsewhere(self.log, "store", settings.store_dsn, config.store_dsn(db.name))
+        warn_if_elsewhere(self.log, "store", self.hook.settings.store_dsn, config.store_dsn(db.name))
         ti = context.get("ti") if context else None
         who = f"sequin-supervisor {getattr(ti, 'dag_id', '')}.{getattr(ti, 'task_id', self.task_id)}"
-        lock = StreamLock(settings.store_dsn, settings.store_schema, db.name, who)
-        with psycopg.connect(settings.store_dsn, connect_timeout=10) as conn:
-            store.migrate(conn, settings.store_schema)
-        if not lock.acquire():
-            raise AirflowFailException(f"the stream app of database {db.name!r} is already supervised: the advisory"
-                                       f" lock {lock_name(settings.store_schema, db.name)!r} is held by"
-                                       f" {lock.holder()}")
+        with airflow_errors():
+            self.hook.migrate_store()
+            lock = self.hook.stream_lock(db.name, who)
+            if not lock.acquire():
+                raise LockHeldError(f"the stream app of database {db.name!r} is already supervised: the advisory"
+                                    f" lock {lock_name(lock.schema, db.name)!r} is held by {lock.holder()}")
         self._lock = lock
-        stall = float(self.stall_timeout or 0)
-        if stall and db.heartbeat_interval <= 0:
-            self.log.warning("database %r has heartbeat_interval 0: an idle stream records no heartbeats, so only"
-                             " exits of the app are watched", db.name)
-            stall = 0.0
-        elif stall and stall < 3 * db.heartbeat_interval:
-            self.log.warning("stall_timeout %.0fs is close to heartbeat_interval %.0fs: an idle but healthy app may be"
-                             " restarted", stall, db.heartbeat_interval)
+        stall, warning = effective_stall_timeout(self.stall_timeout, db.heartbeat_interval)
+        if warning:
+            self.log.warning("database %r: %s", db.name, warning)
         try:
-            return self._supervise(path, db.name, stall)
+            with airflow_errors():
+                return self._supervise(path, db.name, stall)
         finally:
             if self._run is not None:
                 self._run.stop(self.stop_grace_period)
@@ -220,7 +155,7 @@ class SequinReplicationOperator(BaseOperator):
 
     def _supervise(self, config_path: Path, database: str, stall_timeout: float) -> dict[str, Any]:
         started = time.monotonic()
-        consecutive = 0
+        budget = RestartBudget(self.max_restarts, self.restart_backoff, self.max_restart_backoff, self.reset_after)
         while True:
             self._check_stopped()
             assert self._lock is not None
@@ -242,23 +177,19 @@ class SequinReplicationOperator(BaseOperator):
                 else:
                     watch.observe(self._read_heartbeat(), now)
                     if stall_timeout and watch.stalled(now):
-                        waited = "first" if watch.last_beat is None else "new"
-                        reason = f"stalled (no {waited} heartbeat for {now - (watch.last_beat or watch.started):.0f}s)"
+                        reason = watch.stall_reason(now)
                         run.stop(self.stop_grace_period)
                 if reason is None and self._stop.wait(self.poll_interval):
                     self._check_stopped()
             self._run = None
             self._check_stopped()
-            if watch.healthy_for(time.monotonic()) >= self.reset_after:
-                consecutive = 0
-            consecutive += 1
-            if consecutive > self.max_restarts:
-                raise AirflowException(f"the stream app of database {database!r} {reason}; giving up after"
+            delay = budget.next_delay(watch.healthy_for(time.monotonic()))
+            if delay is None:
+                raise SupervisionError(f"the stream app of database {database!r} {reason}; giving up after"
                                        f" {self.max_restarts} consecutive restarts")
-            delay = backoff_delay(consecutive, self.restart_backoff, self.max_restart_backoff)
             self.restarts += 1
-            self.log.warning("the stream app of database %r %s; restart %d/%d in %.1fs", database, reason, consecutive,
-                             self.max_restarts, delay)
+            self.log.warning("the stream app of database %r %s; restart %d/%d in %.1fs", database, reason,
+                             budget.consecutive, self.max_restarts, delay)
             if self._stop.wait(delay):
                 self._check_stopped()
 
@@ -277,15 +208,7 @@ class SequinReplicationOperator(BaseOperator):
     def _read_heartbeat(self) -> datetime | None:
         """The heartbeat, on the lock's connection; a lost connection is re-locked (or the task fails)."""
         assert self._lock is not None
-        try:
-            if self._lock.conn is None and not self._lock.acquire():
-                raise AirflowException(f"lost the advisory lock of database {self._lock.database!r} and another"
-                                       f" session took it ({self._lock.holder()}): stopping this supervisor")
-            return self._lock.heartbeat()
-        except psycopg.Error as exc:
-            self.log.warning("store unreachable, heartbeat not checked: %s", str(exc).strip())
-            self._lock.release()
-            return None
+        return self._lock.read_heartbeat()
 
     def _check_stopped(self) -> None:
         if self._stop.is_set():

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException, AirflowSensorTimeout
+from sequin_provider.airflow_errors import airflow_errors
 from sequin_provider.hooks.sequin import SequinHook
 from sequin_provider.triggers.sequin import (
     BackfillCompletedTrigger,
     HeartbeatTrigger,
     ParkedMessagesTrigger,
-    SequinConditionError,
     SequinPollingTrigger,
     SlotLagTrigger,
 )
@@ -61,10 +61,8 @@ class SequinConditionSensor(BaseSensorOperator):
     def poke(self, context: Context) -> PokeReturnValue:
         """Measure once and judge; an impossible condition (missing slot, failed backfill) fails the task."""
         trigger = self.build_trigger(end_time=None)
-        try:
+        with airflow_errors():
             observation = trigger.evaluate(trigger.measure(self.hook))
-        except SequinConditionError as exc:
-            raise AirflowException(str(exc)) from exc
         self.log.info("%s", observation.message)
         return PokeReturnValue(observation.done, observation.event("success") if observation.done else None)
 

@@ -62,8 +62,11 @@ def _renderer(sink: SinkConfig, filters: _Filters) -> Render:
 
 def retry_sinks(config: SequinConfig, sink_name: str | None = None, workers: int = 8) -> list[RetryReport]:
     """Retry the due parked messages of one sink, or of every sink; one report per sink."""
-    sinks = [s for s in config.sinks if sink_name in (None, s.name)]
-    if sink_name is not None and not sinks:
+    if sink_name is None:
+        sinks = list(config.sinks)
+    elif config.has_sink(sink_name):
+        sinks = [config.sink(sink_name)]
+    else:
         raise ConfigError(config.source, "sinks", f"no sink named {sink_name!r}")
     reports = []
     filters = _Filters()

@@ -16,14 +16,14 @@ from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 import psycopg
 
 from sequin_provider import store
+from sequin_provider.exceptions import StoreUnavailableError
 from sequin_provider.store import CopyChunk
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class StoreUnavailableError(RuntimeError):
-    """The store stayed unreachable for longer than the retry budget."""
+# ``StoreUnavailableError`` (``exceptions``): the store stayed unreachable for longer than the retry budget.
 
 
 class SequinStreamSink:

@@ -49,10 +49,9 @@ PROGRESS_INTERVAL = 5.0
 
 
 def _database_of(config: SequinConfig, sink_name: str) -> str:
-    sink = next((s for s in config.sinks if s.name == sink_name), None)
-    if sink is None:
+    if not config.has_sink(sink_name):
         raise BackfillError(f"the backfill's sink {sink_name!r} is no longer in the config")
-    return sink.database
+    return config.sink(sink_name).database
 
 
 def read_ranges(config_path: str, database: str, backfill_id: int, max_page_rows: int,

@@ -319,7 +319,7 @@ class PushWriter:
     def __init__(self, config_path: str, database: str, sink_name: str) -> None:
         config = load_config(config_path)
         self.schema = config.store.schema
-        self.sink_config = next(s for s in config.sinks_of(database) if s.name == sink_name)
+        self.sink_config = config.sink(sink_name)
         self.index = config.sinks_of(database).index(self.sink_config)
         self.transform = load_transform(self.sink_config.transform)
         self.rendering = SinkRendering.of(self.sink_config, database)

@@ -31,6 +31,7 @@ from typing import Any, AsyncIterator
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 from sequin_provider import store
 from sequin_provider.backfill import progress_line
+from sequin_provider.exceptions import ConditionError
 from sequin_provider.hooks.sequin import SequinHook
 
 FIRE_WHEN = ("exceeds", "within")
@@ -38,12 +39,9 @@ FIRE_WHEN = ("exceeds", "within")
 BACKFILL_FAILED_STATES = ("failed", "cancelled")
 
 
-class SequinConditionError(Exception):
-    """The watched condition can never hold (slot gone, backfill failed): an error event, with details."""
-
-    def __init__(self, message: str, payload: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.payload = payload or {}
+SequinConditionError = ConditionError
+"""The watched condition can never hold (slot gone, backfill failed): an error event, with details
+(``exceptions.ConditionError``, under the name this module always gave it)."""
 
 
 @dataclass(frozen=True)
