@@ -25,11 +25,11 @@ $(STAMP): pyproject.toml setup.py requirements.lock sequin_provider/_pgoutput_c.
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m sequin_provider.demo
+	$(PY) -m devtools.demo
 
 # Embedded Postgres + airflow standalone with this provider and dags/, at http://localhost:8080.
 up: $(STAMP)
-	$(PY) -m sequin_provider.up
+	$(PY) -m devtools.up
 
 test: $(STAMP)
 	$(PY) -m pytest tests $(PYTEST_ARGS)

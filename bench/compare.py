@@ -51,10 +51,10 @@ from bench.stream_throughput import (  # noqa: E402
     ROW, TABLE, add_pg_setting_argument, check_sink, current_lsn, run_pg_recvlogical, sink_count, write_workload)
 from sequin_provider import stream_queue  # noqa: E402
 from sequin_provider.config import load_config  # noqa: E402
-from sequin_provider.embedded_postgres import EmbeddedPostgres, free_port  # noqa: E402
+from devtools.embedded_postgres import EmbeddedPostgres, free_port  # noqa: E402
 from sequin_provider.provisioning import initialize  # noqa: E402
 from sequin_provider.replication import create_slot  # noqa: E402
-from sequin_provider.stream_process import BackfillServerProcess, StreamAppProcess, wait_for  # noqa: E402
+from devtools.stream_process import BackfillServerProcess, StreamAppProcess, wait_for  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 

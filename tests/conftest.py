@@ -13,9 +13,9 @@ import psycopg
 import pytest
 
 from sequin_provider import store
-from sequin_provider.embedded_postgres import EmbeddedPostgres
+from devtools.embedded_postgres import EmbeddedPostgres
 from sequin_provider.messages import parse_message
-from sequin_provider.stream_process import StreamAppProcess, wait_for  # noqa: F401 - wait_for is shared with the tests
+from devtools.stream_process import StreamAppProcess, wait_for  # noqa: F401 - wait_for is shared with the tests
 
 _counter = itertools.count()
 

@@ -14,8 +14,8 @@ import psycopg
 import pytest
 
 from sequin_provider import store, stream_queue
-from sequin_provider.airflow_standalone import AirflowApiError, AirflowStandalone, airflow_env
-from sequin_provider.embedded_postgres import EmbeddedPostgres, free_port
+from devtools.airflow_standalone import AirflowApiError, AirflowStandalone, airflow_env
+from devtools.embedded_postgres import EmbeddedPostgres, free_port
 from tests.conftest import StreamApp, execute, write_config
 
 CONFIG = """

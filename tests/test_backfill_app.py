@@ -26,7 +26,7 @@ from sequin_provider import store
 from sequin_provider.backfill import create_backfill
 from sequin_provider.backfill_reader import DEFAULT_PAGES_IN_FLIGHT
 from sequin_provider.config import load_config
-from sequin_provider.embedded_postgres import EmbeddedPostgres
+from devtools.embedded_postgres import EmbeddedPostgres
 from sequin_provider.store import Backfill
 from tests.conftest import StreamApp, execute, sink_messages, wait_for, write_config
 

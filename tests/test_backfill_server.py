@@ -13,8 +13,8 @@ import pytest
 
 from sequin_provider import store
 from sequin_provider.backfill_reader import DEFAULT_PAGES_IN_FLIGHT
-from sequin_provider.embedded_postgres import EmbeddedPostgres
-from sequin_provider.stream_process import BackfillServerProcess
+from devtools.embedded_postgres import EmbeddedPostgres
+from devtools.stream_process import BackfillServerProcess
 from tests.conftest import StreamApp, execute, sink_messages, wait_for, write_config
 from tests.test_backfill_app import backfill, ranges_moved
 

@@ -23,7 +23,7 @@ import psycopg
 import pytest
 
 from sequin_provider import store
-from sequin_provider.embedded_postgres import EmbeddedPostgres
+from devtools.embedded_postgres import EmbeddedPostgres
 from sequin_provider.operators.backfill import SequinBackfillOperator
 from sequin_provider.operators.buffer import SequinBufferRetryOperator
 from sequin_provider.operators.replication import SequinReplicationOperator

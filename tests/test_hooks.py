@@ -13,7 +13,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from airflow.sdk.exceptions import AirflowNotFoundException
 from sequin_provider import buffer, replication, store
-from sequin_provider.embedded_postgres import EmbeddedPostgres
+from devtools.embedded_postgres import EmbeddedPostgres
 from sequin_provider.hooks.sequin import SequinConnectionSettings, SequinHook
 
 

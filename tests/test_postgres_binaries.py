@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from sequin_provider import postgres_binaries
-from sequin_provider.embedded_postgres import EmbeddedPostgres, EmbeddedPostgresError, kept_data_dir
-from sequin_provider.postgres_binaries import PostgresBinariesError
+from devtools import postgres_binaries
+from devtools.embedded_postgres import EmbeddedPostgres, EmbeddedPostgresError, kept_data_dir
+from devtools.postgres_binaries import PostgresBinariesError
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from sequin_provider import store
 from sequin_provider.backfill import create_backfill
 from sequin_provider.cli import main as cli_main
 from sequin_provider.config import load_config
-from sequin_provider.embedded_postgres import EmbeddedPostgres
+from devtools.embedded_postgres import EmbeddedPostgres
 from sequin_provider.replication import slot_info
 from tests import type_matrix
 from tests.conftest import StreamApp, execute, sink_messages, wait_for, write_config

@@ -6,7 +6,7 @@ from __future__ import annotations
 import psycopg
 import pytest
 
-from sequin_provider.embedded_postgres import EmbeddedPostgres
+from devtools.embedded_postgres import EmbeddedPostgres
 from sequin_provider.replication import ChangeReader, SourceUnavailableError, create_slot, slot_info
 from tests.conftest import wait_for
 

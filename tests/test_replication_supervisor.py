@@ -20,7 +20,7 @@ import pytest
 from airflow.sdk.exceptions import AirflowException
 from sequin_provider import store
 from sequin_provider.operators.replication import SequinReplicationOperator
-from sequin_provider.stream_process import streaming_status
+from devtools.stream_process import streaming_status
 from tests.conftest import execute, sink_messages, wait_for, write_config
 from tests.test_operators import lock_is_free, no_process_left, sequin_connection
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import psycopg
 
-from sequin_provider.embedded_postgres import EmbeddedPostgres
+from devtools.embedded_postgres import EmbeddedPostgres
 from tests.conftest import StreamApp, execute, sink_messages, wait_for, write_config
 from tests.test_pgoutput import capture
 

@@ -24,7 +24,7 @@ import psycopg
 import pytest
 
 from sequin_provider import store, stream_queue
-from sequin_provider.embedded_postgres import EmbeddedPostgres, free_port
+from devtools.embedded_postgres import EmbeddedPostgres, free_port
 from tests.conftest import execute, put_stream_messages as put, wait_for, write_config
 
 CONFIG = """

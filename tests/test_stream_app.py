@@ -21,7 +21,7 @@ import pytest
 
 from sequin_provider import store
 from sequin_provider.config import load_config
-from sequin_provider.embedded_postgres import EmbeddedPostgres
+from devtools.embedded_postgres import EmbeddedPostgres
 from sequin_provider.pgoutput import lsn_to_int
 from sequin_provider.replication import slot_info
 from sequin_provider.spark.pipeline import payload_mode

@@ -1,4 +1,4 @@
-"""``SequinBackfillOperator``: validate and record a backfill, run ``spark_apps/backfill.py`` through
+"""``SequinBackfillOperator``: validate and record a backfill, run the ``backfill.py`` app through
 ``SparkSubmitHook``, and wait for the backfill to complete (DESIGN §7, §10).
 
 The backfill's state in the store is the truth, not spark-submit's exit code: after the job returns
@@ -69,7 +69,8 @@ class SequinBackfillOperator(BaseOperator):
     :param config_path: the ``sequin.yaml`` (default: the connection's ``config_path`` extra, else
         ``SEQUIN_CONFIG``, else ``./sequin.yaml``); the Spark app reads the same file, and spark-submit
         runs in its folder (relative paths in it resolve there).
-    :param application: the app to submit (default ``spark_apps/backfill.py``).
+    :param application: the app to submit (default: the installed package's ``spark_apps/backfill.py``;
+        ``$SEQUIN_SPARK_APPS`` names another folder).
     :param ranges: key ranges read in parallel (default: Spark's parallelism).
     :param max_page_rows: page size ceiling of the app.
     :param window_timeout: seconds the app waits for the stream app to take a page.
@@ -209,7 +210,7 @@ class SequinBackfillOperator(BaseOperator):
         return self.after_run(self._run)
 
     def submit(self, config_path: Path, backfill_id: int) -> SparkSubmitRun:
-        """Start ``spark_apps/backfill.py`` for ``backfill_id`` through ``SparkSubmitHook``."""
+        """Start the ``backfill.py`` app for ``backfill_id`` through ``SparkSubmitHook``."""
         target = resolve_target(self.spark_conn_id)
         args = ["--config", str(config_path), "--backfill-id", str(backfill_id), "--master", target.master]
         for flag, value in (("--ranges", self.ranges), ("--max-page-rows", self.max_page_rows),

@@ -1,10 +1,10 @@
 """``SequinReplicationOperator``: run the long-lived stream app and keep it alive (DESIGN §6, §10).
 
-The app is submitted with ``SparkSubmitHook`` (``spark_apps/replication_stream.py``), like every Spark
-app of the product, so the same operator drives ``local[*]``, a standalone cluster or YARN. Locally,
-``python spark_apps/replication_stream.py`` would save the spark-submit JVM's start-up, but the
-supervisor would then not be what runs in production; stopping stays clean under spark-submit
-because the SIGTERM goes to the Python driver (see ``spark_submit``).
+The app is submitted with ``SparkSubmitHook`` (``sequin_provider/spark_apps/replication_stream.py``,
+found in the installed package), like every Spark app of the product, so the same operator drives
+``local[*]``, a standalone cluster or YARN. Locally, ``python -m sequin_provider.spark_apps.replication_stream``
+would save the spark-submit JVM's start-up, but the supervisor would then not be what runs in production;
+stopping stays clean under spark-submit because the SIGTERM goes to the Python driver (see ``spark_submit``).
 
 While the app runs the operator watches ``<store>.stream_status.heartbeat_at`` of its database. The
 heartbeat is judged by *change*, on this worker's monotonic clock (no clock skew with the driver):
@@ -61,7 +61,8 @@ class SequinReplicationOperator(BaseOperator):
     :param spark_conn_id: the Spark connection.
     :param config_path: the ``sequin.yaml`` (default: the connection's, else ``SEQUIN_CONFIG``);
         spark-submit runs in its folder, so a relative ``checkpoint_location`` resolves there.
-    :param application: the app to submit (default ``spark_apps/replication_stream.py``).
+    :param application: the app to submit (default: the installed package's
+        ``spark_apps/replication_stream.py``; ``$SEQUIN_SPARK_APPS`` names another folder).
     :param checkpoint: checkpoint folder (default: the config's ``stream.checkpoint_location/<db>``).
     :param stall_timeout: seconds without a new heartbeat after which a running app counts as stalled
         (None or 0: only exits count); keep it well above the database's ``heartbeat_interval``.
@@ -194,7 +195,7 @@ class SequinReplicationOperator(BaseOperator):
                 self._check_stopped()
 
     def _launch(self, config_path: Path, database: str) -> SparkSubmitRun:
-        """Submit ``spark_apps/replication_stream.py`` for ``database`` through ``SparkSubmitHook``."""
+        """Submit the ``replication_stream.py`` app for ``database`` through ``SparkSubmitHook``."""
         target = resolve_target(self.spark_conn_id)
         args = ["--config", str(config_path), "--database", database, "--master", target.master]
         if self.checkpoint:

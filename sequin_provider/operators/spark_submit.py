@@ -29,19 +29,20 @@ from typing import Any
 import psutil
 
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
-from sequin_provider import __file__ as _package_file
 from sequin_provider.spark.app import SUPERVISOR_PID_ENV
+from sequin_provider.spark_apps import app_path
 
-SPARK_APPS = Path(_package_file).resolve().parent.parent / "spark_apps"
-"""Where ``spark_apps/`` lives in a source checkout (``SEQUIN_SPARK_APPS`` overrides it)."""
+SPARK_APPS_ENV = "SEQUIN_SPARK_APPS"
+"""A folder holding the app files to submit instead of the installed package's."""
 
 log = logging.getLogger(__name__)
 
 
 def default_application(name: str) -> str:
-    """Path of ``spark_apps/<name>``: from ``SEQUIN_SPARK_APPS`` if set, else next to the package."""
-    folder = os.environ.get("SEQUIN_SPARK_APPS") or str(SPARK_APPS)
-    return str(Path(folder) / name)
+    """Path of the app file ``name`` to submit: in ``$SEQUIN_SPARK_APPS`` if set, else the one in the
+    installed package (``sequin_provider/spark_apps/``), so a wheel install needs no checkout."""
+    folder = os.environ.get(SPARK_APPS_ENV)
+    return str(Path(folder) / name) if folder else str(app_path(name))
 
 
 @dataclass(frozen=True)

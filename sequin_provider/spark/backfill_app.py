@@ -231,7 +231,7 @@ def job_stopper(spark: Any, stopping: threading.Event, finished: threading.Event
 
 def run_backfill_app(config_path: str | None, backfill_id: int, master: str | None = None, ranges: int | None = None,
                      max_page_rows: int = DEFAULT_MAX_PAGE_ROWS, window_timeout: float = DEFAULT_WINDOW_TIMEOUT) -> int:
-    """The ``spark_apps/backfill.py`` entry point; returns the process exit code (0: completed; 1: not
+    """The ``sequin_provider/spark_apps/backfill.py`` entry point; returns the process exit code (0: completed; 1: not
     completed: failed, cancelled, or stopped because its supervisor is gone; 2: bad input; 3: another
     app runs this backfill). Under a supervisor (``$SEQUIN_SUPERVISOR_PID``) the app stops once the
     supervisor is gone, leaving the backfill running for the supervisor's retry to resume."""

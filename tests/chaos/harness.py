@@ -27,9 +27,9 @@ import psycopg
 from sequin_provider import stream_queue
 from sequin_provider.backfill import create_backfill
 from sequin_provider.config import load_config
-from sequin_provider.embedded_postgres import EmbeddedPostgres
+from devtools.embedded_postgres import EmbeddedPostgres
 from sequin_provider.messages import parse_message
-from sequin_provider.stream_process import ROOT, StreamAppProcess, app_env, streaming_status, wait_for
+from devtools.stream_process import ROOT, StreamAppProcess, app_env, streaming_status, wait_for
 from tests.chaos.checker import SinkReport, check_sink
 from tests.chaos.workload import Workload, committed_changes, create_schema, final_rows, row_key
 from tests.receiver import Receiver

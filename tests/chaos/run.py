@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from sequin_provider.embedded_postgres import EmbeddedPostgres
+from devtools.embedded_postgres import EmbeddedPostgres
 from tests.chaos.harness import PROFILES, ChaosRound, RoundResult, write_results
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sequin_provider.embedded_postgres import EmbeddedPostgres
+from devtools.embedded_postgres import EmbeddedPostgres
 from tests.chaos.harness import SHORT, ChaosRound
 
 

@@ -21,7 +21,7 @@ from typing import IO, Any
 import httpx
 import psycopg
 
-from sequin_provider.stream_process import ROOT, wait_for
+from devtools.stream_process import ROOT, wait_for
 
 TERMINAL_RUN_STATES = frozenset({"success", "failed"})
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import psycopg
 
-from sequin_provider import postgres_binaries
-from sequin_provider.postgres_binaries import SERVER_BINARIES
+from devtools import postgres_binaries
+from devtools.postgres_binaries import SERVER_BINARIES
 
 
 class EmbeddedPostgresError(postgres_binaries.PostgresBinariesError):

@@ -1,7 +1,7 @@
 """Run the long-lived Spark apps as child processes (demo, benchmarks, tests, supervisors): the
 replication stream app, and the backfill server.
 
-An app runs as ``python spark_apps/<app>.py`` in its own process group: Python owns the Spark JVM,
+An app runs as ``python sequin_provider/spark_apps/<app>.py`` in its own process group: Python owns the Spark JVM,
 so SIGTERM stops it cleanly, and SIGKILL of the group takes the JVM and its Python workers down
 with it (a real crash).
 """
@@ -20,10 +20,12 @@ from typing import Any, Callable, Self
 import psycopg
 
 from sequin_provider import store
+from sequin_provider.spark_apps import app_path
 
 ROOT = Path(__file__).resolve().parent.parent
-APP = ROOT / "spark_apps" / "replication_stream.py"
-BACKFILL_APP = ROOT / "spark_apps" / "backfill.py"
+"""The source checkout (devtools are not part of the installed product)."""
+APP = app_path("replication_stream.py")
+BACKFILL_APP = app_path("backfill.py")
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 120.0, interval: float = 0.25, what: str = "condition") -> Any:
@@ -135,7 +137,7 @@ class StreamAppProcess:
 
 
 class BackfillServerProcess(StreamAppProcess):
-    """The backfill server (``spark_apps/backfill.py --serve``) for one config; ``args`` are more of
+    """The backfill server (``sequin_provider/spark_apps/backfill.py --serve``) for one config; ``args`` are more of
     its options (``--database``, ``--max-page-rows``...)."""
 
     name = "backfill server"
@@ -147,7 +149,7 @@ class BackfillServerProcess(StreamAppProcess):
         self.args = args
 
     def command(self) -> list[str]:
-        """``spark_apps/backfill.py --serve`` with this config and ``args``."""
+        """``backfill.py --serve`` with this config and ``args``."""
         return [sys.executable, str(BACKFILL_APP), "--config", str(self.config), "--serve", *self.args]
 
     def wait_up(self, timeout: float = 180.0) -> None:

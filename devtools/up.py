@@ -13,10 +13,10 @@ import sys
 
 import psycopg
 
-from sequin_provider.airflow_standalone import AirflowStandalone, airflow_env
+from devtools.airflow_standalone import AirflowStandalone, airflow_env
 from sequin_provider.config import load_config
-from sequin_provider.demo import CONFIG, SCHEMA, VAR
-from sequin_provider.embedded_postgres import EmbeddedPostgres, kept_data_dir
+from devtools.demo import CONFIG, SCHEMA, VAR
+from devtools.embedded_postgres import EmbeddedPostgres, kept_data_dir
 from sequin_provider.provisioning import initialize
 
 
