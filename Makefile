@@ -56,7 +56,7 @@ bench: $(BENCH_STAMP)
 
 # Refresh requirements.lock from the current venv (after changing pyproject.toml pins).
 lock:
-	$(PY) -m pip freeze --exclude-editable | grep -v '^sequin-provider' > requirements.lock
+	$(PY) -m pip freeze --all --exclude-editable | grep -v -e '^sequin-provider' -e '^pip==' > requirements.lock
 
 clean:
 	rm -rf var spark-warehouse metastore_db
