@@ -16,6 +16,8 @@ advance, only after every partition has written, delivered or parked.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterator, Mapping
@@ -81,6 +83,10 @@ log = logging.getLogger(__name__)
 RENDER_COLUMNS = tuple(c for c in CHANGE_FIELD_NAMES if c not in ("xid", "backfill_sink"))
 """The change row's columns the executors render messages from (``record``/``changes`` as JSON text)."""
 SUBEXPRESSION_ELIMINATION = "spark.sql.subexpressionElimination.enabled"
+TEST_STALL_AFTER_STORE_ENV = "SEQUIN_TEST_STALL_AFTER_STORE"
+"""Tests only: a file path. The first micro-batch that writes messages, once they are in the store
+and visible, creates that file and freezes the driver until the app is killed: a crash between the
+store commit and Spark's offset commit, while consumers receive and ack (Spark replays the batch)."""
 
 
 def group_in_jvm(sink: SinkConfig) -> bool:
@@ -465,6 +471,7 @@ class Pipeline:
         self.push_sinks = [(i, s) for i, s in enumerate(self.sinks) if s.destination.type != "sequin_stream"]
         self._push = {s.name: push_partitions(config.source, self.database.name, s.name) for _, s in self.push_sinks}
         self.payload = payload_mode(self.sinks)
+        self._test_stall = os.environ.get(TEST_STALL_AFTER_STORE_ENV) or None  # read once: free when unset
 
     def validate(self, spark: Any) -> None:
         """Analyse every sink's SQL on an empty batch, so a bad filter fails at start with its sink named."""
@@ -504,12 +511,22 @@ class Pipeline:
             # offset only when the next batch starts, which may be a heartbeat later)
             schema = self.config.store.schema
             self._visibility.retrying(lambda conn: store.finish_emitted_pages(conn, schema, end_lsn + 1))
+            if self._test_stall is not None and written:
+                self._stall_for_test(self._test_stall)
         elapsed = time.monotonic() - started
         self._record_status(batch_id, rows_in, elapsed, end_lsn)
         if rows_in:
             log.info("batch %d: %d changes -> %d new messages in %.3fs (store COPY %.3fs summed over %d partitions,"
                      " streamed while rendering)",
                      batch_id, rows_in, written, elapsed, store_seconds, results.num_rows)
+
+    @staticmethod
+    def _stall_for_test(marker: str) -> None:
+        """``TEST_STALL_AFTER_STORE_ENV``: announce the stall in ``marker``, then never return."""
+        log.warning("test stall: batch stored and visible, its offset not committed; waiting to be killed")
+        with open(marker, "w") as out:
+            out.write(str(os.getpid()))
+        threading.Event().wait()
 
     def _deliver(self, projected: DataFrame) -> tuple[pa.Table, list[pa.Table]]:
         """Write and push a projected batch (``project_batch``); the tasks' reports of the stream
