@@ -202,12 +202,16 @@ class Worker:
 
 
 class StreamConsumer(Worker):
-    """Receives and acks the stream sink's messages, recording them in the order received."""
+    """Receives and acks the stream sink's messages, recording them in the order received, and in
+    ``acked`` the keys of each batch whose ack took every message: key -> how many messages were
+    recorded when the ack returned (a later delivery of the key is an acked message come back)."""
 
-    def __init__(self, store_dsn: str, received: list[dict[str, Any]], lock: threading.Lock, name: str) -> None:
+    def __init__(self, store_dsn: str, received: list[dict[str, Any]], acked: dict[str, int], lock: threading.Lock,
+                 name: str) -> None:
         super().__init__(name)
         self.store_dsn = store_dsn
         self.received = received
+        self.acked = acked
         self.lock = lock
         self.conn: psycopg.Connection[Any] | None = None
 
@@ -216,10 +220,13 @@ class StreamConsumer(Worker):
             self.conn = psycopg.connect(self.store_dsn, connect_timeout=5, autocommit=True)
         try:
             batch = stream_queue.receive(self.conn, SCHEMA, "stream", 100, 10.0, 10_000)
+            messages = [parse_message(d.data) for d in batch]
             with self.lock:
-                self.received.extend(parse_message(d.data) for d in batch)
+                self.received.extend(messages)
             if batch:
-                stream_queue.ack(self.conn, SCHEMA, "stream", [d.ack_id for d in batch])
+                if stream_queue.ack(self.conn, SCHEMA, "stream", [d.ack_id for d in batch]) == len(batch):
+                    with self.lock:  # an ack that matched fewer (a visibility timeout ran out) proves nothing
+                        self.acked.update((m["metadata"]["idempotency_key"], len(self.received)) for m in messages)
             else:
                 self._stop.wait(0.1)
         except psycopg.Error:
@@ -320,8 +327,9 @@ class ChaosRound:
                                         checkpoint=self.workdir / "checkpoint"))
         supervisor = Supervisor(config, self.workdir, store_dsn).start()
         received: list[dict[str, Any]] = []
+        acked: dict[str, int] = {}
         lock = threading.Lock()
-        consumers = [StreamConsumer(store_dsn, received, lock, f"chaos-consumer-{i}") for i in range(2)]
+        consumers = [StreamConsumer(store_dsn, received, acked, lock, f"chaos-consumer-{i}") for i in range(2)]
         retry = BufferRetry(config)
         backfills = Backfills(config, source_dsn, store_dsn, self.workdir)
         workload = Workload(source_dsn, p.rate, p.accounts, p.orders, self.rng.randrange(1 << 30))
@@ -340,7 +348,7 @@ class ChaosRound:
             time.sleep(3.0)
             workload.stop()
             self.log(f"[{time.monotonic() - started:6.0f}s] workload stopped; draining")
-            self._drain(source_dsn, received, lock, receiver, backfills)
+            self._drain(source_dsn, received, acked, lock, receiver, backfills)
         finally:
             for worker in [*workers, backfills]:
                 worker.stop()
@@ -350,7 +358,7 @@ class ChaosRound:
         self.result.backfill_runs = backfills.runs
         self.result.workload_transactions = workload.transactions
         self.result.workload_errors = workload.errors
-        self.result.reports = self._check(source_dsn, received, lock, receiver)
+        self.result.reports = self._check(source_dsn, received, acked, lock, receiver)
         self.result.seconds = time.monotonic() - started
         if not self.result.ok:
             self._keep_evidence(source_dsn, {"stream": received, "hooks": receiver.messages()})
@@ -409,26 +417,26 @@ class ChaosRound:
         else:
             raise ValueError(f"unknown fault {fault!r}")
 
-    def _drain(self, source_dsn: str, received: list[dict[str, Any]], lock: threading.Lock, receiver: Receiver,
-               backfills: Backfills) -> None:
+    def _drain(self, source_dsn: str, received: list[dict[str, Any]], acked: dict[str, int], lock: threading.Lock,
+               receiver: Receiver, backfills: Backfills) -> None:
         deadline = time.monotonic() + self.profile.drain_timeout
         if not backfills.done.wait(max(1.0, deadline - time.monotonic())):
             self.result.notes.append(f"backfills not done after {self.profile.drain_timeout:.0f}s: {backfills.todo}")
         while time.monotonic() < deadline:
-            reports = self._check(source_dsn, received, lock, receiver)
+            reports = self._check(source_dsn, received, acked, lock, receiver)
             if all(r.lost == 0 and r.state_mismatches == 0 for r in reports):
                 time.sleep(3.0)  # a late duplicate or stray message would show up now
                 return
             time.sleep(5.0)
         self.result.notes.append(f"not drained after {self.profile.drain_timeout:.0f}s")
 
-    def _check(self, source_dsn: str, received: list[dict[str, Any]], lock: threading.Lock,
+    def _check(self, source_dsn: str, received: list[dict[str, Any]], acked: dict[str, int], lock: threading.Lock,
                receiver: Receiver) -> list[SinkReport]:
         committed = committed_changes(source_dsn)
         final = final_rows(source_dsn)
         with lock:
-            stream_deliveries = list(received)
-        return [check_sink("stream", committed, stream_deliveries, final, row_key),
+            stream_deliveries, stream_acked = list(received), dict(acked)
+        return [check_sink("stream", committed, stream_deliveries, final, row_key, stream_acked),
                 check_sink("hooks", committed, receiver.messages(), final, row_key)]
 
 
