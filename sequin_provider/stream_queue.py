@@ -6,8 +6,10 @@ never one whose group has an earlier message still in the table (outstanding, or
 a group is processed strictly in order. A truncate is a barrier for its table across groups: it
 is handed out only when no earlier message of its table is in the table, and no later message of
 its table while it is (its ``barrier`` column, migration 12).
-Received messages are invisible for the visibility timeout; ``ack`` deletes them, ``nack`` makes
-them visible at once; an ack id carries its message's position (``ack_id``). Concurrent receivers
+Received messages are invisible for the visibility timeout; ``ack`` deletes them (and keeps their
+positions in the acked ledger until the slot has passed them, so a replayed micro-batch does not
+bring them back: a sink is one consumer group), ``nack`` makes them visible at once; an ack id
+carries its message's position (``ack_id``). Concurrent receivers
 never get the same message: rows are claimed with ``FOR UPDATE SKIP LOCKED``. API tokens are stored
 as SHA-256 hashes only.
 """

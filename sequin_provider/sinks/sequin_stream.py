@@ -1,10 +1,11 @@
 """Sequin Stream sink: messages become durable rows of the store's stream table (DESIGN §9).
 
 Writes are idempotent on (sink, position), so a micro-batch replayed after a crash adds nothing,
-not even the messages its consumers acked meanwhile (the acked ledger). Its connection's commits are durable when they return (``store.connect_durable``),
-because the slot is acknowledged once a batch's writes have committed. A store that cannot be
-reached is retried with backoff for ``retry_timeout`` seconds; until then the batch is not complete
-and the slot does not advance (DESIGN §2.1).
+not even the messages its consumers acked meanwhile (the acked ledger). Its connection's commits
+are durable when they return (``store.connect_durable``), because the slot is acknowledged once a
+batch's writes have committed. A store that cannot be reached is retried with backoff for
+``retry_timeout`` seconds; until then the batch is not complete and the slot does not advance
+(DESIGN §2.1).
 """
 
 from __future__ import annotations
