@@ -116,8 +116,11 @@ def test_an_ack_racing_a_replay_is_not_undone(dsn: str) -> None:
         replay = threading.Thread(target=lambda: written.append(
             store.insert_stream_messages(conn, "sequin", rows([(100, 0), (100, 1), (200, 0)]))))
         replay.start()
-        time.sleep(1.0)
-        assert replay.is_alive()  # waiting on the rows the ack deletes
+        with psycopg.connect(dsn, autocommit=True) as watcher:  # the write waits on the rows the ack deletes
+            wait_for(lambda: watcher.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                                             " AND wait_event_type = 'Lock'").fetchone()[0], 30,
+                     what="the replay to wait for the ack")
+        assert replay.is_alive()
         consumer.commit()
         replay.join(30)
         assert written == [1]
