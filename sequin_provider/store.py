@@ -8,7 +8,7 @@ store lives here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Sequence, Union
 
 import psycopg
 from psycopg import sql
@@ -855,7 +855,7 @@ def insert_stream_messages(conn: psycopg.Connection[Any], schema: str, rows: Seq
 
 
 CopyChunk = Union[str, bytes, memoryview]
-Span = Callable[[], Optional[tuple[int, int]]]
+Span = Callable[[], tuple[int, int] | None]
 """The lowest and highest commit LSN of the rows a write took, asked once its chunks are consumed
 (None: it took none)."""
 _ANY_POSITION = (0, (1 << 63) - 1)

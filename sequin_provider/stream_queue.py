@@ -193,7 +193,7 @@ def _recount_pending(conn: psycopg.Connection[Any], schema: str, sink: str, coun
 
 
 def _settle(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequence[str | uuid.UUID],
-            change: sql.Composable, then: sql.Composable = sql.SQL(""), durable: bool = False) -> int:
+            change: sql.Composable, then: sql.Composable | None = None, durable: bool = False) -> int:
     """Apply ``change`` (a DELETE or UPDATE of the messages matched by ``a``, returning their
     positions) to the pending messages delivered with ``ack_ids``, and take them off the sink's
     pending counter in the same transaction; ``then`` adds CTEs on ``settled``; ``durable``: the
@@ -208,7 +208,7 @@ def _settle(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequ
             n AS (SELECT count(*) AS n FROM settled),
             counted AS (UPDATE {s}.stream_pending p SET pending = greatest(p.pending - n.n, 0)
                           FROM n WHERE p.sink = %(sink)s AND n.n > 0)
-            SELECT n FROM n""").format(change=change, then=then, s=s),
+            SELECT n FROM n""").format(change=change, then=then or sql.SQL(""), s=s),
             {"sink": sink, "lsns": lsns, "idxs": idxs, "nonces": nonces}).fetchone()
     return int(row[0]) if row else 0
 

@@ -160,11 +160,13 @@ def test_a_crash_between_the_store_commit_and_the_offset_commit_brings_back_no_a
     execute(dsn, "CREATE TABLE kv (id int PRIMARY KEY, v int)")
     checkpoint = tmp_path / "ckpt"
     config = write_config(tmp_path / "sequin.yaml", CONFIG.format(dsn=dsn, db=dbname, checkpoint=checkpoint))
-    marker = tmp_path / "stalled"
-    app = stream_app(config, {TEST_STALL_AFTER_STORE_ENV: str(marker)})
+    trigger = tmp_path / "stall"
+    trigger.touch()  # the first batch that writes messages stalls once they are visible
+    app = stream_app(config, {TEST_STALL_AFTER_STORE_ENV: str(trigger)})
     app.wait_streaming(dsn)
     execute(dsn, "INSERT INTO kv SELECT g, g FROM generate_series(1, 300) g")  # one transaction, one batch
-    wait_for(lambda: app.check_alive() or marker.exists(), 120, what="the batch in the store, its offset not committed")
+    stalled = tmp_path / "stall.stalled"
+    wait_for(lambda: app.check_alive() or stalled.exists(), 120, what="the batch in the store, its offset not committed")
 
     received: list[int] = []
     with psycopg.connect(dsn) as conn:

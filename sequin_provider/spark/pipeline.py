@@ -84,9 +84,11 @@ RENDER_COLUMNS = tuple(c for c in CHANGE_FIELD_NAMES if c not in ("xid", "backfi
 """The change row's columns the executors render messages from (``record``/``changes`` as JSON text)."""
 SUBEXPRESSION_ELIMINATION = "spark.sql.subexpressionElimination.enabled"
 TEST_STALL_AFTER_STORE_ENV = "SEQUIN_TEST_STALL_AFTER_STORE"
-"""Tests only: a file path. The first micro-batch that writes messages, once they are in the store
-and visible, creates that file and freezes the driver until the app is killed: a crash between the
-store commit and Spark's offset commit, while consumers receive and ack (Spark replays the batch)."""
+"""Tests only: a file path, the trigger. While that file exists, the next micro-batch that writes
+messages, once they are in the store and visible, renames it to ``<path>.stalled`` and freezes the
+driver until the app is killed: a crash between the store commit and Spark's offset commit while
+consumers receive and ack (Spark replays the batch). A test arms it by creating the file, before
+the app starts or while it runs."""
 
 
 def group_in_jvm(sink: SinkConfig) -> bool:
@@ -514,7 +516,7 @@ class Pipeline:
             # offset only when the next batch starts, which may be a heartbeat later)
             schema = self.config.store.schema
             self._visibility.retrying(lambda conn: store.finish_emitted_pages(conn, schema, end_lsn + 1))
-            if self._test_stall is not None and written:
+            if self._test_stall is not None and written and os.path.exists(self._test_stall):
                 self._stall_for_test(self._test_stall)
         elapsed = time.monotonic() - started
         self._record_status(batch_id, rows_in, elapsed, end_lsn)
@@ -524,11 +526,10 @@ class Pipeline:
                      batch_id, rows_in, written, elapsed, store_seconds, results.num_rows)
 
     @staticmethod
-    def _stall_for_test(marker: str) -> None:
-        """``TEST_STALL_AFTER_STORE_ENV``: announce the stall in ``marker``, then never return."""
+    def _stall_for_test(trigger: str) -> None:
+        """``TEST_STALL_AFTER_STORE_ENV``: take the trigger (``<trigger>.stalled`` says so), then never return."""
         log.warning("test stall: batch stored and visible, its offset not committed; waiting to be killed")
-        with open(marker, "w") as out:
-            out.write(str(os.getpid()))
+        os.replace(trigger, f"{trigger}.stalled")
         threading.Event().wait()
 
     def _deliver(self, projected: DataFrame) -> tuple[pa.Table, list[pa.Table]]:

@@ -4,9 +4,10 @@ The parts are the product's own: the stream app (a supervised child process, as 
 supervisor runs it), the backfill app (``spark_apps/backfill.py``, retried as the Airflow task
 would be), a Sequin Stream sink read by two consumers through ``stream_queue`` (the functions
 behind the HTTP pull API), a webhook sink posting to a loopback endpoint, and the buffer retry
-(``retry_sinks``, what the buffer DAG calls). Faults: SIGKILL of the stream app, Postgres
-restarts (fast and immediate), the store unreachable, the webhook endpoint down, slow past its
-timeout, or answering 500 to 20 % of requests.
+(``retry_sinks``, what the buffer DAG calls). Faults: SIGKILL of the stream app (at any moment, or
+right after a micro-batch is in the store while the consumers ack it, before Spark commits it),
+Postgres restarts (fast and immediate), the store unreachable, the webhook endpoint down, slow past
+its timeout, or answering 500 to 20 % of requests.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from sequin_provider.backfill import create_backfill
 from sequin_provider.config import load_config
 from sequin_provider.embedded_postgres import EmbeddedPostgres
 from sequin_provider.messages import parse_message
+from sequin_provider.spark.pipeline import TEST_STALL_AFTER_STORE_ENV
 from sequin_provider.stream_process import ROOT, StreamAppProcess, app_env, streaming_status, wait_for
 from tests.chaos.checker import SinkReport, check_sink
 from tests.chaos.workload import Workload, committed_changes, create_schema, final_rows, row_key
@@ -65,6 +67,7 @@ class Profile:
 
     name: str
     kills: int
+    acked_kills: int  # kills right after a batch is in the store and visible, its offset not committed
     pg_restarts: tuple[str, ...]
     store_down: float
     webhook_down: float
@@ -77,9 +80,9 @@ class Profile:
     drain_timeout: float
 
 
-SHORT = Profile("short", kills=2, pg_restarts=("fast", "immediate"), store_down=5, webhook_down=5, webhook_slow=4,
+SHORT = Profile("short", kills=1, acked_kills=1, pg_restarts=("fast", "immediate"), store_down=5, webhook_down=5, webhook_slow=4,
                 webhook_errors=8, rate=300, seed_accounts=2_000, accounts=3_000, orders=800, drain_timeout=300)
-FULL = Profile("full", kills=5, pg_restarts=("fast", "immediate"), store_down=20, webhook_down=30, webhook_slow=15,
+FULL = Profile("full", kills=4, acked_kills=2, pg_restarts=("fast", "immediate"), store_down=20, webhook_down=30, webhook_slow=15,
                webhook_errors=30, rate=500, seed_accounts=20_000, accounts=25_000, orders=5_000, drain_timeout=900)
 PROFILES = {p.name: p for p in (SHORT, FULL)}
 
@@ -126,6 +129,7 @@ class Supervisor:
         self.workdir = workdir
         self.store_dsn = store_dsn
         self.starts = 0
+        self.stall_trigger = workdir / "stall-after-store"
         self.app: StreamAppProcess | None = None
         self.started_at = datetime.now(timezone.utc)
         self.lock = threading.Lock()
@@ -140,7 +144,8 @@ class Supervisor:
     def _start_app(self) -> None:
         with self.lock:
             self.started_at = datetime.now(timezone.utc)
-            self.app = StreamAppProcess(self.config, self.workdir / "stream-app.log").start()
+            self.app = StreamAppProcess(self.config, self.workdir / "stream-app.log",
+                                        {TEST_STALL_AFTER_STORE_ENV: str(self.stall_trigger)}).start()
             self.starts += 1
 
     def _run(self) -> None:
@@ -155,6 +160,18 @@ class Supervisor:
         """Wait until the current app has completed a micro-batch since it started and since ``since``."""
         wait_for(lambda: streaming_status(self.store_dsn, SCHEMA, after=self.started_at, batch_after=since), timeout,
                  interval=0.5, what="the stream app to stream again")
+
+    def kill_after_store(self, acking: float = 2.0) -> None:
+        """SIGKILL the app right after a micro-batch is in the store and visible, before Spark
+        commits its offset, ``acking`` seconds after the consumers could receive and ack it (the
+        app stalls there: ``TEST_STALL_AFTER_STORE_ENV``); the next app replays the batch."""
+        stalled = Path(f"{self.stall_trigger}.stalled")
+        stalled.unlink(missing_ok=True)
+        self.stall_trigger.touch()
+        wait_for(stalled.exists, 180, interval=0.1, what="the stream app to stall after a batch is in the store")
+        stalled.unlink()
+        time.sleep(acking)
+        self.kill()
 
     def kill(self) -> None:
         """SIGKILL the app and its JVM (the supervisor starts it again)."""
@@ -204,7 +221,7 @@ class Worker:
 class StreamConsumer(Worker):
     """Receives and acks the stream sink's messages, recording them in the order received, and in
     ``acked`` the keys of each batch whose ack took every message: key -> how many messages were
-    recorded when the ack returned (a later delivery of the key is an acked message come back)."""
+    recorded when its first ack returned (a later delivery of the key is an acked message come back)."""
 
     def __init__(self, store_dsn: str, received: list[dict[str, Any]], acked: dict[str, int], lock: threading.Lock,
                  name: str) -> None:
@@ -226,7 +243,8 @@ class StreamConsumer(Worker):
             if batch:
                 if stream_queue.ack(self.conn, SCHEMA, "stream", [d.ack_id for d in batch]) == len(batch):
                     with self.lock:  # an ack that matched fewer (a visibility timeout ran out) proves nothing
-                        self.acked.update((m["metadata"]["idempotency_key"], len(self.received)) for m in messages)
+                        for m in messages:  # the first ack counts: a message come back is acked again
+                            self.acked.setdefault(m["metadata"]["idempotency_key"], len(self.received))
             else:
                 self._stop.wait(0.1)
         except psycopg.Error:
@@ -294,7 +312,8 @@ class Backfills(Worker):
 
 def fault_plan(profile: Profile, rng: random.Random) -> list[str]:
     """The round's faults in a random order, with the backfill started midway."""
-    faults = ["kill"] * profile.kills + [f"restart-{m}" for m in profile.pg_restarts]
+    faults = ["kill"] * profile.kills + ["kill-acked"] * profile.acked_kills
+    faults += [f"restart-{m}" for m in profile.pg_restarts]
     faults += ["store-down", "webhook-down", "webhook-slow", "webhook-errors"]
     rng.shuffle(faults)
     faults.insert(len(faults) // 3, "backfill")
@@ -385,6 +404,8 @@ class ChaosRound:
         p = self.profile
         if fault == "kill":
             supervisor.kill()
+        elif fault == "kill-acked":
+            supervisor.kill_after_store()
         elif fault.startswith("restart-"):
             if self.pg.external:
                 self.result.notes.append(f"{fault} skipped: SEQUIN_TEST_DSN's server cannot be restarted")
