@@ -8,7 +8,7 @@ store lives here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence, Union
+from typing import Any, Callable, Iterable, Sequence, Union
 
 import psycopg
 from psycopg import sql
@@ -216,6 +216,28 @@ ALTER TABLE {schema}.stream_messages ADD COLUMN IF NOT EXISTS barrier text;
 ALTER TABLE {schema}.buffered_messages ADD COLUMN IF NOT EXISTS barrier text;
 CREATE INDEX IF NOT EXISTS buffered_messages_barrier ON {schema}.buffered_messages (sink)
     WHERE barrier IS NOT NULL AND state = 'parked';
+"""),
+    # An acked message never comes back (docs/stream-behaviour.md: "Acked messages never come
+    # back"). An ack deletes its messages, so a micro-batch replayed after a crash between its store
+    # commit and Spark's offset commit would write them again; the ack also records their positions
+    # here, and a write of the stream takes out again the positions found here (``insert_stream_copy``).
+    # A position is needed only until the slot has passed it (no replay can bring it back then):
+    # the stream app records that position per sink (``passed_lsn``) and drops the entries below
+    # it (``prune_acked``), and an ack of messages below it records nothing. One entry per ack
+    # (its positions as two arrays, their LSN range indexed): an ack of 100 messages writes one
+    # row and one index entry, not 100 (the ack's median time: +10 %, against +55 % for a row per
+    # message, measured). A write looks up the entries whose range meets its own: none for a batch
+    # that is not a replay, which lies above every acked position.
+    (13, "the acked ledger: positions acked and not yet passed by the slot", """
+CREATE TABLE IF NOT EXISTS {schema}.stream_acked (
+    sink        text      NOT NULL,
+    min_lsn     bigint    NOT NULL,
+    max_lsn     bigint    NOT NULL,
+    lsns        bigint[]  NOT NULL,   -- the positions (lsns[i], idxs[i]) acked together
+    idxs        integer[] NOT NULL
+);
+CREATE INDEX IF NOT EXISTS stream_acked_range ON {schema}.stream_acked (max_lsn, min_lsn);
+ALTER TABLE {schema}.stream_visibility ADD COLUMN IF NOT EXISTS passed_lsn bigint NOT NULL DEFAULT 0;
 """),
 )
 
@@ -823,15 +845,22 @@ def copy_line(row: StreamRow) -> str:
 
 
 def insert_stream_messages(conn: psycopg.Connection[Any], schema: str, rows: Sequence[StreamRow]) -> int:
-    """Durably add messages to the stream; a replayed batch adds nothing. Returns the new count."""
-    return insert_stream_copy(conn, schema, ["".join(copy_line(r) + "\n" for r in rows)])
+    """Durably add messages to the stream; a replayed batch adds nothing, and no message whose
+    position its sink acked (``stream_acked``). Returns the new count."""
+    lsns = [int(r[1]) for r in rows]
+    span = (min(lsns), max(lsns)) if lsns else None
+    return insert_stream_copy(conn, schema, ["".join(copy_line(r) + "\n" for r in rows)], span=lambda: span)
 
 
 CopyChunk = Union[str, bytes, memoryview]
+Span = Callable[[], tuple[int, int] | None]
+"""The lowest and highest commit LSN of the rows a write took, asked once its chunks are consumed
+(None: it took none)."""
+_ANY_POSITION = (0, (1 << 63) - 1)
 
 
 def insert_stream_copy(conn: psycopg.Connection[Any], schema: str, chunks: Iterable[CopyChunk],
-                       consumed: list[CopyChunk] | None = None, binary: bool = False) -> int:
+                       consumed: list[CopyChunk] | None = None, binary: bool = False, span: Span | None = None) -> int:
     """Like ``insert_stream_messages`` for rows already in COPY format, streamed chunk by chunk.
 
     Chunks are whole lines (``copy_line`` + newline), or with ``binary`` the pieces of one COPY
@@ -841,6 +870,11 @@ def insert_stream_copy(conn: psycopg.Connection[Any], schema: str, chunks: Itera
     primary key (the position) and the rows go through a temporary table with
     ``ON CONFLICT DO NOTHING`` instead. Every chunk taken is appended to ``consumed`` (so a
     caller can retry after a connection failure). Returns the number of new rows; commits.
+
+    Rows at positions their sink acked (``stream_acked``: a replay of a batch consumers took part
+    of) are taken out again before the commit, by a statement of their own (``drop_acked``).
+    ``span`` bounds the positions to look up; without it every ledger entry is. A batch that is not
+    a replay lies above every acked position, so for it the look-up finds nothing in the index.
     """
     seen: list[CopyChunk] = consumed if consumed is not None else []
     pending = iter(chunks)  # one pass: after a failure, only what was not taken remains
@@ -853,7 +887,9 @@ def insert_stream_copy(conn: psycopg.Connection[Any], schema: str, chunks: Itera
                 for chunk in pending:
                     seen.append(chunk)
                     copy.write(chunk)
-            return max(cur.rowcount, 0)
+            copied = max(cur.rowcount, 0)
+            bounds = span() if span is not None else _ANY_POSITION
+            return copied - drop_acked(cur, schema, *bounds) if copied and bounds is not None else copied
     except psycopg.errors.UniqueViolation:
         seen.extend(pending)  # whatever the failed COPY did not take yet
     with conn.transaction(), conn.cursor() as cur:
@@ -865,7 +901,57 @@ def insert_stream_copy(conn: psycopg.Connection[Any], schema: str, chunks: Itera
         cur.execute(sql.SQL(
             "INSERT INTO {} ({}) SELECT sink, commit_lsn, commit_idx, group_id, idempotency_key, data, barrier"
             " FROM sequin_incoming ORDER BY commit_lsn, commit_idx ON CONFLICT DO NOTHING").format(target, columns))
-        return cur.rowcount
+        inserted = max(cur.rowcount, 0)
+        lowest, highest = cur.execute("SELECT min(commit_lsn), max(commit_lsn) FROM sequin_incoming").fetchone() \
+            or (None, None)
+        return inserted - drop_acked(cur, schema, lowest, highest) if inserted else 0
+
+
+def drop_acked(cur: psycopg.Cursor[Any], schema: str, lowest: int, highest: int) -> int:
+    """Delete the stream rows at positions their sink acked (``stream_acked``) among the ledger
+    entries whose LSN range meets ``lowest``..``highest``; returns how many.
+
+    For a write, in the write's transaction but in statements of their own after it: an ack that
+    deleted a row the write then waited for (its key) has committed by then, and these statements'
+    snapshots see its ledger entry (the write's did not), so the row written again goes. The
+    positions are read first (none for a batch that is not a replay: one index look-up), then
+    deleted by key: one statement joining the ledger to the stream table may be planned as a hash
+    join over the whole table (measured before the ledger was analyzed: 385 ms for a 1,000,000-row
+    table, against 4 ms by key)."""
+    s = _ident(schema)
+    found = cur.execute(sql.SQL(
+        "SELECT a.sink, p.lsn, p.idx FROM {}.stream_acked a, unnest(a.lsns, a.idxs) p(lsn, idx)"
+        " WHERE a.max_lsn >= %s AND a.min_lsn <= %s").format(s), (lowest, highest)).fetchall()
+    if not found:
+        return 0
+    sinks, lsns, idxs = (list(column) for column in zip(*found))
+    cur.execute(sql.SQL(
+        "DELETE FROM {}.stream_messages m USING unnest(%s::text[], %s::bigint[], %s::integer[]) x(sink, lsn, idx)"
+        " WHERE m.sink = x.sink AND m.commit_lsn = x.lsn AND m.commit_idx = x.idx").format(s), (sinks, lsns, idxs))
+    return max(cur.rowcount, 0)
+
+
+def prune_acked(conn: psycopg.Connection[Any], schema: str, sinks: Sequence[str], lsn: int) -> int:
+    """The slot has passed ``lsn`` (the stream app acknowledged it, after Spark committed the batch
+    that ends there): no replay can bring back a message of ``sinks`` committed below it, so the
+    ledger entries whose positions all lie below it go, and later acks of such messages record
+    nothing (``passed_lsn``, never moves back). Returns how many positions were forgotten; commits."""
+    s = _ident(schema)
+    with conn.transaction():
+        conn.execute(sql.SQL("UPDATE {}.stream_visibility SET passed_lsn = %s WHERE sink = ANY(%s) AND passed_lsn < %s"
+                             ).format(s), (lsn, list(sinks), lsn))
+        dropped = conn.execute(sql.SQL("WITH gone AS (DELETE FROM {}.stream_acked WHERE max_lsn < %s AND sink = ANY(%s)"
+                                       " RETURNING cardinality(lsns) AS n) SELECT coalesce(sum(n), 0) FROM gone").format(s),
+                               (lsn, list(sinks))).fetchone()
+    conn.commit()
+    return int(dropped[0]) if dropped else 0
+
+
+def acked_positions(conn: psycopg.Connection[Any], schema: str, sink: str) -> list[tuple[int, int]]:
+    """The positions of ``sink`` in the acked ledger (acked, not yet passed by the slot), in order."""
+    return [(int(lsn), int(idx)) for lsn, idx in conn.execute(sql.SQL(
+        "SELECT p.lsn, p.idx FROM {}.stream_acked a, unnest(a.lsns, a.idxs) p(lsn, idx) WHERE a.sink = %s"
+        " ORDER BY p.lsn, p.idx").format(_ident(schema)), (sink,)).fetchall()]
 
 
 def advance_visible_lsn(conn: psycopg.Connection[Any], schema: str, sinks: Sequence[str], lsn: int) -> None:

@@ -6,8 +6,10 @@ never one whose group has an earlier message still in the table (outstanding, or
 a group is processed strictly in order. A truncate is a barrier for its table across groups: it
 is handed out only when no earlier message of its table is in the table, and no later message of
 its table while it is (its ``barrier`` column, migration 12).
-Received messages are invisible for the visibility timeout; ``ack`` deletes them, ``nack`` makes
-them visible at once; an ack id carries its message's position (``ack_id``). Concurrent receivers
+Received messages are invisible for the visibility timeout; ``ack`` deletes them (and keeps their
+positions in the acked ledger until the slot has passed them, so a replayed micro-batch does not
+bring them back: a sink is one consumer group), ``nack`` makes them visible at once; an ack id
+carries its message's position (``ack_id``). Concurrent receivers
 never get the same message: rows are claimed with ``FOR UPDATE SKIP LOCKED``. API tokens are stored
 as SHA-256 hashes only.
 """
@@ -25,7 +27,7 @@ import psycopg
 from psycopg import sql
 
 from sequin_provider.exceptions import SequinError
-from sequin_provider.store import READS_RELEASED, _ident
+from sequin_provider.store import READS_RELEASED, _ident, durable_commit
 
 TOKEN_PREFIX = "sqn_"
 
@@ -192,18 +194,22 @@ def _recount_pending(conn: psycopg.Connection[Any], schema: str, sink: str, coun
 
 
 def _settle(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequence[str | uuid.UUID],
-            change: sql.Composable) -> int:
-    """Apply ``change`` (a DELETE or UPDATE of the messages matched by ``a``) to the pending messages
-    delivered with ``ack_ids``, and take them off the sink's pending counter in the same transaction."""
+            change: sql.Composable, then: sql.Composable | None = None, durable: bool = False) -> int:
+    """Apply ``change`` (a DELETE or UPDATE of the messages matched by ``a``, returning their
+    positions) to the pending messages delivered with ``ack_ids``, and take them off the sink's
+    pending counter in the same transaction; ``then`` adds CTEs on ``settled``; ``durable``: the
+    commit is durable when it returns, whatever the server's ``synchronous_commit``."""
     lsns, idxs, nonces = _parsed(ack_ids)
     s = _ident(schema)
     with conn.transaction():
+        if durable:
+            durable_commit(conn)
         row = conn.execute(sql.SQL("""
-            WITH settled AS ({change}),
+            WITH settled AS ({change}),{then}
             n AS (SELECT count(*) AS n FROM settled),
             counted AS (UPDATE {s}.stream_pending p SET pending = greatest(p.pending - n.n, 0)
                           FROM n WHERE p.sink = %(sink)s AND n.n > 0)
-            SELECT n FROM n""").format(change=change, s=s),
+            SELECT n FROM n""").format(change=change, then=then or sql.SQL(""), s=s),
             {"sink": sink, "lsns": lsns, "idxs": idxs, "nonces": nonces}).fetchone()
     return int(row[0]) if row else 0
 
@@ -211,13 +217,29 @@ def _settle(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequ
 _MATCH = sql.SQL(
     " unnest(%(lsns)s::bigint[], %(idxs)s::integer[], %(nonces)s::integer[]) a(lsn, idx, nonce)"
     " WHERE m.sink = %(sink)s AND m.commit_lsn = a.lsn AND m.commit_idx = a.idx AND m.ack_nonce = a.nonce"
-    " AND m.state = 'delivered' RETURNING 1")
+    " AND m.state = 'delivered' RETURNING m.commit_lsn, m.commit_idx")
+
+_LEDGER = """
+            ledger AS (INSERT INTO {s}.stream_acked (sink, min_lsn, max_lsn, lsns, idxs)
+                SELECT %(sink)s, min(commit_lsn), max(commit_lsn), array_agg(commit_lsn ORDER BY commit_lsn, commit_idx),
+                       array_agg(commit_idx ORDER BY commit_lsn, commit_idx)
+                FROM settled
+                WHERE commit_lsn >= coalesce((SELECT passed_lsn FROM {s}.stream_visibility WHERE sink = %(sink)s), 0)
+                HAVING count(*) > 0),"""
+"""The ack's one entry in the acked ledger: the positions it settled that the slot has not passed
+yet (a replay of their batch must not write them again: ``store.insert_stream_copy``)."""
 
 
 def ack(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequence[str | uuid.UUID]) -> int:
-    """Delete the messages delivered with ``ack_ids``; unknown, expired or repeated ids are ignored."""
-    return _settle(conn, schema, sink, ack_ids, sql.SQL("DELETE FROM {}.stream_messages m USING").format(
-        _ident(schema)) + _MATCH)
+    """Delete the messages delivered with ``ack_ids``; unknown, expired or repeated ids are ignored.
+
+    An acked message never comes back to the sink's consumer group: its position stays in the
+    acked ledger until the slot has passed it (``store.prune_acked``), so a micro-batch replayed
+    after a crash of the stream app skips it; and the ack is durable when it returns (a crash of
+    the store does not undo an ack its consumer was told of)."""
+    s = _ident(schema)
+    return _settle(conn, schema, sink, ack_ids, sql.SQL("DELETE FROM {}.stream_messages m USING").format(s) + _MATCH,
+                   sql.SQL(_LEDGER).format(s=s), durable=True)
 
 
 def nack(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequence[str | uuid.UUID]) -> int:

@@ -1,10 +1,11 @@
 """Sequin Stream sink: messages become durable rows of the store's stream table (DESIGN §9).
 
-Writes are idempotent on (sink, idempotency key), so a micro-batch replayed after a crash adds
-nothing. Its connection's commits are durable when they return (``store.connect_durable``),
-because the slot is acknowledged once a batch's writes have committed. A store that cannot be
-reached is retried with backoff for ``retry_timeout`` seconds; until then the batch is not complete
-and the slot does not advance (DESIGN §2.1).
+Writes are idempotent on (sink, position), so a micro-batch replayed after a crash adds nothing,
+not even the messages its consumers acked meanwhile (the acked ledger). Its connection's commits
+are durable when they return (``store.connect_durable``), because the slot is acknowledged once a
+batch's writes have committed. A store that cannot be reached is retried with backoff for
+``retry_timeout`` seconds; until then the batch is not complete and the slot does not advance
+(DESIGN §2.1).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import psycopg
 
 from sequin_provider import store
 from sequin_provider.exceptions import StoreUnavailableError
-from sequin_provider.store import CopyChunk
+from sequin_provider.store import CopyChunk, Span
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -40,9 +41,10 @@ class SequinStreamSink:
             self._conn = store.connect_durable(self.dsn, connect_timeout=5)
         return self._conn
 
-    def write(self, chunks: Iterable[CopyChunk], binary: bool = False) -> int:
+    def write(self, chunks: Iterable[CopyChunk], binary: bool = False, span: Span | None = None) -> int:
         """Durably write stream rows given as COPY chunks (``store.copy_line`` lines, or with
-        ``binary`` a whole COPY binary stream), streamed as they come; return how many were new.
+        ``binary`` a whole COPY binary stream), streamed as they come; return how many were new
+        (not stored yet, nor acked: ``span`` bounds their positions, ``store.insert_stream_copy``).
         Retries while the store is down."""
         consumed: list[CopyChunk] = []
         source: Iterator[CopyChunk] = iter(chunks)
@@ -50,7 +52,7 @@ class SequinStreamSink:
         def attempt(conn: psycopg.Connection[Any]) -> int:
             nonlocal source, consumed
             try:
-                return store.insert_stream_copy(conn, self.schema, source, consumed, binary)
+                return store.insert_stream_copy(conn, self.schema, source, consumed, binary, span)
             except psycopg.OperationalError:
                 consumed.extend(source)  # take the rest: the retry sends the whole batch again
                 source, consumed = iter(list(consumed)), []

@@ -16,6 +16,8 @@ advance, only after every partition has written, delivered or parked.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterator, Mapping
@@ -81,6 +83,12 @@ log = logging.getLogger(__name__)
 RENDER_COLUMNS = tuple(c for c in CHANGE_FIELD_NAMES if c not in ("xid", "backfill_sink"))
 """The change row's columns the executors render messages from (``record``/``changes`` as JSON text)."""
 SUBEXPRESSION_ELIMINATION = "spark.sql.subexpressionElimination.enabled"
+TEST_STALL_AFTER_STORE_ENV = "SEQUIN_TEST_STALL_AFTER_STORE"
+"""Tests only: a file path, the trigger. While that file exists, the next micro-batch that writes
+messages, once they are in the store and visible, renames it to ``<path>.stalled`` and freezes the
+driver until the app is killed: a crash between the store commit and Spark's offset commit while
+consumers receive and ack (Spark replays the batch). A test arms it by creating the file, before
+the app starts or while it runs."""
 
 
 def group_in_jvm(sink: SinkConfig) -> bool:
@@ -210,7 +218,7 @@ class StreamWriter:
         """``mapInArrow`` body: stream the partition into one COPY as its batches arrive, then send
         the push sinks' share of a spooled batch, and report (rows, written, max_lsn, store
         seconds, delivered, parked)."""
-        stats: dict[str, Any] = {"rows": 0, "max_lsn": None, "open_lsn": None}
+        stats: dict[str, Any] = {"rows": 0, "min_lsn": None, "max_lsn": None, "open_lsn": None}
         slices: list[tuple[str, int, int]] = []
         truncated: set[str] = set()
 
@@ -225,7 +233,9 @@ class StreamWriter:
                     if not changes.num_rows:
                         continue
                     stats["rows"] += changes.num_rows
-                    top = pc.max(changes.column("commit_lsn")).as_py()
+                    span = pc.min_max(changes.column("commit_lsn"))
+                    bottom, top = span["min"].as_py(), span["max"].as_py()
+                    stats["min_lsn"] = bottom if stats["min_lsn"] is None else min(stats["min_lsn"], bottom)
                     stats["max_lsn"] = top if stats["max_lsn"] is None else max(stats["max_lsn"], top)
                     opened = open_transaction_lsn(changes)
                     if opened is not None:
@@ -242,7 +252,8 @@ class StreamWriter:
             # per task and batch (sinks_with_parked: 2.3 ms measured on a 2-core machine at load 15)
             names = [s.name for s in self.sinks if s.destination.type == "sequin_stream"]
             self._held = self.buffer.retrying(lambda conn: sinks_with_parked(conn, self.schema, names))
-            written = self.sink.write(chunks(), binary=True)
+            written = self.sink.write(chunks(), binary=True, span=lambda: None if stats["min_lsn"] is None
+                                      else (stats["min_lsn"], stats["max_lsn"]))  # the acked positions to skip
         else:  # only push sinks: the slices are read for the counts, nothing is copied
             written = 0
             for _ in chunks():
@@ -465,6 +476,7 @@ class Pipeline:
         self.push_sinks = [(i, s) for i, s in enumerate(self.sinks) if s.destination.type != "sequin_stream"]
         self._push = {s.name: push_partitions(config.source, self.database.name, s.name) for _, s in self.push_sinks}
         self.payload = payload_mode(self.sinks)
+        self._test_stall = os.environ.get(TEST_STALL_AFTER_STORE_ENV) or None  # read once: free when unset
 
     def validate(self, spark: Any) -> None:
         """Analyse every sink's SQL on an empty batch, so a bad filter fails at start with its sink named."""
@@ -504,12 +516,21 @@ class Pipeline:
             # offset only when the next batch starts, which may be a heartbeat later)
             schema = self.config.store.schema
             self._visibility.retrying(lambda conn: store.finish_emitted_pages(conn, schema, end_lsn + 1))
+            if self._test_stall is not None and written and os.path.exists(self._test_stall):
+                self._stall_for_test(self._test_stall)
         elapsed = time.monotonic() - started
         self._record_status(batch_id, rows_in, elapsed, end_lsn)
         if rows_in:
             log.info("batch %d: %d changes -> %d new messages in %.3fs (store COPY %.3fs summed over %d partitions,"
                      " streamed while rendering)",
                      batch_id, rows_in, written, elapsed, store_seconds, results.num_rows)
+
+    @staticmethod
+    def _stall_for_test(trigger: str) -> None:
+        """``TEST_STALL_AFTER_STORE_ENV``: take the trigger (``<trigger>.stalled`` says so), then never return."""
+        log.warning("test stall: batch stored and visible, its offset not committed; waiting to be killed")
+        os.replace(trigger, f"{trigger}.stalled")
+        threading.Event().wait()
 
     def _deliver(self, projected: DataFrame) -> tuple[pa.Table, list[pa.Table]]:
         """Write and push a projected batch (``project_batch``); the tasks' reports of the stream

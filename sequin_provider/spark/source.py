@@ -383,6 +383,19 @@ class ReplicationStreamReader(DataSourceStreamReader):
             sink.retrying(lambda conn: store.finish_emitted_pages(conn, schema, lsn))
         except Exception as exc:  # noqa: BLE001
             log.warning("could not mark delivered backfill pages emitted yet: %s", exc)
+        try:  # no replay brings back a message below lsn now: its ack needs no record (a later commit retries)
+            sink, schema = self._backfill_store()
+            streams = self._stream_sinks()
+            if streams:
+                sink.retrying(lambda conn: store.prune_acked(conn, schema, streams, lsn))
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not prune the acked ledger yet: %s", exc)
+
+    def _stream_sinks(self) -> list[str]:
+        """This database's Sequin Stream sinks (whose acked positions ``commit`` prunes)."""
+        db, _ = self._settings()
+        assert self._config is not None
+        return [s.name for s in self._config.sinks_of(db.name) if s.destination.type == "sequin_stream"]
 
     def _remove_spooled(self, committed: Position) -> None:
         folder = Path(self.spool)

@@ -7,7 +7,7 @@ each guarantee (``tests/chaos/test_checker.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 Change = tuple[str, str, str, int]
 """(table, key, action, ver): one committed row change."""
@@ -25,19 +25,23 @@ class SinkReport:
     unexpected: int = 0
     order_violations: int = 0
     duplicates: int = 0
+    redelivered_after_ack: int = 0
     state_mismatches: int = 0
     examples: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        """Nothing lost, nothing invented, no reordering, and the replay equals the tables."""
-        return not (self.lost or self.unexpected or self.order_violations or self.state_mismatches)
+        """Nothing lost, nothing invented, no reordering, no acked message delivered again, and the
+        replay equals the tables."""
+        return not (self.lost or self.unexpected or self.order_violations or self.redelivered_after_ack
+                    or self.state_mismatches)
 
     def line(self) -> str:
         """The one-line summary printed per run and sink."""
         return (f"sink {self.sink}: changes committed {self.committed}, delivered {self.delivered}"
                 f" (+{self.reads} reads), lost {self.lost}, order violations {self.order_violations},"
-                f" duplicates {self.duplicates}, unexpected {self.unexpected}, state mismatches {self.state_mismatches}")
+                f" duplicates {self.duplicates} (after ack {self.redelivered_after_ack}), unexpected {self.unexpected},"
+                f" state mismatches {self.state_mismatches}")
 
     def _example(self, text: str) -> None:
         if len(self.examples) < 10:
@@ -45,7 +49,8 @@ class SinkReport:
 
 
 def check_sink(sink: str, committed: Iterable[Change], deliveries: Sequence[dict[str, Any]],
-               final: dict[tuple[str, str], dict[str, Any]], key_of: Any) -> SinkReport:
+               final: dict[tuple[str, str], dict[str, Any]], key_of: Any,
+               acked: Mapping[str, int] | None = None) -> SinkReport:
     """Judge ``deliveries`` (messages in the order the sink's consumer got them, duplicates included).
 
     - lost: committed changes never delivered; unexpected: delivered changes that never committed;
@@ -53,7 +58,10 @@ def check_sink(sink: str, committed: Iterable[Change], deliveries: Sequence[dict
       delivered (a read after a newer change counts: it would roll the row back);
     - state mismatches: keys whose replay of first deliveries differs from the table's final row
       (a row that exists but was never delivered, by a change or a read, is a mismatch);
-    - duplicates: deliveries of an idempotency key already delivered (allowed: at least once).
+    - duplicates: deliveries of an idempotency key already delivered (allowed: at least once);
+    - redelivered after ack: duplicates delivered after their consumer group acked the key (a pull
+      sink: ``acked`` maps a key to how many deliveries there were when its ack returned; any later
+      delivery of the key is one). Not allowed: an acked message never comes back.
     """
     report = SinkReport(sink)
     committed_set = set(committed)
@@ -62,10 +70,13 @@ def check_sink(sink: str, committed: Iterable[Change], deliveries: Sequence[dict
     delivered_changes: set[Change] = set()
     last_position: dict[tuple[str, str], tuple[int, int]] = {}
     replay: dict[tuple[str, str], dict[str, Any] | None] = {}
-    for message in deliveries:
+    for n, message in enumerate(deliveries):
         meta = message["metadata"]
         if meta["idempotency_key"] in seen:
             report.duplicates += 1
+            if acked is not None and n >= acked.get(meta["idempotency_key"], n + 1):
+                report.redelivered_after_ack += 1
+                report._example(f"{meta['idempotency_key']}: delivered again after it was acked")
             continue
         seen.add(meta["idempotency_key"])
         table, action, record = meta["table_name"], message["action"], message["record"]

@@ -4,9 +4,10 @@ The parts are the product's own: the stream app (a supervised child process, as 
 supervisor runs it), the backfill app (``spark_apps/backfill.py``, retried as the Airflow task
 would be), a Sequin Stream sink read by two consumers through ``stream_queue`` (the functions
 behind the HTTP pull API), a webhook sink posting to a loopback endpoint, and the buffer retry
-(``retry_sinks``, what the buffer DAG calls). Faults: SIGKILL of the stream app, Postgres
-restarts (fast and immediate), the store unreachable, the webhook endpoint down, slow past its
-timeout, or answering 500 to 20 % of requests.
+(``retry_sinks``, what the buffer DAG calls). Faults: SIGKILL of the stream app (at any moment, or
+right after a micro-batch is in the store while the consumers ack it, before Spark commits it),
+Postgres restarts (fast and immediate), the store unreachable, the webhook endpoint down, slow past
+its timeout, or answering 500 to 20 % of requests.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from sequin_provider.config import load_config
 from devtools.embedded_postgres import EmbeddedPostgres
 from sequin_provider.messages import parse_message
 from devtools.stream_process import ROOT, StreamAppProcess, app_env, streaming_status, wait_for
+from sequin_provider.spark.pipeline import TEST_STALL_AFTER_STORE_ENV
 from tests.chaos.checker import SinkReport, check_sink
 from tests.chaos.workload import Workload, committed_changes, create_schema, final_rows, row_key
 from tests.receiver import Receiver
@@ -65,6 +67,7 @@ class Profile:
 
     name: str
     kills: int
+    acked_kills: int  # kills right after a batch is in the store and visible, its offset not committed
     pg_restarts: tuple[str, ...]
     store_down: float
     webhook_down: float
@@ -77,9 +80,9 @@ class Profile:
     drain_timeout: float
 
 
-SHORT = Profile("short", kills=2, pg_restarts=("fast", "immediate"), store_down=5, webhook_down=5, webhook_slow=4,
+SHORT = Profile("short", kills=1, acked_kills=1, pg_restarts=("fast", "immediate"), store_down=5, webhook_down=5, webhook_slow=4,
                 webhook_errors=8, rate=300, seed_accounts=2_000, accounts=3_000, orders=800, drain_timeout=300)
-FULL = Profile("full", kills=5, pg_restarts=("fast", "immediate"), store_down=20, webhook_down=30, webhook_slow=15,
+FULL = Profile("full", kills=4, acked_kills=2, pg_restarts=("fast", "immediate"), store_down=20, webhook_down=30, webhook_slow=15,
                webhook_errors=30, rate=500, seed_accounts=20_000, accounts=25_000, orders=5_000, drain_timeout=900)
 PROFILES = {p.name: p for p in (SHORT, FULL)}
 
@@ -126,6 +129,7 @@ class Supervisor:
         self.workdir = workdir
         self.store_dsn = store_dsn
         self.starts = 0
+        self.stall_trigger = workdir / "stall-after-store"
         self.app: StreamAppProcess | None = None
         self.started_at = datetime.now(timezone.utc)
         self.lock = threading.Lock()
@@ -140,7 +144,8 @@ class Supervisor:
     def _start_app(self) -> None:
         with self.lock:
             self.started_at = datetime.now(timezone.utc)
-            self.app = StreamAppProcess(self.config, self.workdir / "stream-app.log").start()
+            self.app = StreamAppProcess(self.config, self.workdir / "stream-app.log",
+                                        {TEST_STALL_AFTER_STORE_ENV: str(self.stall_trigger)}).start()
             self.starts += 1
 
     def _run(self) -> None:
@@ -155,6 +160,18 @@ class Supervisor:
         """Wait until the current app has completed a micro-batch since it started and since ``since``."""
         wait_for(lambda: streaming_status(self.store_dsn, SCHEMA, after=self.started_at, batch_after=since), timeout,
                  interval=0.5, what="the stream app to stream again")
+
+    def kill_after_store(self, acking: float = 2.0) -> None:
+        """SIGKILL the app right after a micro-batch is in the store and visible, before Spark
+        commits its offset, ``acking`` seconds after the consumers could receive and ack it (the
+        app stalls there: ``TEST_STALL_AFTER_STORE_ENV``); the next app replays the batch."""
+        stalled = Path(f"{self.stall_trigger}.stalled")
+        stalled.unlink(missing_ok=True)
+        self.stall_trigger.touch()
+        wait_for(stalled.exists, 180, interval=0.1, what="the stream app to stall after a batch is in the store")
+        stalled.unlink()
+        time.sleep(acking)
+        self.kill()
 
     def kill(self) -> None:
         """SIGKILL the app and its JVM (the supervisor starts it again)."""
@@ -202,12 +219,16 @@ class Worker:
 
 
 class StreamConsumer(Worker):
-    """Receives and acks the stream sink's messages, recording them in the order received."""
+    """Receives and acks the stream sink's messages, recording them in the order received, and in
+    ``acked`` the keys of each batch whose ack took every message: key -> how many messages were
+    recorded when its first ack returned (a later delivery of the key is an acked message come back)."""
 
-    def __init__(self, store_dsn: str, received: list[dict[str, Any]], lock: threading.Lock, name: str) -> None:
+    def __init__(self, store_dsn: str, received: list[dict[str, Any]], acked: dict[str, int], lock: threading.Lock,
+                 name: str) -> None:
         super().__init__(name)
         self.store_dsn = store_dsn
         self.received = received
+        self.acked = acked
         self.lock = lock
         self.conn: psycopg.Connection[Any] | None = None
 
@@ -216,10 +237,14 @@ class StreamConsumer(Worker):
             self.conn = psycopg.connect(self.store_dsn, connect_timeout=5, autocommit=True)
         try:
             batch = stream_queue.receive(self.conn, SCHEMA, "stream", 100, 10.0, 10_000)
+            messages = [parse_message(d.data) for d in batch]
             with self.lock:
-                self.received.extend(parse_message(d.data) for d in batch)
+                self.received.extend(messages)
             if batch:
-                stream_queue.ack(self.conn, SCHEMA, "stream", [d.ack_id for d in batch])
+                if stream_queue.ack(self.conn, SCHEMA, "stream", [d.ack_id for d in batch]) == len(batch):
+                    with self.lock:  # an ack that matched fewer (a visibility timeout ran out) proves nothing
+                        for m in messages:  # the first ack counts: a message come back is acked again
+                            self.acked.setdefault(m["metadata"]["idempotency_key"], len(self.received))
             else:
                 self._stop.wait(0.1)
         except psycopg.Error:
@@ -287,7 +312,8 @@ class Backfills(Worker):
 
 def fault_plan(profile: Profile, rng: random.Random) -> list[str]:
     """The round's faults in a random order, with the backfill started midway."""
-    faults = ["kill"] * profile.kills + [f"restart-{m}" for m in profile.pg_restarts]
+    faults = ["kill"] * profile.kills + ["kill-acked"] * profile.acked_kills
+    faults += [f"restart-{m}" for m in profile.pg_restarts]
     faults += ["store-down", "webhook-down", "webhook-slow", "webhook-errors"]
     rng.shuffle(faults)
     faults.insert(len(faults) // 3, "backfill")
@@ -320,8 +346,9 @@ class ChaosRound:
                                         checkpoint=self.workdir / "checkpoint"))
         supervisor = Supervisor(config, self.workdir, store_dsn).start()
         received: list[dict[str, Any]] = []
+        acked: dict[str, int] = {}
         lock = threading.Lock()
-        consumers = [StreamConsumer(store_dsn, received, lock, f"chaos-consumer-{i}") for i in range(2)]
+        consumers = [StreamConsumer(store_dsn, received, acked, lock, f"chaos-consumer-{i}") for i in range(2)]
         retry = BufferRetry(config)
         backfills = Backfills(config, source_dsn, store_dsn, self.workdir)
         workload = Workload(source_dsn, p.rate, p.accounts, p.orders, self.rng.randrange(1 << 30))
@@ -340,7 +367,7 @@ class ChaosRound:
             time.sleep(3.0)
             workload.stop()
             self.log(f"[{time.monotonic() - started:6.0f}s] workload stopped; draining")
-            self._drain(source_dsn, received, lock, receiver, backfills)
+            self._drain(source_dsn, received, acked, lock, receiver, backfills)
         finally:
             for worker in [*workers, backfills]:
                 worker.stop()
@@ -350,7 +377,7 @@ class ChaosRound:
         self.result.backfill_runs = backfills.runs
         self.result.workload_transactions = workload.transactions
         self.result.workload_errors = workload.errors
-        self.result.reports = self._check(source_dsn, received, lock, receiver)
+        self.result.reports = self._check(source_dsn, received, acked, lock, receiver)
         self.result.seconds = time.monotonic() - started
         if not self.result.ok:
             self._keep_evidence(source_dsn, {"stream": received, "hooks": receiver.messages()})
@@ -377,6 +404,8 @@ class ChaosRound:
         p = self.profile
         if fault == "kill":
             supervisor.kill()
+        elif fault == "kill-acked":
+            supervisor.kill_after_store()
         elif fault.startswith("restart-"):
             if self.pg.external:
                 self.result.notes.append(f"{fault} skipped: SEQUIN_TEST_DSN's server cannot be restarted")
@@ -409,26 +438,26 @@ class ChaosRound:
         else:
             raise ValueError(f"unknown fault {fault!r}")
 
-    def _drain(self, source_dsn: str, received: list[dict[str, Any]], lock: threading.Lock, receiver: Receiver,
-               backfills: Backfills) -> None:
+    def _drain(self, source_dsn: str, received: list[dict[str, Any]], acked: dict[str, int], lock: threading.Lock,
+               receiver: Receiver, backfills: Backfills) -> None:
         deadline = time.monotonic() + self.profile.drain_timeout
         if not backfills.done.wait(max(1.0, deadline - time.monotonic())):
             self.result.notes.append(f"backfills not done after {self.profile.drain_timeout:.0f}s: {backfills.todo}")
         while time.monotonic() < deadline:
-            reports = self._check(source_dsn, received, lock, receiver)
+            reports = self._check(source_dsn, received, acked, lock, receiver)
             if all(r.lost == 0 and r.state_mismatches == 0 for r in reports):
                 time.sleep(3.0)  # a late duplicate or stray message would show up now
                 return
             time.sleep(5.0)
         self.result.notes.append(f"not drained after {self.profile.drain_timeout:.0f}s")
 
-    def _check(self, source_dsn: str, received: list[dict[str, Any]], lock: threading.Lock,
+    def _check(self, source_dsn: str, received: list[dict[str, Any]], acked: dict[str, int], lock: threading.Lock,
                receiver: Receiver) -> list[SinkReport]:
         committed = committed_changes(source_dsn)
         final = final_rows(source_dsn)
         with lock:
-            stream_deliveries = list(received)
-        return [check_sink("stream", committed, stream_deliveries, final, row_key),
+            stream_deliveries, stream_acked = list(received), dict(acked)
+        return [check_sink("stream", committed, stream_deliveries, final, row_key, stream_acked),
                 check_sink("hooks", committed, receiver.messages(), final, row_key)]
 
 
