@@ -1,9 +1,11 @@
 """Typed configuration (``sequin.yaml``) with errors that name the file, the key path and the reason.
 
 The YAML is modelled on Sequin's ``sequin.yaml`` (DESIGN §4). Strings may use ``${VAR}`` or
-``${VAR:-default}``. Connections are DSNs or Airflow connection ids; a ``conn_id`` is resolved
-from the ``AIRFLOW_CONN_<ID>`` environment variable (URI or JSON), which is how Airflow hands
-connections to subprocesses, so this module never imports Airflow.
+``${VAR:-default}``. Connections are DSNs or Airflow connection ids. A ``conn_id`` is resolved by
+a ``ConnResolver`` (``conn_id -> DSN``): by default from the ``AIRFLOW_CONN_<ID>`` environment
+variable (URI or JSON), which is how the operators hand connections to the Spark apps they submit;
+inside Airflow the hook passes one backed by Airflow (environment, secrets backends, metadata
+database). This module never imports Airflow.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import re
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-from urllib.parse import quote, urlsplit
+from typing import Any, Callable
+from urllib.parse import quote, urlencode, urlsplit
 
 import yaml
+from psycopg.conninfo import conninfo_to_dict
 
 from sequin_provider.exceptions import ConfigError, UnknownSinkError
 
@@ -28,6 +31,9 @@ TRUNCATE_MODES = ("deliver", "skip")
 IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]*$")
 ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+
+ConnResolver = Callable[[str], str]
+"""``conn_id -> DSN``; raises ``LookupError`` (its text: what to do) when the connection does not exist."""
 
 
 __all__ = ["ConfigError", "UnknownSinkError"]  # defined in ``exceptions``, importable from here as before
@@ -58,6 +64,7 @@ class DatabaseConfig:
     slot: SlotConfig = SlotConfig()
     publication: PublicationConfig = PublicationConfig()
     heartbeat_interval: float = 15.0
+    conn_id: str | None = None  # the Airflow connection ``dsn`` was resolved from, if any
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,7 @@ class StoreConfig:
 
     dsn: str | None = field(default=None, repr=False)
     schema: str = "sequin"
+    conn_id: str | None = None  # the Airflow connection ``dsn`` was resolved from, if any
 
 
 @dataclass(frozen=True)
@@ -178,6 +186,11 @@ class SequinConfig:
         """DSN of the store (defaults to the source database)."""
         return self.store.dsn or self.database(database).dsn
 
+    def connections(self) -> dict[str, str]:
+        """``{conn_id: DSN}`` of the Airflow connections the file names (databases and store)."""
+        named = [(db.conn_id, db.dsn) for db in self.databases] + [(self.store.conn_id, self.store.dsn)]
+        return {conn_id: dsn for conn_id, dsn in named if conn_id is not None and dsn is not None}
+
     def tables_of(self, database: str) -> list[TableConfig]:
         """Distinct tables captured from ``database`` across its sinks, in config order."""
         seen: dict[str, TableConfig] = {}
@@ -221,10 +234,32 @@ def substitute_env(text: str, environ: dict[str, str] | None = None) -> str:
     return ENV_REF.sub(repl, text)
 
 
+def airflow_conn_env(conn_id: str) -> str:
+    """The environment variable Airflow reads connection ``conn_id`` from: ``AIRFLOW_CONN_<ID>``."""
+    return f"AIRFLOW_CONN_{conn_id.upper()}"
+
+
+def dsn_uri(dsn: str) -> str:
+    """``dsn`` (a libpq URI or ``key=value`` string) as a ``postgresql://`` URI, the form of an
+    ``AIRFLOW_CONN_<ID>`` value; parameters other than host, port, user, password and dbname go in
+    the query string."""
+    params = {k: str(v) for k, v in conninfo_to_dict(dsn).items() if v is not None}
+    user, password = params.pop("user", None), params.pop("password", None)
+    auth = quote(user or "", safe="") + (f":{quote(password, safe='')}" if password is not None else "")
+    host = params.pop("host", "")
+    host = f"[{host}]" if ":" in host and not host.startswith("/") else quote(host, safe="")
+    port = params.pop("port", None)
+    location = host + (f":{port}" if port else "")
+    dbname = quote(params.pop("dbname", ""), safe="")
+    query = f"?{urlencode(params)}" if params else ""
+    return f"postgresql://{auth + '@' if auth else ''}{location}/{dbname}{query}"
+
+
 def dsn_from_airflow_conn(conn_id: str, environ: dict[str, str] | None = None) -> str:
-    """The DSN of Airflow connection ``conn_id`` from ``AIRFLOW_CONN_<ID>`` (URI or JSON)."""
+    """The DSN of Airflow connection ``conn_id`` from ``AIRFLOW_CONN_<ID>`` (URI or JSON);
+    ``KeyError(<variable>)`` if it is not set."""
     env = os.environ if environ is None else environ
-    var = f"AIRFLOW_CONN_{conn_id.upper()}"
+    var = airflow_conn_env(conn_id)
     raw = env.get(var)
     if not raw:
         raise KeyError(var)
@@ -246,9 +281,10 @@ def dsn_from_airflow_conn(conn_id: str, environ: dict[str, str] | None = None) -
 class _Reader:
     """Walks the YAML tree, producing typed values or a ConfigError with the key path."""
 
-    def __init__(self, source: str, environ: dict[str, str] | None) -> None:
+    def __init__(self, source: str, environ: dict[str, str] | None, resolve_conn_id: ConnResolver | None = None) -> None:
         self.source = source
         self.environ = environ
+        self.resolve_conn_id = resolve_conn_id or (lambda conn_id: dsn_from_airflow_conn(conn_id, environ))
 
     def fail(self, path: str, reason: str) -> ConfigError:
         return ConfigError(self.source, path, reason)
@@ -298,21 +334,25 @@ class _Reader:
         except (ValueError, KeyError) as exc:
             raise self.fail(path, str(exc)) from None
 
-    def connection(self, value: dict[str, Any], path: str) -> str | None:
+    def connection(self, value: dict[str, Any], path: str) -> tuple[str | None, str | None]:
+        """``(dsn, conn_id)`` of a ``dsn:`` or ``conn_id:`` entry (the conn_id resolved); ``(None, None)``
+        if it has neither."""
         has_dsn, has_conn = value.get("dsn") is not None, value.get("conn_id") is not None
         if has_dsn and has_conn:
             raise self.fail(path, "give either dsn or conn_id, not both")
         if has_dsn:
-            return self.string(value["dsn"], f"{path}.dsn")
+            return self.string(value["dsn"], f"{path}.dsn"), None
         if has_conn:
             conn_id = self.string(value["conn_id"], f"{path}.conn_id")
             try:
-                return dsn_from_airflow_conn(conn_id, self.environ)
+                return self.resolve_conn_id(conn_id), conn_id
             except KeyError as exc:
                 raise self.fail(f"{path}.conn_id", f"connection {conn_id!r} not found: set {exc.args[0]} or use dsn") from None
+            except LookupError as exc:
+                raise self.fail(f"{path}.conn_id", f"connection {conn_id!r} not found: {exc}") from None
             except json.JSONDecodeError as exc:
                 raise self.fail(f"{path}.conn_id", f"connection {conn_id!r} is not valid JSON: {exc}") from None
-        return None
+        return None, None
 
 
 def _parse_table(r: _Reader, value: Any, path: str) -> TableConfig:
@@ -460,9 +500,11 @@ def _parse_initial_backfill(r: _Reader, value: Any, path: str, tables: tuple[Tab
     return tuple(out)
 
 
-def parse_config(data: Any, source: str = DEFAULT_CONFIG_PATH, environ: dict[str, str] | None = None) -> SequinConfig:
-    """Validate a parsed YAML document and return the typed config."""
-    r = _Reader(source, environ)
+def parse_config(data: Any, source: str = DEFAULT_CONFIG_PATH, environ: dict[str, str] | None = None,
+                 resolve_conn_id: ConnResolver | None = None) -> SequinConfig:
+    """Validate a parsed YAML document and return the typed config; ``conn_id``s are resolved by
+    ``resolve_conn_id`` (default: ``AIRFLOW_CONN_<ID>`` of ``environ``)."""
+    r = _Reader(source, environ, resolve_conn_id)
     top = r.mapping(data, "", {"databases", "store", "sinks", "stream"}, {"databases"})
     raw_dbs = top["databases"]
     if not isinstance(raw_dbs, list) or not raw_dbs:
@@ -471,7 +513,7 @@ def parse_config(data: Any, source: str = DEFAULT_CONFIG_PATH, environ: dict[str
     for i, raw in enumerate(raw_dbs):
         p = f"databases[{i}]"
         item = r.mapping(raw, p, {"name", "dsn", "conn_id", "slot", "publication", "heartbeat_interval"}, {"name"})
-        dsn = r.connection(item, p)
+        dsn, conn_id = r.connection(item, p)
         if dsn is None:
             raise r.fail(p, "needs dsn or conn_id")
         slot = r.mapping(item.get("slot") or {}, f"{p}.slot", {"name", "create_if_not_exists"})
@@ -485,13 +527,15 @@ def parse_config(data: Any, source: str = DEFAULT_CONFIG_PATH, environ: dict[str
                 r.identifier(pub.get("name", "sequin_pub"), f"{p}.publication.name"),
                 r.boolean(pub.get("create_if_not_exists", True), f"{p}.publication.create_if_not_exists")),
             heartbeat_interval=r.duration(item.get("heartbeat_interval", "15s"), f"{p}.heartbeat_interval"),
+            conn_id=conn_id,
         ))
     names = [d.name for d in databases]
     if len(set(names)) != len(names):
         raise r.fail("databases", "database names must be unique")
     store_raw = r.mapping(top.get("store") or {}, "store", {"dsn", "conn_id", "schema"})
-    store = StoreConfig(dsn=r.connection(store_raw, "store"),
-                        schema=r.identifier(store_raw.get("schema", "sequin"), "store.schema"))
+    store_dsn, store_conn_id = r.connection(store_raw, "store")
+    store = StoreConfig(dsn=store_dsn, schema=r.identifier(store_raw.get("schema", "sequin"), "store.schema"),
+                        conn_id=store_conn_id)
     raw_sinks = top.get("sinks") or []
     if not isinstance(raw_sinks, list):
         raise r.fail("sinks", "expected a list")
@@ -517,8 +561,10 @@ def parse_config(data: Any, source: str = DEFAULT_CONFIG_PATH, environ: dict[str
     return SequinConfig(databases=tuple(databases), sinks=sinks, store=store, stream=stream, source=source)
 
 
-def load_config(path: str | os.PathLike[str] | None = None, environ: dict[str, str] | None = None) -> SequinConfig:
-    """Read and validate the config file (``SEQUIN_CONFIG`` or ``./sequin.yaml`` by default)."""
+def load_config(path: str | os.PathLike[str] | None = None, environ: dict[str, str] | None = None,
+                resolve_conn_id: ConnResolver | None = None) -> SequinConfig:
+    """Read and validate the config file (``SEQUIN_CONFIG`` or ``./sequin.yaml`` by default);
+    ``conn_id``s are resolved by ``resolve_conn_id`` (default: ``AIRFLOW_CONN_<ID>`` of ``environ``)."""
     env = os.environ if environ is None else environ
     file = Path(path or env.get("SEQUIN_CONFIG") or DEFAULT_CONFIG_PATH)
     source = str(file)
@@ -532,5 +578,5 @@ def load_config(path: str | os.PathLike[str] | None = None, environ: dict[str, s
         raise ConfigError(source, "", f"malformed YAML at {where}: {getattr(exc, 'problem', exc)}") from None
     if data is None:
         raise ConfigError(source, "", "the file is empty")
-    return parse_config(data, source, environ)
+    return parse_config(data, source, environ, resolve_conn_id)
 

@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from sequin_provider.config import ConfigError, dsn_from_airflow_conn, load_config, parse_config, parse_duration
+from sequin_provider.config import (
+    ConfigError,
+    dsn_from_airflow_conn,
+    dsn_uri,
+    load_config,
+    parse_config,
+    parse_duration,
+)
 
 GOOD = """
 databases:
@@ -53,6 +60,41 @@ def test_env_substitution_and_conn_id(tmp_path: Path) -> None:
     assert load_config(write(tmp_path, text), environ=env).database().dsn == "postgresql://bob:p%40ss@db:6543/shop"
     assert dsn_from_airflow_conn("x", {"AIRFLOW_CONN_X": '{"conn_type": "postgres", "host": "h", "login": "u",'
                                            ' "password": "p w", "port": 5, "schema": "d"}'}) == "postgresql://u:p%20w@h:5/d"
+
+
+
+def test_conn_ids_go_through_the_resolver_given_and_are_recorded(tmp_path: Path) -> None:
+    """Inside Airflow the hook passes a resolver backed by Airflow; the config remembers which
+    connections it named, so the operators can hand them to the Spark apps."""
+    text = GOOD.replace("dsn: ${SRC_DSN:-postgresql://postgres@127.0.0.1:5432/app}", "conn_id: src") + \
+        "store:\n  conn_id: st\n"
+    known = {"src": "host=db port=6543 user=bob password=p@ss:w dbname=shop", "st": "postgresql://s@store/st"}
+    asked: list[str] = []
+
+    def resolve(conn_id: str) -> str:
+        asked.append(conn_id)
+        if conn_id not in known:
+            raise LookupError("Airflow has no such connection")
+        return known[conn_id]
+
+    config = load_config(write(tmp_path, text), environ={}, resolve_conn_id=resolve)
+    assert asked == ["src", "st"]
+    assert (config.database().dsn, config.database().conn_id) == (known["src"], "src")
+    assert (config.store_dsn(), config.store.conn_id) == (known["st"], "st")
+    assert config.connections() == known
+    assert load_config(write(tmp_path, GOOD), environ={}).connections() == {}
+    with pytest.raises(ConfigError, match=r"databases\[0\]\.conn_id: connection 'src' not found: Airflow has no"):
+        load_config(write(tmp_path, text), environ={}, resolve_conn_id=lambda conn_id: resolve("x"))
+
+
+def test_dsn_uri_is_the_airflow_conn_form_and_resolves_back_to_the_same_connection() -> None:
+    from psycopg.conninfo import conninfo_to_dict
+
+    for dsn in ("host=db port=6543 user=bob password='p@ss:/w x' dbname=shop sslmode=require connect_timeout=10",
+                "postgresql://u@h:1/d?application_name=a", "host=/tmp/pg dbname=x"):
+        uri = dsn_uri(dsn)
+        assert uri.startswith("postgresql://")
+        assert conninfo_to_dict(dsn_from_airflow_conn("c", {"AIRFLOW_CONN_C": uri})) == conninfo_to_dict(dsn)
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ from typing import Any, Iterator
 
 import psycopg
 import pytest
+from psycopg.conninfo import conninfo_to_dict
 
 from sequin_provider import store
 from devtools.embedded_postgres import EmbeddedPostgres
@@ -184,10 +185,27 @@ def airflow_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return env
 
 
-def dag_test(airflow_env: dict[str, str], dag_id: str, conf: dict[str, Any], log: Path) -> dict[str, Any]:
-    """Run ``dag.test(run_conf=conf)`` in a fresh interpreter; returns the run's and tasks' states and XComs."""
-    done = subprocess.run([sys.executable, "-c", RUNNER, str(DAGS), dag_id, json.dumps(conf)],
-                          env={**os.environ, **airflow_env}, capture_output=True, text=True, timeout=1200,
+ADD_CONNECTIONS = """
+import json, sys
+from airflow.models.connection import Connection
+from airflow.utils.session import create_session
+
+with create_session() as session:
+    for spec in json.loads(sys.argv[4]):
+        session.query(Connection).filter(Connection.conn_id == spec["conn_id"]).delete()
+        session.add(Connection(**spec))
+"""
+
+
+def dag_test(airflow_env: dict[str, str], dag_id: str, conf: dict[str, Any], log: Path, dags: Path = DAGS,
+             connections: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Run ``dag.test(run_conf=conf)`` of a DAG in ``dags`` in a fresh interpreter, after storing
+    ``connections`` (``Connection`` fields) in the metadata database; returns the run's and tasks'
+    states and XComs."""
+    runner = (ADD_CONNECTIONS if connections else "") + RUNNER
+    done = subprocess.run([sys.executable, "-c", runner, str(dags), dag_id, json.dumps(conf),
+                           json.dumps(connections or [])],
+                          env={**os.environ, **airflow_env, "AIRFLOW__CORE__DAGS_FOLDER": str(dags)}, capture_output=True, text=True, timeout=1200,
                           cwd=str(log.parent))
     log.write_text(done.stdout + done.stderr)
     results = [line for line in done.stdout.splitlines() if line.startswith("DAG-TEST-RESULT ")]
@@ -346,3 +364,140 @@ def test_dag_test_supervisor_that_gives_up_fails_and_alerts(airflow_env: dict[st
     assert (alert["dag_id"], alert["task_id"]) == ("sequin_replication", "supervise_stream")
     assert "giving up after 1 consecutive restarts" in alert["exception"], alert
     assert "sinks[0].filter: invalid SQL" in alert["exception"], alert
+
+
+# -- connections stored in Airflow's metadata database ------------------------------------------------
+
+META_PASSWORD = "pw-Meta-7f3k9q"
+"""The password of the metadata-database connections: it must not reach a log or a command line."""
+
+META_CONFIG = """
+databases:
+  - name: app
+    conn_id: pg_meta_source
+    slot: {{name: {slot}}}
+    publication: {{name: {publication}}}
+    heartbeat_interval: 1s
+store:
+  conn_id: pg_meta_store
+sinks:
+  - {{name: items_sink, tables: [items], destination: {{type: sequin_stream}}}}
+  - {{name: events_sink, tables: [events], destination: {{type: sequin_stream}}}}
+stream:
+  checkpoint_location: {ckpt}
+"""
+
+META_DAG = """
+from datetime import datetime
+
+from airflow.sdk import DAG, task
+from sequin_provider.hooks.sequin import SequinHook
+from sequin_provider.operators.backfill import SequinBackfillOperator
+
+with DAG("sequin_meta_connections", schedule=None, start_date=datetime(2025, 1, 1), catchup=False):
+    @task
+    def hook_check(params=None):
+        hook = SequinHook("sequin_meta")
+        config = hook.load_config()
+        return {"lag_bytes": hook.slot_lag_bytes(params["slot"]), "parked": hook.parked_counts(),
+                "heartbeat_seen": hook.heartbeat_age_seconds("app") is not None,
+                "conn_ids": [config.database("app").conn_id, config.store.conn_id],
+                "same_source": config.database("app").dsn == hook.settings.source_dsn,
+                "same_store": config.store_dsn("app") == hook.settings.store_dsn}
+
+    hook_check()
+    if BACKFILL:
+        SequinBackfillOperator(task_id="backfill", sink="items_sink", table="items", max_query_ms=2000,
+                               sequin_conn_id="sequin_meta", spark_conn_id="spark_meta")
+"""
+
+
+def metadata_connections(dsn: str, config: Path) -> list[dict[str, Any]]:
+    """``sequin_meta`` (naming the Postgres connections of the source and the store, and the config),
+    ``pg_meta_source``/``pg_meta_store`` (role ``meta_user`` with a password) and ``spark_meta``."""
+    parts = conninfo_to_dict(dsn)
+    postgres = {"conn_type": "postgres", "host": parts.get("host"), "port": int(parts.get("port") or 5432),
+                "login": "meta_user", "password": META_PASSWORD, "schema": parts.get("dbname")}
+    return [{"conn_id": "pg_meta_source", **postgres}, {"conn_id": "pg_meta_store", **postgres},
+            {"conn_id": "sequin_meta", "conn_type": "sequin",
+             "extra": json.dumps({"source_conn_id": "pg_meta_source", "store_conn_id": "pg_meta_store",
+                                  "config_path": str(config)})},
+            {"conn_id": "spark_meta", "conn_type": "spark", "host": "local[1]"}]
+
+
+def meta_dag(tmp_path: Path, backfill: bool) -> Path:
+    """A DAG folder with ``sequin_meta_connections`` (the hook check, and the backfill if asked)."""
+    folder = tmp_path / "meta_dags"
+    folder.mkdir()
+    (folder / "meta.py").write_text(META_DAG.replace("BACKFILL", repr(backfill)))
+    return folder
+
+
+def meta_user(dsn: str) -> None:
+    execute(dsn, "DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'meta_user') THEN"
+                 f" CREATE ROLE meta_user LOGIN SUPERUSER PASSWORD '{META_PASSWORD}'; END IF; END $$")
+
+
+def no_airflow_conn_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("AIRFLOW_CONN_"):
+            monkeypatch.delenv(name)
+
+
+def test_the_hook_resolves_connections_stored_in_the_metadata_database(
+        airflow_env: dict[str, str], dsn: str, dbname: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``AIRFLOW_CONN_*`` variable anywhere: the ``sequin`` connection names the Postgres connections
+    of the source and the store, and the config's ``conn_id``s are the same, all in the metadata DB."""
+    no_airflow_conn_env(monkeypatch)
+    meta_user(dsn)
+    slot = f"slot_{dbname}"[:63]
+    execute(dsn, f"SELECT pg_create_logical_replication_slot('{slot}', 'pgoutput')",
+            "CREATE TABLE filler (id serial PRIMARY KEY, body text)",
+            "INSERT INTO filler (body) SELECT repeat('x', 200) FROM generate_series(1, 2000)")
+    try:
+        with psycopg.connect(dsn) as conn:
+            store.migrate(conn, "sequin")
+        config = write_config(tmp_path / "sequin.yaml", META_CONFIG.format(slot=slot, publication="pub_meta",
+                                                                          ckpt=tmp_path / "ckpt"))
+        log = tmp_path / "dag.log"
+        result = dag_test(airflow_env, "sequin_meta_connections", {"slot": slot}, log,
+                          dags=meta_dag(tmp_path, backfill=False), connections=metadata_connections(dsn, config))
+    finally:
+        execute(dsn, f"SELECT pg_drop_replication_slot('{slot}')")
+    assert result["state"] == "success", (result, log.read_text()[-4000:])
+    checked = result["tasks"]["hook_check"]["xcom"]
+    assert checked["lag_bytes"] > 400_000, checked  # the ~0.5 MB written after the slot
+    assert checked["parked"] == {} and checked["heartbeat_seen"] is False
+    assert checked["conn_ids"] == ["pg_meta_source", "pg_meta_store"]
+    assert checked["same_source"] and checked["same_store"], checked
+    assert META_PASSWORD not in log.read_text()
+
+
+def test_a_backfill_with_only_metadata_database_connections_runs_through_spark_submit(
+        airflow_env: dict[str, str], streaming_db: tuple[str, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The config names only ``conn_id``s stored in the metadata DB: the operator resolves them through
+    Airflow and hands them to the submitted app (which has no Airflow) as ``AIRFLOW_CONN_*`` variables of
+    its process; the password reaches neither the task log nor spark-submit's command line."""
+    dsn, _ = streaming_db
+    no_airflow_conn_env(monkeypatch)
+    meta_user(dsn)
+    config = write_config(tmp_path / "sequin.yaml", META_CONFIG.format(slot="slot_dagtest", publication="pub_dagtest",
+                                                                      ckpt=tmp_path / "ckpt"))
+    log = tmp_path / "dag.log"
+    result = dag_test(airflow_env, "sequin_meta_connections", {"slot": "slot_dagtest"}, log,
+                      dags=meta_dag(tmp_path, backfill=True), connections=metadata_connections(dsn, config))
+    text = log.read_text()
+    assert result["state"] == "success", (result, text[-6000:])
+    checked = result["tasks"]["hook_check"]["xcom"]
+    assert checked["heartbeat_seen"] and checked["same_source"] and checked["same_store"], checked
+    final = backfill(dsn, int(result["tasks"]["backfill"]["xcom"]))
+    assert (final.state, final.rows_processed) == ("completed", 3000)
+    reads = [m for m in sink_messages(dsn, "items_sink") if m["action"] == "read"
+             and m["metadata"]["idempotency_key"].startswith(f"backfill:{final.id}:")]
+    assert sorted(m["record"]["id"] for m in reads) == list(range(1, 3001))
+    assert all(m["record"]["name"] == f"item {m['record']['id']}" for m in reads)
+    (command,) = [line for line in text.splitlines() if "Spark-Submit cmd:" in line]
+    assert "backfill.py" in command and "AIRFLOW_CONN" not in command and "meta_user" not in command
+    assert "***" not in command  # not even masked: the DSNs are not on the command line
+    assert META_PASSWORD not in text

@@ -175,6 +175,20 @@ def test_spark_connection_with_local_master_and_client_env(monkeypatch: pytest.M
     assert "PYSPARK_PYTHON" not in (submit_env(SparkTarget("yarn", None), None) or {})
 
 
+def test_the_configs_connections_reach_the_app_as_environment_only_where_the_hook_keeps_them_off_the_command_line(
+        caplog: pytest.LogCaptureFixture) -> None:
+    connections = {"pg_src": "host=db port=5 user=u password=secret-pw dbname=d"}
+    env = submit_env(SparkTarget("local[1]", None), {"AIRFLOW_CONN_OTHER": "x"}, connections)
+    assert env is not None and env["AIRFLOW_CONN_PG_SRC"] == "postgresql://u:secret-pw@db:5/d"
+    assert env["AIRFLOW_CONN_OTHER"] == "x"
+    assert submit_env(SparkTarget("spark://m:7077", None), None, connections)["AIRFLOW_CONN_PG_SRC"]  # type: ignore[index]
+    # YARN and Kubernetes: SparkSubmitHook turns env_vars into --conf on the command line; cluster mode: not here
+    for target in (SparkTarget("yarn", None), SparkTarget("k8s://https://k:443", None),
+                   SparkTarget("spark://m:7077", "cluster")):
+        assert not any(k.startswith("AIRFLOW_CONN_") for k in (submit_env(target, None, connections) or {}))
+    assert "pg_src" in caplog.text and "secret-pw" not in caplog.text
+
+
 # -- SequinBackfillOperator ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, message", [

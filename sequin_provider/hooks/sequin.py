@@ -4,6 +4,10 @@ The ``sequin`` connection holds the *source* database (host, port, login, passwo
 database name) and, in its extras, ``store_dsn`` (a separate store database; default: the source),
 ``store_schema`` (default ``sequin``) and ``config_path`` (the ``sequin.yaml`` the apps run with).
 Other extras that libpq understands (``sslmode``, ``connect_timeout``, ...) are passed through.
+Instead of its own host and of ``store_dsn``, the extras ``source_conn_id`` and ``store_conn_id`` may
+name Postgres connections, resolved through ``PostgresHook``. Every connection id, these and the
+``conn_id``s of ``sequin.yaml`` (``airflow_dsn``), is looked up through Airflow: environment
+variables, secrets backends and the metadata database.
 
 The hook is lazy, like the HTTP and dbt Cloud hooks: constructing it does no I/O (it is built at
 DAG parse time inside operators); the connection is looked up on first use. Every query opens a
@@ -18,12 +22,14 @@ import asyncio
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import psycopg
 from psycopg.conninfo import make_conninfo
 
+from airflow.providers.postgres.hooks.postgres import PostgresHook
 from airflow.sdk import BaseHook
+from airflow.sdk.exceptions import AirflowNotFoundException
 from sequin_provider import backfill as backfill_module
 from sequin_provider import buffer, replication, store
 from sequin_provider.exceptions import StoreUnavailableError
@@ -41,6 +47,39 @@ LIBPQ_EXTRAS = ("sslmode", "sslrootcert", "sslcert", "sslkey", "sslpassword", "c
 """Connection extras handed to libpq as they are; the Sequin extras are not."""
 
 
+REFERENCE_EXTRAS = ("source_conn_id", "store_conn_id")
+"""Extras of a ``sequin`` connection that name other (Postgres) connections."""
+
+
+def postgres_dsn(conn: Connection) -> str:
+    """The libpq DSN of an Airflow connection to Postgres (host, port, login, password, schema = the
+    database; the ``LIBPQ_EXTRAS`` among its extras)."""
+    extras = conn.extra_dejson
+    params: dict[str, Any] = {"host": conn.host or None, "port": conn.port or None, "user": conn.login or None,
+                              "password": conn.password or None, "dbname": conn.schema or None,
+                              "connect_timeout": DEFAULT_CONNECT_TIMEOUT}
+    params.update({name: extras[name] for name in LIBPQ_EXTRAS if extras.get(name) not in ("", None)})
+    return make_conninfo("", **{k: v for k, v in params.items() if v is not None})
+
+
+def airflow_dsn(conn_id: str) -> str:
+    """The DSN of Postgres connection ``conn_id`` as Airflow resolves it (``PostgresHook``: environment,
+    secrets backends, metadata database); ``LookupError`` if Airflow has no such connection. The
+    ``ConnResolver`` the Airflow layer hands to ``load_config``."""
+    try:
+        return postgres_dsn(PostgresHook(postgres_conn_id=conn_id).connection)
+    except AirflowNotFoundException:
+        raise LookupError("Airflow has no such connection (looked up in AIRFLOW_CONN_* variables, the secrets"
+                          " backends and the metadata database)") from None
+
+
+def referenced_conn_ids(conn: Connection) -> list[str]:
+    """The connection ids a ``sequin`` connection's extras name (``source_conn_id``, ``store_conn_id``)."""
+    extras = conn.extra_dejson
+    found = [extras.get(name, extras.get(f"extra__sequin__{name}")) for name in REFERENCE_EXTRAS]
+    return [str(conn_id) for conn_id in found if conn_id not in ("", None)]
+
+
 @dataclass(frozen=True)
 class SequinConnectionSettings:
     """What a ``sequin`` connection resolves to: where the source and the store are."""
@@ -51,20 +90,29 @@ class SequinConnectionSettings:
     config_path: str | None = None
 
     @classmethod
-    def from_connection(cls, conn: Connection) -> SequinConnectionSettings:
-        """Read an Airflow connection (plain extras, or the ``extra__sequin__<name>`` form of old UIs)."""
+    def from_connection(cls, conn: Connection, resolve: Callable[[str], str] = airflow_dsn
+                        ) -> SequinConnectionSettings:
+        """Read an Airflow connection (plain extras, or the ``extra__sequin__<name>`` form of old UIs);
+        ``resolve`` gives the DSN of a connection named by ``source_conn_id``/``store_conn_id``."""
         extras = conn.extra_dejson
 
         def extra(name: str) -> Any:
             value = extras.get(name, extras.get(f"extra__sequin__{name}"))
             return None if value in ("", None) else value
 
-        params: dict[str, Any] = {"host": conn.host or None, "port": conn.port or None, "user": conn.login or None,
-                                  "password": conn.password or None, "dbname": conn.schema or None,
-                                  "connect_timeout": DEFAULT_CONNECT_TIMEOUT}
-        params.update({name: extras[name] for name in LIBPQ_EXTRAS if extras.get(name) not in ("", None)})
-        source_dsn = make_conninfo("", **{k: v for k, v in params.items() if v is not None})
-        return cls(source_dsn=source_dsn, store_dsn=str(extra("store_dsn") or source_dsn),
+        if extra("source_conn_id") is not None:
+            if conn.host:
+                raise ValueError(f"connection {conn.conn_id!r}: give either a host or source_conn_id, not both")
+            source_dsn = resolve(str(extra("source_conn_id")))
+        else:
+            source_dsn = postgres_dsn(conn)
+        if extra("store_conn_id") is not None:
+            if extra("store_dsn") is not None:
+                raise ValueError(f"connection {conn.conn_id!r}: give either store_dsn or store_conn_id, not both")
+            store_dsn = resolve(str(extra("store_conn_id")))
+        else:
+            store_dsn = str(extra("store_dsn") or source_dsn)
+        return cls(source_dsn=source_dsn, store_dsn=store_dsn,
                    store_schema=str(extra("store_schema") or DEFAULT_STORE_SCHEMA),
                    config_path=None if extra("config_path") is None else str(extra("config_path")))
 
@@ -155,7 +203,8 @@ class SequinHook(BaseHook):
         """``settings`` for the event loop (async connection lookup)."""
         if self._settings is None:
             conn = await self.aget_connection(self.sequin_conn_id)
-            self._settings = SequinConnectionSettings.from_connection(conn)
+            named = {conn_id: postgres_dsn(await self.aget_connection(conn_id)) for conn_id in referenced_conn_ids(conn)}
+            self._settings = SequinConnectionSettings.from_connection(conn, named.__getitem__)
         return self._settings
 
     def get_conn(self) -> psycopg.Connection[Any]:
@@ -166,11 +215,12 @@ class SequinHook(BaseHook):
         """A new psycopg connection to the store database (the caller closes it)."""
         return psycopg.connect(self.settings.store_dsn)
 
-    def load_config(self) -> SequinConfig:
-        """The ``sequin.yaml`` named by the ``config_path`` extra (else ``SEQUIN_CONFIG`` / ./sequin.yaml)."""
+    def load_config(self, path: str | None = None) -> SequinConfig:
+        """The ``sequin.yaml`` at ``path``, else the one named by the ``config_path`` extra (else
+        ``SEQUIN_CONFIG`` / ./sequin.yaml), its ``conn_id``s resolved through Airflow (``airflow_dsn``)."""
         from sequin_provider.config import load_config
 
-        return load_config(self.settings.config_path)
+        return load_config(path or self.settings.config_path, resolve_conn_id=airflow_dsn)
 
     def test_connection(self) -> tuple[bool, str]:
         """For the UI's Test button: can we reach the source and the store, and is the store migrated?"""

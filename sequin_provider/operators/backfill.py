@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.sdk import BaseOperator
@@ -198,7 +198,7 @@ class SequinBackfillOperator(BaseOperator):
         if self._placed_elsewhere(config, backfill):
             return self.wait_in_store(backfill)
         try:
-            self._run = self.submit(path, backfill.id)
+            self._run = self.submit(path, backfill.id, config.connections())
         except Exception as exc:
             self._transition("failed", f"the backfill app could not be submitted: {exc}")
             raise
@@ -209,8 +209,10 @@ class SequinBackfillOperator(BaseOperator):
                 self._log_progress()
         return self.after_run(self._run)
 
-    def submit(self, config_path: Path, backfill_id: int) -> SparkSubmitRun:
-        """Start the ``backfill.py`` app for ``backfill_id`` through ``SparkSubmitHook``."""
+    def submit(self, config_path: Path, backfill_id: int, connections: Mapping[str, str] | None = None
+               ) -> SparkSubmitRun:
+        """Start the ``backfill.py`` app for ``backfill_id`` through ``SparkSubmitHook``; ``connections``
+        (``{conn_id: DSN}`` the config names) reach it as ``AIRFLOW_CONN_*`` variables (``submit_env``)."""
         target = resolve_target(self.spark_conn_id)
         args = ["--config", str(config_path), "--backfill-id", str(backfill_id), "--master", target.master]
         for flag, value in (("--ranges", self.ranges), ("--max-page-rows", self.max_page_rows),
@@ -218,7 +220,8 @@ class SequinBackfillOperator(BaseOperator):
             if value is not None:
                 args += [flag, str(value)]
         hook = SparkSubmitHook(conf=self.spark_conf, conn_id=self.spark_conn_id, application_args=args,
-                               env_vars=submit_env(target, self.env_vars), name=f"sequin-backfill-{backfill_id}",
+                               env_vars=submit_env(target, self.env_vars, connections),
+                               name=f"sequin-backfill-{backfill_id}",
                                driver_memory=None if target.is_cluster else self.driver_memory)
         application = self.application or default_application("backfill.py")
         return SparkSubmitRun(hook, application, cwd=str(config_path.parent)).start()

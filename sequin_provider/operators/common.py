@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from psycopg.conninfo import conninfo_to_dict
 
 from sequin_provider.airflow_errors import airflow_errors
-from sequin_provider.config import DEFAULT_CONFIG_PATH, ConfigError, SequinConfig, load_config
+from sequin_provider.config import DEFAULT_CONFIG_PATH, ConfigError, SequinConfig
 
 if TYPE_CHECKING:
     from sequin_provider.hooks.sequin import SequinHook
@@ -28,10 +28,11 @@ def config_file(hook: SequinHook, config_path: str | None) -> Path:
 
 
 def load_sequin_config(hook: SequinHook, config_path: str | None) -> tuple[SequinConfig, Path]:
-    """Load and check the config; a bad file or a schema mismatch fails the task without retries."""
+    """Load and check the config (its ``conn_id``s resolved through Airflow); a bad file or a schema
+    mismatch fails the task without retries."""
     path = config_file(hook, config_path)
     with airflow_errors():
-        config = load_config(path)
+        config = hook.load_config(str(path))
         schema = hook.settings.store_schema
         if schema != config.store.schema:
             raise ConfigError(str(path), "store.schema",

@@ -115,6 +115,7 @@ class SequinReplicationOperator(BaseOperator):
         self._run: SparkSubmitRun | None = None
         self._stop = threading.Event()
         self._lock: StreamLock | None = None
+        self._connections: dict[str, str] = {}  # {conn_id: DSN} the config names, handed to the app
 
     @cached_property
     def hook(self) -> SequinHook:
@@ -129,6 +130,7 @@ class SequinReplicationOperator(BaseOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         """Take the lock, then run, watch and restart the app until stopped or out of restarts."""
         config, path = load_sequin_config(self.hook, self.config_path)
+        self._connections = config.connections()
         with airflow_errors():
             db = config.database(optional_text(self.database))
         warn_if_elsewhere(self.log, "store", self.hook.settings.store_dsn, config.store_dsn(db.name))
@@ -201,7 +203,8 @@ class SequinReplicationOperator(BaseOperator):
         if self.checkpoint:
             args += ["--checkpoint", str(self.checkpoint)]
         hook = SparkSubmitHook(conf=self.spark_conf, conn_id=self.spark_conn_id, application_args=args,
-                               env_vars=submit_env(target, self.env_vars), name=f"sequin-replication-{database}",
+                               env_vars=submit_env(target, self.env_vars, self._connections),
+                               name=f"sequin-replication-{database}",
                                driver_memory=None if target.is_cluster else self.driver_memory)
         application = self.application or default_application("replication_stream.py")
         return SparkSubmitRun(hook, application, cwd=str(config_path.parent)).start()

@@ -12,6 +12,10 @@ Two details of the apps are handled here rather than in every operator: the apps
 ``spark.master`` themselves when not given ``--master`` (overriding spark-submit's), so the
 connection's master is also passed as an application argument; and in client mode Spark's Python
 must be the interpreter that has this package (``PYSPARK_PYTHON``/``PYSPARK_DRIVER_PYTHON``).
+
+The submitted app has no Airflow: the Airflow connections its config names (``conn_id``), which the
+operator resolved through Airflow, reach it as ``AIRFLOW_CONN_<ID>`` variables (URI form) of the
+spark-submit process (``connection_env``), never on its command line or in a log.
 """
 
 from __future__ import annotations
@@ -24,11 +28,12 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import psutil
 
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
+from sequin_provider.config import airflow_conn_env, dsn_uri
 from sequin_provider.spark.app import SUPERVISOR_PID_ENV
 from sequin_provider.spark_apps import app_path
 
@@ -62,6 +67,13 @@ class SparkTarget:
         """Spark runs inside the spark-submit JVM on this machine."""
         return self.master.startswith("local")
 
+    @property
+    def env_on_command_line(self) -> bool:
+        """``SparkSubmitHook`` writes its ``env_vars`` into the command line (``--conf
+        spark.yarn.appMasterEnv.*`` / ``spark.kubernetes.driverEnv.*``), as it does for YARN and
+        Kubernetes masters (its own test: the master URL contains ``yarn`` / ``k8s``)."""
+        return "yarn" in self.master or "k8s" in self.master
+
 
 def resolve_target(conn_id: str) -> SparkTarget:
     """Master and deploy mode as ``SparkSubmitHook`` resolves them (a host of ``local[*]`` in a
@@ -70,10 +82,29 @@ def resolve_target(conn_id: str) -> SparkTarget:
     return SparkTarget(str(probe._connection["master"]), probe._connection.get("deploy_mode"))
 
 
-def submit_env(target: SparkTarget, env_vars: dict[str, Any] | None) -> dict[str, str] | None:
+def connection_env(target: SparkTarget, connections: Mapping[str, str] | None) -> dict[str, str]:
+    """``AIRFLOW_CONN_<ID>`` (URI form) of each ``{conn_id: DSN}``, for the submitted app's
+    environment-variable resolver. Handed only where the driver is spark-submit's child and
+    ``SparkSubmitHook`` gives ``env_vars`` to that process alone (client mode, neither YARN nor
+    Kubernetes); elsewhere they would land on the command line, so none are handed and a warning
+    says that the driver must find them in its own environment."""
+    if not connections:
+        return {}
+    if target.is_cluster or target.env_on_command_line:
+        log.warning("the config names Airflow connections (%s) but with master %s%s they are not handed to the"
+                    " Spark app (spark-submit would carry them on its command line): give its driver the"
+                    " AIRFLOW_CONN_* variables, or use dsn: ${VAR} in the config", ", ".join(sorted(connections)),
+                    target.master, " in cluster deploy mode" if target.is_cluster else "")
+        return {}
+    return {airflow_conn_env(conn_id): dsn_uri(dsn) for conn_id, dsn in connections.items()}
+
+
+def submit_env(target: SparkTarget, env_vars: dict[str, Any] | None,
+               connections: Mapping[str, str] | None = None) -> dict[str, str] | None:
     """spark-submit's environment: in client mode this interpreter runs the driver (and, locally,
-    the executors' workers) and ``spark-submit`` is found next to it; ``env_vars`` override."""
-    env: dict[str, str] = {}
+    the executors' workers) and ``spark-submit`` is found next to it; the config's Airflow
+    ``connections`` (``{conn_id: DSN}``, see ``connection_env``); ``env_vars`` override."""
+    env: dict[str, str] = connection_env(target, connections)
     if not target.is_cluster:
         venv_bin = str(Path(sys.executable).parent)
         env["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"

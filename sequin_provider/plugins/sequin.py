@@ -99,10 +99,11 @@ class LazySequinApp:
 
     def _build(self) -> Any:
         from sequin_provider.config import ConfigError, load_config
+        from sequin_provider.hooks.sequin import airflow_dsn
         from sequin_provider.stream_api import StreamService, create_app
 
-        try:
-            config = load_config(os.environ.get("SEQUIN_CONFIG"))
+        try:  # the config's conn_ids as Airflow resolves them (environment, secrets backends, metadata DB)
+            config = load_config(os.environ.get("SEQUIN_CONFIG"), resolve_conn_id=airflow_dsn)
         except ConfigError as exc:
             broken = FastAPI()
             message = str(exc)
