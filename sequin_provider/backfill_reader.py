@@ -36,7 +36,7 @@ from sequin_provider.message_render import COPY_BINARY_HEADER, COPY_BINARY_TRAIL
 from sequin_provider.delivery import reads_render_in_store
 from sequin_provider.pgoutput import (PgOutputDecoder, Relation, TypeRegistry, lsn_to_int, parse_array_literal,
                                       parse_copy_line)
-from sequin_provider.replication import REPLICATION_SESSION_OPTIONS, _Catalog, emit_message, primary_key_columns
+from sequin_provider.replication import REPLICATION_SESSION_OPTIONS, Catalog, emit_message, primary_key_columns
 from sequin_provider.store import BackfillError, StoreReads
 from sequin_provider.watermarks import HIGH_PREFIX, LOW_PREFIX, Watermark, page_reads, watermark_content
 
@@ -359,7 +359,7 @@ class RangeReader:
     def _read(self, source: psycopg.Connection[Any], store_conn: psycopg.Connection[Any], backfill: store.Backfill,
               rng: store.BackfillRange, result: RangeResult) -> RangeResult:
         shape = table_shape(source, backfill.table_schema, backfill.table_name)
-        catalog = _Catalog(self.database.dsn)
+        catalog = Catalog(self.database.dsn)
         try:
             decoder = PgOutputDecoder(TypeRegistry(catalog.type_info))
             rel = decoder.make_relation(shape.oid, shape.schema, shape.name, "d", list(shape.columns),
