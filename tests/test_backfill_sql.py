@@ -14,8 +14,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from sequin_provider.backfill_reader import PageQuery, staged_page_end, table_shape
-from sequin_provider.backfill_sql import record_sql
+from sequin_provider.backfill.reader import PageQuery, staged_page_end, table_shape
+from sequin_provider.backfill.source_sql import record_sql
 from sequin_provider.pgoutput import PgOutputDecoder, Relation, TypeRegistry
 from sequin_provider.replication import REPLICATION_SESSION_OPTIONS, Catalog
 from tests.conftest import execute

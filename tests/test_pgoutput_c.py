@@ -236,7 +236,7 @@ def copy_page(dsn: str) -> tuple[str, bytes]:
 
 def page_decoders(dsn: str) -> tuple[PgOutputDecoder, PgOutputDecoder, pgoutput.Relation]:
     """A compiled and a reference decoder, and the ``page`` table's relation as backfills make it."""
-    from sequin_provider.backfill_reader import table_shape
+    from sequin_provider.backfill.reader import table_shape
 
     catalog = Catalog(dsn)
     try:

@@ -84,7 +84,7 @@ def stage_backfill_page(conn: psycopg.Connection[Any], schema: str, page_id: int
 
 def stage_backfill_copy(conn: psycopg.Connection[Any], schema: str, page_id: int, data: bytes, rows: int,
                         cursor_after: list[str] | None) -> bool:
-    """``stage_backfill_page`` for a page already in COPY text form (``backfill_reader.PageQuery.staging_sql``)."""
+    """``stage_backfill_page`` for a page already in COPY text form (``backfill.reader.PageQuery.staging_sql``)."""
     s = ident(schema)
     with conn.transaction(), conn.cursor() as cur:
         if not _lock_open_page(cur, schema, page_id):
@@ -241,7 +241,7 @@ READ_MESSAGE_COLUMNS = ("sink", "commit_lsn", "commit_idx", "group_id", "idempot
 
 def read_messages_sql(reads: StoreReads, page_id: int, rows: sql.Composable,
                       extra: sql.Composable | None = None) -> sql.Composed:
-    """``SELECT`` of a page's read messages as ``READ_MESSAGE_COLUMNS`` (``watermarks.read_rows``
+    """``SELECT`` of a page's read messages as ``READ_MESSAGE_COLUMNS`` (``backfill.watermarks.read_rows``
     positions, ``messages.idempotency_key`` keys, ``delivery`` groups, the template's JSON) from
     ``rows``, a relation ``r`` of ``(ordinal from 0, record_pks text[], record JSON text)``, in
     ordinal order; ``extra`` adds a column. Runs in the store, or in the source when the task

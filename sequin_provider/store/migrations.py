@@ -173,7 +173,7 @@ INSERT INTO {schema}.stream_pending (sink, pending)
     SELECT sink, count(*) FROM {schema}.stream_messages WHERE state = 'delivered' GROUP BY sink
     ON CONFLICT (sink) DO NOTHING;
 """),
-    # A page rendered by the source's SQL arrives as COPY bytes (backfill_sql); its last row carries
+    # A page rendered by the source's SQL arrives as COPY bytes (backfill.source_sql); its last row carries
     # the page's order key, the range's next cursor, so the bytes need not be parsed.
     (8, "backfill rows carry the order key of a page's last row", """
 ALTER TABLE {schema}.backfill_rows ADD COLUMN IF NOT EXISTS order_key text[];
