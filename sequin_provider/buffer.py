@@ -28,7 +28,7 @@ from psycopg import sql
 from sequin_provider.backoff import exponential_backoff
 from sequin_provider.config import SequinConfig, SinkConfig
 from sequin_provider.exceptions import DeliveryError
-from sequin_provider.store import _ident
+from sequin_provider.store import ident
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def park(conn: psycopg.Connection[Any], schema: str, rows: Sequence[ParkRow]) ->
             " FROM unnest(%s::text[], %s::bigint[], %s::int[], %s::text[], %s::text[], %s::text[], %s::text[],"
             " %s::int[], %s::text[], %s::float8[], %s::text[])"
             " AS r(sink, lsn, idx, grp, key, data, source, attempts, err, delay, barrier)"
-            " ON CONFLICT DO NOTHING").format(_ident(schema)),
+            " ON CONFLICT DO NOTHING").format(ident(schema)),
             ([r.sink for r in rows], [r.commit_lsn for r in rows], [r.commit_idx for r in rows],
              [r.group_id for r in rows], [r.idempotency_key for r in rows], [r.data for r in rows],
              [r.source for r in rows], [r.attempts for r in rows], [r.error[:4000] for r in rows],
@@ -141,13 +141,13 @@ def parked_heads(conn: psycopg.Connection[Any], schema: str, sink: str,
     if not wanted:
         return {}
     parked = conn.execute(sql.SQL("SELECT DISTINCT group_id FROM {}.buffered_messages WHERE sink = %s"
-                                  " AND state = 'parked' LIMIT %s").format(_ident(schema)),
+                                  " AND state = 'parked' LIMIT %s").format(ident(schema)),
                           (sink, len(wanted) + 1)).fetchall()
     asked = list(wanted) if len(parked) > len(wanted) else [g for (g,) in parked if g in wanted]
     rows = conn.execute(sql.SQL("SELECT DISTINCT ON (group_id) group_id, commit_lsn, commit_idx"
                                 " FROM {}.buffered_messages WHERE sink = %s AND state = 'parked'"
                                 " AND group_id = ANY(%s) ORDER BY group_id, commit_lsn, commit_idx")
-                        .format(_ident(schema)), (sink, asked)).fetchall() if asked else []
+                        .format(ident(schema)), (sink, asked)).fetchall() if asked else []
     conn.commit()
     return {g: (int(lsn), int(idx)) for g, lsn, idx in rows}
 
@@ -158,7 +158,7 @@ def sinks_with_parked(conn: psycopg.Connection[Any], schema: str, sinks: Sequenc
         return set()
     rows = conn.execute(sql.SQL("SELECT s FROM unnest(%s::text[]) s WHERE EXISTS (SELECT 1 FROM"
                                 " {}.buffered_messages b WHERE b.sink = s AND b.state = 'parked')")
-                        .format(_ident(schema)), (list(sinks),)).fetchall()
+                        .format(ident(schema)), (list(sinks),)).fetchall()
     conn.commit()
     return {r[0] for r in rows}
 
@@ -171,13 +171,13 @@ def parked_barriers(conn: psycopg.Connection[Any], schema: str, sink: str,
     one look at a partial index that holds only parked truncates."""
     barred = {r[0] for r in conn.execute(sql.SQL(
         "SELECT DISTINCT barrier FROM {}.buffered_messages WHERE sink = %s AND state = 'parked'"
-        " AND barrier IS NOT NULL").format(_ident(schema)), (sink,)).fetchall()}
+        " AND barrier IS NOT NULL").format(ident(schema)), (sink,)).fetchall()}
     held: set[str] = set()
     wanted = sorted(set(prefixes))
     if wanted:
         held = {r[0] for r in conn.execute(sql.SQL(
             "SELECT p FROM unnest(%s::text[]) p WHERE EXISTS (SELECT 1 FROM {}.buffered_messages b"
-            " WHERE b.sink = %s AND b.state = 'parked' AND starts_with(b.group_id, p))").format(_ident(schema)),
+            " WHERE b.sink = %s AND b.state = 'parked' AND starts_with(b.group_id, p))").format(ident(schema)),
             (wanted, sink)).fetchall()}
     conn.commit()
     return barred, held
@@ -194,7 +194,7 @@ def behind_barrier(conn: psycopg.Connection[Any], schema: str, message: Parked) 
         query = ("SELECT EXISTS (SELECT 1 FROM {}.buffered_messages WHERE sink = %s AND state = 'parked'"
                  " AND barrier IS NOT NULL AND (commit_lsn, commit_idx) < (%s, %s) AND starts_with(%s, barrier))")
         params = (message.sink, message.commit_lsn, message.commit_idx, message.group_id)
-    row = conn.execute(sql.SQL(query).format(_ident(schema)), params).fetchone()
+    row = conn.execute(sql.SQL(query).format(ident(schema)), params).fetchone()
     conn.commit()
     return bool(row and row[0])
 
@@ -206,7 +206,7 @@ def due_groups(conn: psycopg.Connection[Any], schema: str, sink: str, limit: int
             SELECT DISTINCT ON (group_id) group_id, commit_lsn, commit_idx, next_attempt_at
             FROM {}.buffered_messages WHERE sink = %s AND state = 'parked'
             ORDER BY group_id, commit_lsn, commit_idx) heads
-        WHERE next_attempt_at <= now() ORDER BY commit_lsn, commit_idx LIMIT %s""").format(_ident(schema)),
+        WHERE next_attempt_at <= now() ORDER BY commit_lsn, commit_idx LIMIT %s""").format(ident(schema)),
         (sink, limit)).fetchall()
     conn.commit()
     return [r[0] for r in rows]
@@ -215,7 +215,7 @@ def due_groups(conn: psycopg.Connection[Any], schema: str, sink: str, limit: int
 def group_messages(conn: psycopg.Connection[Any], schema: str, sink: str, group: str) -> list[Parked]:
     """A group's parked messages in position order."""
     rows = conn.execute(sql.SQL(f"SELECT {COLUMNS} FROM {{}}.buffered_messages WHERE sink = %s AND group_id = %s"
-                                " AND state = 'parked' ORDER BY commit_lsn, commit_idx").format(_ident(schema)),
+                                " AND state = 'parked' ORDER BY commit_lsn, commit_idx").format(ident(schema)),
                         (sink, group)).fetchall()
     conn.commit()
     return [Parked(*r) for r in rows]
@@ -225,7 +225,7 @@ def remove(conn: psycopg.Connection[Any], schema: str, message: Parked) -> None:
     """Forget a message that has now been delivered."""
     with conn.transaction():
         conn.execute(sql.SQL("DELETE FROM {}.buffered_messages WHERE sink = %s AND commit_lsn = %s AND commit_idx = %s")
-                     .format(_ident(schema)), (message.sink, message.commit_lsn, message.commit_idx))
+                     .format(ident(schema)), (message.sink, message.commit_lsn, message.commit_idx))
 
 
 def record_failure(conn: psycopg.Connection[Any], schema: str, message: Parked, error: str, discard: bool,
@@ -236,7 +236,7 @@ def record_failure(conn: psycopg.Connection[Any], schema: str, message: Parked, 
             "UPDATE {}.buffered_messages SET attempts = attempts + 1, last_error = %s, updated_at = now(),"
             " state = CASE WHEN %s THEN 'discarded' ELSE state END,"
             " next_attempt_at = now() + %s * interval '1 second'"
-            " WHERE sink = %s AND commit_lsn = %s AND commit_idx = %s").format(_ident(schema)),
+            " WHERE sink = %s AND commit_lsn = %s AND commit_idx = %s").format(ident(schema)),
             (error[:4000], discard, delay, message.sink, message.commit_lsn, message.commit_idx))
 
 
@@ -252,7 +252,7 @@ def list_messages(conn: psycopg.Connection[Any], schema: str, sink: str | None =
         where.append(sql.SQL("state = %s"))
         params.append(state)
     rows = conn.execute(sql.SQL("SELECT " + COLUMNS + " FROM {} WHERE {} ORDER BY sink, commit_lsn, commit_idx").format(
-        sql.SQL("{}.buffered_messages").format(_ident(schema)), sql.SQL(" AND ").join(where)), params).fetchall()
+        sql.SQL("{}.buffered_messages").format(ident(schema)), sql.SQL(" AND ").join(where)), params).fetchall()
     return [Parked(*r) for r in rows]
 
 
@@ -260,7 +260,7 @@ def buffer_counts(conn: psycopg.Connection[Any], schema: str) -> dict[str, dict[
     """{sink: {"parked": n, "discarded": n}}."""
     out: dict[str, dict[str, int]] = {}
     for sink, state, n in conn.execute(sql.SQL("SELECT sink, state, count(*) FROM {}.buffered_messages"
-                                               " GROUP BY sink, state").format(_ident(schema))).fetchall():
+                                               " GROUP BY sink, state").format(ident(schema))).fetchall():
         out.setdefault(sink, {"parked": 0, "discarded": 0})[state] = int(n)
     return out
 
@@ -276,7 +276,7 @@ def set_state(conn: psycopg.Connection[Any], schema: str, sink: str, to_state: s
             " next_attempt_at = CASE WHEN %s = 'parked' THEN now() ELSE next_attempt_at END,"
             " last_error = CASE WHEN %s = 'discarded' THEN coalesce(last_error, '') || ' (discarded by hand)'"
             " ELSE last_error END"
-            " WHERE sink = %s AND state = %s AND (%s::text IS NULL OR group_id = %s)").format(_ident(schema)),
+            " WHERE sink = %s AND state = %s AND (%s::text IS NULL OR group_id = %s)").format(ident(schema)),
             (to_state, to_state, to_state, to_state, sink, from_state, group, group))
     return cur.rowcount
 
@@ -406,7 +406,7 @@ def retry_sink(config: SequinConfig, sink: SinkConfig, deliver: Deliver,
                     progressed = report.delivered + report.discarded > before
                     groups = [g for g in due_groups(guard, schema, sink.name) if g in held] if held and progressed else []
             counted = guard.execute(sql.SQL("SELECT count(*) FROM {}.buffered_messages WHERE sink = %s"
-                                            " AND state = 'parked'").format(_ident(schema)), (sink.name,)).fetchone()
+                                            " AND state = 'parked'").format(ident(schema)), (sink.name,)).fetchone()
             report.still_parked = int(counted[0]) if counted else 0
         finally:
             guard.execute("SELECT pg_advisory_unlock(hashtext('sequin-retry:' || %s || ':' || %s))",

@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 from sequin_provider.config import SinkConfig
 from sequin_provider.delivery import message_kind, selected_actions
 from sequin_provider.messages import json_text, idempotency_key, metadata_head, metadata_tail
-from sequin_provider.pgoutput import COMPILED, _pgoutput_c
+from sequin_provider.pgoutput import COMPILED, hot_path
 
 if TYPE_CHECKING:
     from sequin_provider.store import StoreReads
@@ -228,7 +228,7 @@ def copy_binary_rows(fields: Sequence[bytes | pa.Array], compiled: bool = COMPIL
     if not n:
         return pa.py_buffer(b"")
     if compiled:
-        if _pgoutput_c is None:
+        if hot_path is None:
             raise RuntimeError("the compiled hot path (sequin_provider._pgoutput_c) is not built")
         specs: list[tuple] = []
         for a in arrays:
@@ -239,7 +239,7 @@ def copy_binary_rows(fields: Sequence[bytes | pa.Array], compiled: bool = COMPIL
             else:
                 buffers = a.buffers()
                 specs.append((3, buffers[1], buffers[2] or b"", a.offset))
-        return pa.py_buffer(_pgoutput_c.copy_binary_rows(n, specs))
+        return pa.py_buffer(hot_path.copy_binary_rows(n, specs))
     parts = [a if isinstance(a, bytes) else _fixed(a, ">i8", 8) if pa.types.is_int64(a.type)
              else _fixed(a, ">i4", 4) if pa.types.is_int32(a.type) else _length_prefixed(a) for a in arrays]
     tuples = pc.binary_join_element_wise(*parts, b"")

@@ -84,13 +84,14 @@ def as_bool(text: str) -> str:
     return "true" if text == "t" else "false"
 
 
-_NON_FINITE = {"NaN": '"NaN"', "Infinity": '"Infinity"', "-Infinity": '"-Infinity"',
-               "inf": '"Infinity"', "-inf": '"-Infinity"', "nan": '"NaN"'}
+NON_FINITE = {"NaN": '"NaN"', "Infinity": '"Infinity"', "-Infinity": '"-Infinity"',
+              "inf": '"Infinity"', "-inf": '"-Infinity"', "nan": '"NaN"'}
+"""Non-finite numeric/float texts -> their JSON (a string: JSON has no such numbers)."""
 
 
 def as_number(text: str) -> str:
     """numeric/float text -> JSON number, keeping every digit; non-finite values as strings."""
-    special = _NON_FINITE.get(text)
+    special = NON_FINITE.get(text)
     return special if special is not None else text
 
 
@@ -487,13 +488,15 @@ def _offsets(parts: list[bytes]) -> bytes:
 
 
 try:  # built by `pip install` from _pgoutput_c.c (optional: without a compiler the references run)
-    from sequin_provider import _pgoutput_c
+    from sequin_provider import _pgoutput_c as hot_path
 except ImportError:  # pragma: no cover - depends on the build
-    _pgoutput_c = None  # type: ignore[assignment]
+    hot_path = None  # type: ignore[assignment]
 else:
-    _pgoutput_c.configure(UNCHANGED_TOAST, DecodeError)
+    hot_path.configure(UNCHANGED_TOAST, DecodeError)
+"""The compiled hot path (the extension ``sequin_provider._pgoutput_c``, configured with this
+module's ``UNCHANGED_TOAST`` and ``DecodeError``), None when it is not built."""
 
-COMPILED = _pgoutput_c is not None
+COMPILED = hot_path is not None
 """Whether the compiled decoder hot path is available (``PgOutputDecoder`` uses it by default)."""
 
 
@@ -512,10 +515,10 @@ class PgOutputDecoder:
                  compiled: bool = COMPILED) -> None:
         if compiled and not COMPILED:
             raise RuntimeError("the compiled pgoutput decoder (sequin_provider._pgoutput_c) is not built")
-        self._parse_tuple = _pgoutput_c.parse_tuple if compiled else parse_tuple
-        self._render_record = _pgoutput_c.render if compiled else render_record
-        self._render_tuple = _pgoutput_c.render_tuple if compiled else render_tuple
-        self._render_copy = _pgoutput_c.render_copy if compiled else render_copy
+        self._parse_tuple = hot_path.parse_tuple if compiled else parse_tuple
+        self._render_record = hot_path.render if compiled else render_record
+        self._render_tuple = hot_path.render_tuple if compiled else render_tuple
+        self._render_copy = hot_path.render_copy if compiled else render_copy
         self.compiled = compiled
         self.types = types
         self._primary_key = primary_key

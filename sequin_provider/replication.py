@@ -275,7 +275,7 @@ def emit_message(conn: psycopg.Connection[Any], prefix: str, content: str) -> No
 # Reading
 
 
-class _Catalog:
+class Catalog:
     """Type and primary-key lookups over a normal connection, for the decoder."""
 
     def __init__(self, dsn: str) -> None:
@@ -381,7 +381,7 @@ class ChangeReader:
         self.chunk_bytes = max(1, chunk_bytes)
         self.position: Position | None = None  # the position after the last rows handed out
         self._stream_conn: ReplicationStream | None = None
-        self._catalog: _Catalog | None = None
+        self._catalog: Catalog | None = None
         self._heartbeat_conn: psycopg.Connection[Any] | None = None
         self._version = 0
         self._thread: threading.Thread | None = None
@@ -415,7 +415,7 @@ class ChangeReader:
 
     def _open(self, position: Position, attempts: int) -> None:
         self.close()
-        self._catalog = _Catalog(self.dsn)
+        self._catalog = Catalog(self.dsn)
         self._version = server_version(self._catalog.conn)
         decoder = PgOutputDecoder(TypeRegistry(self._catalog.type_info), self._catalog.primary_key)
         options = {"proto_version": "1", "publication_names": self.publication}

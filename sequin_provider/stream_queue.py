@@ -27,7 +27,7 @@ import psycopg
 from psycopg import sql
 
 from sequin_provider.exceptions import SequinError
-from sequin_provider.store import READS_RELEASED, _ident, durable_commit
+from sequin_provider.store import READS_RELEASED, durable_commit, ident
 
 TOKEN_PREFIX = "sqn_"
 
@@ -150,7 +150,7 @@ def receive(conn: psycopg.Connection[Any], schema: str, sink: str, batch_size: i
     in its own transaction; when it reads full, it is recounted (at most every ``RECOUNT_SECONDS``)
     so a counter gone wrong behind our back (a manual DELETE) cannot stall the sink.
     """
-    s = _ident(schema)
+    s = ident(schema)
     ready = sql.SQL("(m.not_visible_until IS NULL OR m.not_visible_until <= now())"
                     " AND (NOT %(only_redeliveries)s OR m.deliver_count > 0) AND {}").format(sql.SQL(READS_RELEASED).format(s=s))
     query = sql.SQL(_RECEIVE).format(s=s, ready=ready)
@@ -189,7 +189,7 @@ def _recount_pending(conn: psycopg.Connection[Any], schema: str, sink: str, coun
         "UPDATE {0}.stream_pending SET pending = (SELECT count(*) FROM {0}.stream_messages"
         " WHERE sink = %(sink)s AND state = 'delivered'), checked_at = now()"
         " WHERE sink = %(sink)s AND checked_at < now() - %(every)s * interval '1 second'"
-        " RETURNING pending").format(_ident(schema)), {"sink": sink, "every": RECOUNT_SECONDS}).fetchone()
+        " RETURNING pending").format(ident(schema)), {"sink": sink, "every": RECOUNT_SECONDS}).fetchone()
     return int(row[0]) if row else counted
 
 
@@ -200,7 +200,7 @@ def _settle(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequ
     pending counter in the same transaction; ``then`` adds CTEs on ``settled``; ``durable``: the
     commit is durable when it returns, whatever the server's ``synchronous_commit``."""
     lsns, idxs, nonces = _parsed(ack_ids)
-    s = _ident(schema)
+    s = ident(schema)
     with conn.transaction():
         if durable:
             durable_commit(conn)
@@ -237,7 +237,7 @@ def ack(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequence
     acked ledger until the slot has passed it (``store.prune_acked``), so a micro-batch replayed
     after a crash of the stream app skips it; and the ack is durable when it returns (a crash of
     the store does not undo an ack its consumer was told of)."""
-    s = _ident(schema)
+    s = ident(schema)
     return _settle(conn, schema, sink, ack_ids, sql.SQL("DELETE FROM {}.stream_messages m USING").format(s) + _MATCH,
                    sql.SQL(_LEDGER).format(s=s), durable=True)
 
@@ -246,7 +246,7 @@ def nack(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequenc
     """Make the messages delivered with ``ack_ids`` visible again at once (their ack ids expire)."""
     return _settle(conn, schema, sink, ack_ids, sql.SQL(
         "UPDATE {}.stream_messages m SET ack_nonce = NULL, state = 'available', not_visible_until = NULL FROM").format(
-        _ident(schema)) + _MATCH)
+        ident(schema)) + _MATCH)
 
 
 def release(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequence[str | uuid.UUID]) -> int:
@@ -255,7 +255,7 @@ def release(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequ
     again since, with another ack id, is left alone)."""
     return _settle(conn, schema, sink, ack_ids, sql.SQL(
         "UPDATE {}.stream_messages m SET ack_nonce = NULL, state = 'available', not_visible_until = NULL,"
-        " deliver_count = greatest(m.deliver_count - 1, 0) FROM").format(_ident(schema)) + _MATCH)
+        " deliver_count = greatest(m.deliver_count - 1, 0) FROM").format(ident(schema)) + _MATCH)
 
 
 def stream_counts(conn: psycopg.Connection[Any], schema: str, sink: str) -> dict[str, int]:
@@ -263,7 +263,7 @@ def stream_counts(conn: psycopg.Connection[Any], schema: str, sink: str) -> dict
     row = conn.execute(sql.SQL(
         "SELECT count(*), count(*) FILTER (WHERE commit_lsn <= coalesce((SELECT visible_lsn FROM {0}.stream_visibility"
         " WHERE sink = %s), -1)), count(*) FILTER (WHERE not_visible_until > now())"
-        " FROM {0}.stream_messages WHERE sink = %s").format(_ident(schema)), (sink, sink)).fetchone()
+        " FROM {0}.stream_messages WHERE sink = %s").format(ident(schema)), (sink, sink)).fetchone()
     total, visible, outstanding = row if row else (0, 0, 0)
     return {"total": int(total), "visible": int(visible), "outstanding": int(outstanding)}
 
@@ -291,7 +291,7 @@ def create_token(conn: psycopg.Connection[Any], schema: str, name: str) -> str:
         row = conn.execute(sql.SQL(
             "INSERT INTO {0}.api_tokens (name, token_hash) VALUES (%s, %s) ON CONFLICT (name) DO UPDATE"
             " SET token_hash = EXCLUDED.token_hash, created_at = now(), revoked_at = NULL"
-            " WHERE {0}.api_tokens.revoked_at IS NOT NULL RETURNING name").format(_ident(schema)),
+            " WHERE {0}.api_tokens.revoked_at IS NOT NULL RETURNING name").format(ident(schema)),
             (name, hash_token(token))).fetchone()
     if row is None:
         raise TokenError(f"a token named {name!r} exists; revoke it first or pick another name")
@@ -302,7 +302,7 @@ def revoke_token(conn: psycopg.Connection[Any], schema: str, name: str) -> None:
     """Revoke a token: requests carrying it are refused from now on (403)."""
     with conn.transaction():
         cur = conn.execute(sql.SQL("UPDATE {}.api_tokens SET revoked_at = now() WHERE name = %s"
-                                   " AND revoked_at IS NULL").format(_ident(schema)), (name,))
+                                   " AND revoked_at IS NULL").format(ident(schema)), (name,))
     if cur.rowcount == 0:
         raise TokenError(f"no active token named {name!r}")
 
@@ -310,13 +310,13 @@ def revoke_token(conn: psycopg.Connection[Any], schema: str, name: str) -> None:
 def list_tokens(conn: psycopg.Connection[Any], schema: str) -> list[tuple[str, datetime, datetime | None]]:
     """(name, created_at, revoked_at) of every token."""
     return [tuple(r) for r in conn.execute(sql.SQL(  # type: ignore[misc]
-        "SELECT name, created_at, revoked_at FROM {}.api_tokens ORDER BY name").format(_ident(schema))).fetchall()]
+        "SELECT name, created_at, revoked_at FROM {}.api_tokens ORDER BY name").format(ident(schema))).fetchall()]
 
 
 def token_status(conn: psycopg.Connection[Any], schema: str, token: str) -> str:
     """``active``, ``revoked`` or ``unknown``."""
     row = conn.execute(sql.SQL("SELECT revoked_at IS NULL FROM {}.api_tokens WHERE token_hash = %s").format(
-        _ident(schema)), (hash_token(token),)).fetchone()
+        ident(schema)), (hash_token(token),)).fetchone()
     if row is None:
         return "unknown"
     return "active" if row[0] else "revoked"

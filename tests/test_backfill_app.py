@@ -24,7 +24,7 @@ import pytest
 
 from sequin_provider import store
 from sequin_provider.backfill import create_backfill
-from sequin_provider.backfill_reader import DEFAULT_PAGES_IN_FLIGHT
+from sequin_provider.backfill.reader import DEFAULT_PAGES_IN_FLIGHT
 from sequin_provider.config import load_config
 from devtools.embedded_postgres import EmbeddedPostgres
 from sequin_provider.store import Backfill
@@ -582,11 +582,11 @@ def test_reads_the_task_writes_equal_the_pipelines_byte_for_byte(kind: str, dsn:
 
     import pyarrow as pa
 
-    from sequin_provider.backfill_reader import copy_out
+    from sequin_provider.backfill.reader import copy_out
     from sequin_provider.message_render import COPY_BINARY_HEADER, COPY_BINARY_TRAILER, read_rows_copy_binary
     from sequin_provider.messages import CHANGE_SCHEMA_DDL, json_text
     from sequin_provider.spark.pipeline import StreamWriter, project_batch
-    from sequin_provider.watermarks import page_reads, read_rows
+    from sequin_provider.backfill.watermarks import page_reads, read_rows
 
     staged = [([k, str(n)], json.dumps({"k": k, "n": n, "amount": 1.50, "nested": {"a": [1, None]}}, ensure_ascii=n % 2 == 0)
                .replace("1.5,", "1.50,")) for n, k in enumerate(TRICKY_KEYS)]
@@ -653,7 +653,7 @@ def test_reads_the_task_writes_equal_the_pipelines_byte_for_byte(kind: str, dsn:
 
 def tricky_reads(sink: Any, backfill_id: int, lsn: int) -> Any:
     """The ``StoreReads`` of a page of ``tricky`` read at position ``lsn``."""
-    from sequin_provider.watermarks import page_reads
+    from sequin_provider.backfill.watermarks import page_reads
 
     return page_reads(sink, "app", backfill_id, "public", "tricky", "2026-11-22T08:00:00.000000Z", lsn)
 

@@ -7,7 +7,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from sequin_provider.backfill_reader import copy_out, read_page, staged_page_end, without_order_key
+from sequin_provider.backfill.reader import copy_out, read_page, staged_page_end, without_order_key
 
 
 def test_a_page_budget_cancels_the_page_query_and_only_it(dsn: str) -> None:

@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 from sequin_provider import store
-from sequin_provider.backfill_reader import DEFAULT_PAGES_IN_FLIGHT
+from sequin_provider.backfill.reader import DEFAULT_PAGES_IN_FLIGHT
 from devtools.embedded_postgres import EmbeddedPostgres
 from devtools.stream_process import BackfillServerProcess
 from tests.conftest import StreamApp, execute, sink_messages, wait_for, write_config

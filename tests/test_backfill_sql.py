@@ -14,10 +14,10 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from sequin_provider.backfill_reader import PageQuery, staged_page_end, table_shape
-from sequin_provider.backfill_sql import record_sql
+from sequin_provider.backfill.reader import PageQuery, staged_page_end, table_shape
+from sequin_provider.backfill.source_sql import record_sql
 from sequin_provider.pgoutput import PgOutputDecoder, Relation, TypeRegistry
-from sequin_provider.replication import REPLICATION_SESSION_OPTIONS, _Catalog
+from sequin_provider.replication import REPLICATION_SESSION_OPTIONS, Catalog
 from tests.conftest import execute
 from tests.test_pgoutput import capture
 from tests.type_matrix import TYPE_MATRIX
@@ -56,7 +56,7 @@ def relation(dsn: str, table: str) -> tuple[Relation, Any]:
     """The decoder's relation of ``table`` (as a backfill makes it) and its shape."""
     with psycopg.connect(dsn) as conn:
         shape = table_shape(conn, "public", table)
-    catalog = _Catalog(dsn)
+    catalog = Catalog(dsn)
     try:
         decoder = PgOutputDecoder(TypeRegistry(catalog.type_info))
         rel = decoder.make_relation(shape.oid, shape.schema, shape.name, "d", list(shape.columns),

@@ -23,7 +23,7 @@ from sequin_provider.pgoutput import (
 )
 from sequin_provider.replication import (
     REPLICATION_SESSION_OPTIONS,
-    _Catalog,
+    Catalog,
     create_slot,
     ensure_publication,
 )
@@ -102,7 +102,7 @@ def test_the_compiled_hot_path_is_built() -> None:
 
 def test_both_implementations_decode_every_payload_identically(corpus: tuple[str, list[bytes]]) -> None:
     dsn, payloads = corpus
-    catalog = _Catalog(dsn)
+    catalog = Catalog(dsn)
     try:
         compiled = PgOutputDecoder(TypeRegistry(catalog.type_info), catalog.primary_key, compiled=True)
         reference = PgOutputDecoder(TypeRegistry(catalog.type_info), catalog.primary_key, compiled=False)
@@ -123,7 +123,7 @@ def test_both_implementations_decode_every_payload_identically(corpus: tuple[str
 
 def test_hostile_payloads_fail_alike(corpus: tuple[str, list[bytes]]) -> None:
     dsn, payloads = corpus
-    catalog = _Catalog(dsn)
+    catalog = Catalog(dsn)
     rng = random.Random(7)
     try:
         compiled = PgOutputDecoder(TypeRegistry(catalog.type_info), catalog.primary_key, compiled=True)
@@ -236,9 +236,9 @@ def copy_page(dsn: str) -> tuple[str, bytes]:
 
 def page_decoders(dsn: str) -> tuple[PgOutputDecoder, PgOutputDecoder, pgoutput.Relation]:
     """A compiled and a reference decoder, and the ``page`` table's relation as backfills make it."""
-    from sequin_provider.backfill_reader import table_shape
+    from sequin_provider.backfill.reader import table_shape
 
-    catalog = _Catalog(dsn)
+    catalog = Catalog(dsn)
     try:
         with psycopg.connect(dsn) as conn:
             shape = table_shape(conn, "public", "page")

@@ -2,7 +2,7 @@
 
 The driver starts (or resumes) the backfill, splits the key space once (the ranges and their
 cursors are kept in the store, so a restarted backfill continues where each range stopped), runs
-the ranges as Spark tasks (``backfill_reader.RangeReader``), logs a progress line every few
+the ranges as Spark tasks (``backfill.reader.RangeReader``), logs a progress line every few
 seconds, and records the outcome: completed, failed with the error, or left cancelled.
 
 The same app can stay up as a backfill server (``serve_backfills``): it runs each backfill of its
@@ -32,7 +32,7 @@ from sequin_provider.backfill import (
     run_lock,
     server_lock,
 )
-from sequin_provider.backfill_reader import (
+from sequin_provider.backfill.reader import (
     DEFAULT_MAX_PAGE_ROWS,
     DEFAULT_WINDOW_TIMEOUT,
     BackfillStopped,
@@ -308,7 +308,7 @@ def _serve_round(spark: Any, config_path: str, config: SequinConfig, databases: 
 
 
 def _import_range_reader(partition: Iterator[int]) -> Iterator[int]:
-    import sequin_provider.backfill_reader  # noqa: F401 - what a range task imports first
+    import sequin_provider.backfill.reader  # noqa: F401 - what a range task imports first
 
     yield sum(1 for _ in partition)
 

@@ -43,7 +43,7 @@ from sequin_provider.replication import CHUNK_BYTES, CHUNK_ROWS, ChangeReader, P
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
 from sequin_provider.spark.worker_heap import freeze_long_lived
 from sequin_provider import store
-from sequin_provider.watermarks import (
+from sequin_provider.backfill.watermarks import (
     HIGH_PREFIX,
     WindowTracker,
     holdable,

@@ -3,7 +3,7 @@
 This module holds the parts of a backfill that need neither Spark nor Airflow:
 ``PageSizeOptimizer``, which picks the next keyset page size from how long recent pages took,
 ``plan_backfill``/``create_backfill``, which validate a request and record it, and
-``progress_line``. Reading pages is ``backfill_reader``; the Spark app is ``spark.backfill_app``.
+``progress_line``. Reading pages is ``backfill.reader``; the Spark app is ``spark.backfill_app``.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from typing import Sequence
 from psycopg import sql
 
 from sequin_provider.pgoutput import (
-    _NON_FINITE,
+    NON_FINITE,
     Converter,
     Relation,
     as_bool,
@@ -69,7 +69,7 @@ def value_sql(column: sql.Composable, type_oid: int, converter: Converter) -> sq
         return sql.SQL("CASE WHEN {} THEN 'true' ELSE 'false' END").format(column)
     if converter is as_number:
         specials = sql.SQL(" ").join(sql.SQL("WHEN {} THEN {}").format(sql.Literal(k), sql.Literal(v))
-                                     for k, v in _NON_FINITE.items())
+                                     for k, v in NON_FINITE.items())
         return sql.SQL("CASE {0} {1} ELSE {0} END").format(text, specials)
     if converter is as_timestamp:
         return sql.SQL("CASE WHEN {} THEN '\"' || {} || '\"' ELSE to_json({})::text END").format(finite, iso, text)

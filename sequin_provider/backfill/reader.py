@@ -12,7 +12,7 @@ whose key changed. A few pages are in flight at once. Rows are rendered to recor
 pgoutput decoder's own converters, so a read looks exactly like a change of the same row: for a plain
 Sequin Stream sink, in this task from the page's plain COPY text (the compiled ``render_copy``, then
 ``message_render.read_rows_copy_binary``), so the source only reads; otherwise by the source's SQL
-(``backfill_sql``), or in Python for tables with a column it does not render. Plain Python (no
+(``backfill.source_sql``), or in Python for tables with a column it does not render. Plain Python (no
 Spark): the Spark app runs one ``RangeReader`` per task.
 """
 
@@ -29,16 +29,16 @@ import pyarrow as pa
 from psycopg import sql
 
 from sequin_provider import store
-from sequin_provider.backfill import PageSizeOptimizer
-from sequin_provider.backfill_sql import record_sql, text_array_sql
+from sequin_provider.backfill.control import PageSizeOptimizer
+from sequin_provider.backfill.source_sql import record_sql, text_array_sql
 from sequin_provider.config import SequinConfig, SinkConfig
 from sequin_provider.message_render import COPY_BINARY_HEADER, COPY_BINARY_TRAILER, read_rows_copy_binary
 from sequin_provider.delivery import reads_render_in_store
 from sequin_provider.pgoutput import (PgOutputDecoder, Relation, TypeRegistry, lsn_to_int, parse_array_literal,
                                       parse_copy_line)
-from sequin_provider.replication import REPLICATION_SESSION_OPTIONS, _Catalog, emit_message, primary_key_columns
+from sequin_provider.replication import REPLICATION_SESSION_OPTIONS, Catalog, emit_message, primary_key_columns
 from sequin_provider.store import BackfillError, StoreReads
-from sequin_provider.watermarks import HIGH_PREFIX, LOW_PREFIX, Watermark, page_reads, watermark_content
+from sequin_provider.backfill.watermarks import HIGH_PREFIX, LOW_PREFIX, Watermark, page_reads, watermark_content
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class PageQuery:
 
     def staging_sql(self, cursor: Sequence[str] | None, limit: int, page_id: int, record: sql.Composable) -> sql.Composed:
         """The same page as ``COPY TO STDOUT`` lines of ``backfill_rows (page_id, ordinal, record_pks, record,
-        order_key)``: ``record`` renders each row (``backfill_sql.record_sql``); the last row carries its
+        order_key)``: ``record`` renders each row (``source_sql.record_sql``); the last row carries its
         order key (the page's next cursor)."""
         return sql.SQL("COPY ({}) TO STDOUT").format(self._staging_select(cursor, limit, page_id, record))
 
@@ -359,7 +359,7 @@ class RangeReader:
     def _read(self, source: psycopg.Connection[Any], store_conn: psycopg.Connection[Any], backfill: store.Backfill,
               rng: store.BackfillRange, result: RangeResult) -> RangeResult:
         shape = table_shape(source, backfill.table_schema, backfill.table_name)
-        catalog = _Catalog(self.database.dsn)
+        catalog = Catalog(self.database.dsn)
         try:
             decoder = PgOutputDecoder(TypeRegistry(catalog.type_info))
             rel = decoder.make_relation(shape.oid, shape.schema, shape.name, "d", list(shape.columns),
@@ -436,7 +436,7 @@ class RangeReader:
         at the end of the range), or None to read it again (it timed out). With ``read_sink`` the
         page's reads are written for that sink now, hidden until the window closes: ``in_task``,
         rendered here from the page's plain COPY text (``rendered_reads``). Otherwise, with ``record``
-        (``backfill_sql.record_sql``) the source renders the rows and they are staged as bytes;
+        (``source_sql.record_sql``) the source renders the rows and they are staged as bytes;
         without it the decoder renders them in Python."""
         size = optimizer.size
         page_id = store.open_backfill_page(store_conn, self.schema, self.backfill_id, self.range_idx)
