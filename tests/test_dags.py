@@ -217,14 +217,19 @@ class DagRunner:
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def run(self, dag_id: str, conf: dict[str, Any], log: Path, timeout: float = 1200.0) -> dict[str, Any]:
-        """``dag.test(run_conf=conf)`` with this process's environment, in ``log``'s folder; returns the
-        run's and tasks' states and XComs."""
+    def start(self) -> DagRunner:
+        """Start the interpreter unless it runs (it imports Airflow, then waits for runs)."""
         if self.proc is None or self.proc.poll() is not None:
             with open(self.log, "ab") as own_log:
                 self.proc = subprocess.Popen([sys.executable, "-c", RUNNER], env={**os.environ, **self.airflow_env},
                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=own_log)
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+        return self
+
+    def run(self, dag_id: str, conf: dict[str, Any], log: Path, timeout: float = 1200.0) -> dict[str, Any]:
+        """``dag.test(run_conf=conf)`` with this process's environment, in ``log``'s folder; returns the
+        run's and tasks' states and XComs."""
+        self.start()
+        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
         request = {"dags": str(DAGS), "dag_id": dag_id, "conf": conf, "log": str(log), "cwd": str(log.parent),
                    "env": {**os.environ, **self.airflow_env}}
         self.proc.stdin.write(json.dumps(request).encode() + b"\n")
@@ -249,8 +254,8 @@ class DagRunner:
 
 @pytest.fixture(scope="module")
 def dag_runner(airflow_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[DagRunner]:
-    """The module's ``DagRunner``."""
-    runner = DagRunner(airflow_env, tmp_path_factory.mktemp("dag_runner") / "runner.log")
+    """The module's ``DagRunner``, started now: it imports Airflow while the stream app starts."""
+    runner = DagRunner(airflow_env, tmp_path_factory.mktemp("dag_runner") / "runner.log").start()
     yield runner
     runner.stop()
 
