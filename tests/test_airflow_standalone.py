@@ -54,11 +54,12 @@ def deployment(pg: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory) -
     airflow = AirflowStandalone(home, airflow_env(home, dsn, config, port=port, database="app",
                                                   slot="slot_standalone"), port=port, log_path=tmp / "airflow.log")
     try:
+        airflow.start()  # both start at once: neither waits for the other until a backfill runs
         app.wait_streaming(dsn)
         with psycopg.connect(dsn) as conn:
             token = stream_queue.create_token(conn, "sequin", "standalone-test")
             conn.commit()
-        airflow.start().wait_ready()
+        airflow.wait_ready()
         yield Deployment(dsn, token, airflow)
     finally:
         airflow.stop()

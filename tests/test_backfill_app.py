@@ -1,7 +1,8 @@
 """Backfills end to end: real Postgres, the stream app (a subprocess), the backfill Spark app in local mode.
 
 The backfill app runs in this test process (one SparkSession for the module); the stream app
-that places the reads at the high watermarks runs as in production, as its own process.
+that places the reads at the high watermarks runs as in production, as its own process: one for
+the module, each test with its own tables and sinks (the test that kills it starts it again).
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ SCHEMA = [
     "INSERT INTO tagged SELECT g, ARRAY['t' || g, NULL, 'a,b'] FROM generate_series(1, 1500) g",
     "CREATE TABLE adapt (id int PRIMARY KEY, pad text)",
     "INSERT INTO adapt SELECT g, repeat('x', 100) FROM generate_series(1, 60000) g",
+    "CREATE TABLE killed (id bigint PRIMARY KEY, name text NOT NULL, n numeric)",
+    "INSERT INTO killed SELECT g, 'row ' || g, g FROM generate_series(1, 150000) g",
+    "CREATE TABLE resumed (id bigint PRIMARY KEY, name text NOT NULL)",
+    "INSERT INTO resumed SELECT g, 'row ' || g FROM generate_series(1, 120000) g",
     "ANALYZE",
 ]
 
@@ -67,6 +72,8 @@ sinks:
   - {{name: nothing_sink, tables: [nothing], destination: {{type: sequin_stream}}}}
   - {{name: tagged_sink, tables: [tagged], destination: {{type: sequin_stream}}}}
   - {{name: adapt_sink, tables: [adapt], destination: {{type: sequin_stream}}}}
+  - {{name: killed_sink, tables: [killed], destination: {{type: sequin_stream}}}}
+  - {{name: resumed_sink, tables: [resumed], destination: {{type: sequin_stream}}}}
 stream:
   checkpoint_location: {checkpoint}
 """
@@ -301,48 +308,29 @@ def _stale_pages(dsn: str, backfill_id: int) -> list[int]:
 
 
 def test_stream_app_killed_mid_backfill_then_restarted_completes_with_nothing_missing(
-        pg: EmbeddedPostgres, tmp_path: Path, spark: Any) -> None:
-    db = "backfill_kill"
-    dsn = pg.create_database(db)
-    execute(dsn, "CREATE TABLE big (id bigint PRIMARY KEY, name text NOT NULL, n numeric)",
-            "INSERT INTO big SELECT g, 'row ' || g, g FROM generate_series(1, 150000) g", "ANALYZE big")
-    config = write_config(tmp_path / "sequin.yaml", """
-        databases:
-          - name: app
-            dsn: {dsn}
-            slot: {{name: slot_{db}}}
-            publication: {{name: pub_{db}}}
-            heartbeat_interval: 1s
-        sinks:
-          - {{name: big_sink, tables: [big], destination: {{type: sequin_stream}}}}
-        stream:
-          checkpoint_location: {ckpt}
-        """.format(dsn=dsn, db=db, ckpt=tmp_path / "ckpt"))
-    app = StreamApp(config, tmp_path / "app.log").start()
-    try:
-        app.wait_streaming(dsn)
-    except BaseException:
-        app.stop()  # never leave an app running behind a failed test
-        raise
-    created = backfill(dsn, config, "big_sink", "big")
+        app_db: tuple[str, StreamApp, Path], spark: Any) -> None:
+    """SIGKILL the module's stream app twice while pages are in flight (it is started again each time)."""
+    dsn, app, config = app_db
+    created = backfill(dsn, config, "killed_sink", "killed")
     result: dict[str, Backfill] = {}
     runner = threading.Thread(target=lambda: result.update(final=run(spark, config, created.id, max_page_rows=10_000)))
     runner.start()
     seen = 0
     try:
         for _ in range(2):  # kill it twice while pages are in flight
-            wait_for(lambda at_least=seen + 5_000: count_messages(dsn, "big_sink") > at_least, 240,
+            wait_for(lambda at_least=seen + 5_000: count_messages(dsn, "killed_sink") > at_least, 240,
                      what="backfill progress")
             app.kill()
             time.sleep(1.0)
             app.start()
             app.wait_streaming(dsn)
-            seen = count_messages(dsn, "big_sink")
+            seen = count_messages(dsn, "killed_sink")
         runner.join(timeout=600)
     finally:
-        app.stop()
+        if app.proc is None:  # killed and not started again: the module's next tests need it
+            app.start()
     assert result["final"].state == "completed", result["final"].error
-    ids = [m["record"]["id"] for m in reads_of(dsn, "big_sink")]
+    ids = [m["record"]["id"] for m in reads_of(dsn, "killed_sink")]
     assert set(ids) == set(range(1, 150_001))  # nothing missing
     # a page re-read after the restart may repeat rows emitted before it (at least once): same idempotency key
     with psycopg.connect(dsn) as conn:
@@ -352,57 +340,38 @@ def test_stream_app_killed_mid_backfill_then_restarted_completes_with_nothing_mi
 
 
 def test_backfill_app_killed_mid_run_resumes_from_its_cursors_with_nothing_missing(
-        pg: EmbeddedPostgres, tmp_path: Path) -> None:
+        app_db: tuple[str, StreamApp, Path], tmp_path: Path) -> None:
     """SIGKILL the backfill app itself (driver and JVM) mid-run; ``sequin backfill run ID`` finishes it."""
-    db = "backfill_resume"
-    dsn = pg.create_database(db)
-    execute(dsn, "CREATE TABLE big (id bigint PRIMARY KEY, name text NOT NULL)",
-            "INSERT INTO big SELECT g, 'row ' || g FROM generate_series(1, 120000) g", "ANALYZE big")
-    config = write_config(tmp_path / "sequin.yaml", """
-        databases:
-          - name: app
-            dsn: {dsn}
-            slot: {{name: slot_{db}}}
-            publication: {{name: pub_{db}}}
-            heartbeat_interval: 1s
-        sinks:
-          - {{name: big_sink, tables: [big], destination: {{type: sequin_stream}}}}
-        stream:
-          checkpoint_location: {ckpt}
-        """.format(dsn=dsn, db=db, ckpt=tmp_path / "ckpt"))
-    app = StreamApp(config, tmp_path / "app.log").start()
-    try:
-        app.wait_streaming(dsn)
-        created = backfill(dsn, config, "big_sink", "big")
-        root = Path(__file__).resolve().parent.parent
-        with open(tmp_path / "backfill1.log", "wb") as log_file:
-            first = subprocess.Popen([sys.executable, str(root / "spark_apps" / "backfill.py"), "--config", str(config),
-                                      "--backfill-id", str(created.id), "--master", "local[2]", "--ranges", "2",
-                                      "--max-page-rows", "5000"],
-                                     stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                # both ranges' cursors moved (counting messages is not enough: a page's reads are in the
-                # stream table, hidden, before its window closes and its range's cursor moves)
-                wait_for(lambda: ranges_moved(dsn, created.id) or first.poll() is not None, 300,
-                         what="backfill progress before the kill")
-                assert first.poll() is None, (tmp_path / "backfill1.log").read_text()[-3000:]
-            finally:
-                os.killpg(first.pid, signal.SIGKILL)  # the driver and its JVM, mid-page
-                first.wait(timeout=60)
-        with psycopg.connect(dsn) as conn:
-            killed = store.get_backfill(conn, "sequin", created.id)
-            cursors = [r.cursor for r in store.backfill_ranges(conn, "sequin", created.id)]
-        assert killed.state == "running" and 0 < killed.rows_emitted < 120_000
-        assert all(c is not None for c in cursors)  # both ranges had made progress to resume from
-        resumed = subprocess.run([sys.executable, "-m", "sequin_provider.cli", "--config", str(config), "backfill",
-                                  "run", str(created.id)], capture_output=True, text=True, timeout=600)
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
-    finally:
-        app.stop()
+    dsn, app, config = app_db
+    created = backfill(dsn, config, "resumed_sink", "resumed")
+    root = Path(__file__).resolve().parent.parent
+    with open(tmp_path / "backfill1.log", "wb") as log_file:
+        first = subprocess.Popen([sys.executable, str(root / "spark_apps" / "backfill.py"), "--config", str(config),
+                                  "--backfill-id", str(created.id), "--master", "local[2]", "--ranges", "2",
+                                  "--max-page-rows", "5000"],
+                                 stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            # both ranges' cursors moved (counting messages is not enough: a page's reads are in the
+            # stream table, hidden, before its window closes and its range's cursor moves)
+            wait_for(lambda: ranges_moved(dsn, created.id) or first.poll() is not None, 300,
+                     what="backfill progress before the kill")
+            assert first.poll() is None, (tmp_path / "backfill1.log").read_text()[-3000:]
+        finally:
+            os.killpg(first.pid, signal.SIGKILL)  # the driver and its JVM, mid-page
+            first.wait(timeout=60)
+    with psycopg.connect(dsn) as conn:
+        killed = store.get_backfill(conn, "sequin", created.id)
+        cursors = [r.cursor for r in store.backfill_ranges(conn, "sequin", created.id)]
+    assert killed.state == "running" and 0 < killed.rows_emitted < 120_000
+    assert all(c is not None for c in cursors)  # both ranges had made progress to resume from
+    resumed = subprocess.run([sys.executable, "-m", "sequin_provider.cli", "--config", str(config), "backfill",
+                              "run", str(created.id)], capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    app.check_alive()
     with psycopg.connect(dsn) as conn:
         final = store.get_backfill(conn, "sequin", created.id)
     assert final.state == "completed", final.error
-    ids = [m["record"]["id"] for m in reads_of(dsn, "big_sink")]
+    ids = [m["record"]["id"] for m in reads_of(dsn, "resumed_sink")]
     assert set(ids) == set(range(1, 120_001))  # nothing missing
     # resumed from the cursors, not from the start: at most the pages in flight at the kill are read again
     # (2 ranges, each with up to DEFAULT_PAGES_IN_FLIGHT pages of at most 5,000 rows)

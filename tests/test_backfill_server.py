@@ -51,8 +51,10 @@ def cli(config: Path, *args: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def served(pg: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, Path]]:
-    """A database with the tables above and a running stream app (no server yet)."""
+def served(pg: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, Path, StreamApp]]:
+    """A database with the tables above and the stream app, past provisioning (store, publication, slot)
+    but maybe still starting Spark (no server yet): each test starts its server meanwhile, then waits
+    for both."""
     db = "backfill_server"
     dsn = pg.create_database(db)
     execute(dsn, *SCHEMA)
@@ -60,8 +62,11 @@ def served(pg: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory) -> It
     config = write_config(tmp / "sequin.yaml", CONFIG.format(dsn=dsn, db=db, checkpoint=tmp / "ckpt"))
     app = StreamApp(config, tmp / "app.log").start()
     try:
-        app.wait_streaming(dsn)
-        yield dsn, config, tmp
+        def provisioned() -> bool:
+            app.check_alive()
+            return "created replication slot" in app.log_tail(1_000_000)  # logged once provisioning is done
+        wait_for(provisioned, 180, what="the stream app to provision the database")
+        yield dsn, config, tmp, app
     finally:
         app.stop()
 
@@ -76,8 +81,8 @@ def final_state(dsn: str, backfill_id: int) -> store.Backfill:
 
 
 def test_server_runs_each_backfill_as_it_is_recorded_and_refuses_a_second_server(
-        served: tuple[str, Path, Path]) -> None:
-    dsn, config, tmp = served
+        served: tuple[str, Path, Path, StreamApp]) -> None:
+    dsn, config, tmp, app = served
     # recorded while no server is up, then its table dropped: the server cannot start it
     doomed = backfill(dsn, config, "gone_sink", "gone")
     execute(dsn, "DROP TABLE gone")
@@ -85,6 +90,7 @@ def test_server_runs_each_backfill_as_it_is_recorded_and_refuses_a_second_server
         retired = store.create_backfill(conn, "sequin", "retired_sink", "public", "orders")
     server = BackfillServerProcess(config, tmp / "server.log", "--master", "local[2]").start()
     try:
+        app.wait_streaming(dsn)
         server.wait_up()
         wait_for(lambda: final_state(dsn, doomed.id).state == "failed", 120, what="the doomed backfill marked failed")
         assert "gone" in (final_state(dsn, doomed.id).error or "")
@@ -119,13 +125,14 @@ def test_server_runs_each_backfill_as_it_is_recorded_and_refuses_a_second_server
 
 
 def test_a_backfill_whose_server_is_killed_is_finished_by_the_cli_that_followed_it(
-        served: tuple[str, Path, Path]) -> None:
+        served: tuple[str, Path, Path, StreamApp]) -> None:
     """SIGKILL the server mid-backfill: the `sequin backfill start` that followed it runs the rest itself,
     resuming from the ranges' cursors, and nothing is missing."""
-    dsn, config, tmp = served
+    dsn, config, tmp, app = served
     server = BackfillServerProcess(config, tmp / "server-killed.log", "--master", "local[2]", "--max-page-rows",
                                    str(PAGE_ROWS)).start()  # small pages: a run long enough to kill it in
     try:
+        app.wait_streaming(dsn)
         server.wait_up()
         with open(tmp / "start.log", "wb") as out:
             start = subprocess.Popen(cli(config, "backfill", "start", "big_sink", "big", "--ranges", "2",

@@ -3,9 +3,12 @@
 
 ``dag.test()`` needs a migrated metadata database and reads Airflow's configuration when Airflow
 is first imported; this test process has long imported it with the default ``AIRFLOW_HOME``. So
-``dag.test()`` runs in a fresh interpreter with ``AIRFLOW_HOME`` (and a SQLite metadata database
+``dag.test()`` runs in another interpreter with ``AIRFLOW_HOME`` (and a SQLite metadata database
 migrated once per session) in a temporary folder; the connections reach it as
-``AIRFLOW_CONN_*`` environment variables, set with ``monkeypatch``.
+``AIRFLOW_CONN_*`` environment variables, set with ``monkeypatch``. One such interpreter runs the
+module's DAG runs one after another (importing Airflow and starting ``dag.test()``'s in-process
+API cost about 15 s each time): each run gets the test's environment and working folder, parses
+the DAGs again, and writes its output to the test's log.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import socket
 import subprocess
 import sys
@@ -38,21 +42,47 @@ DAGS = ROOT / "dags"
 DAG_IDS = {"sequin_backfill", "sequin_replay", "sequin_replication", "sequin_monitoring", "sequin_buffer_retry"}
 
 RUNNER = """
-import json, sys
+import json, os, sys, traceback
 from airflow.dag_processing.dagbag import DagBag
+from airflow.models.connection import Connection
 from airflow.models.xcom import XComModel
 from airflow.utils.session import create_session
 
-bag = DagBag(dag_folder=sys.argv[1])
-assert not bag.import_errors, bag.import_errors
-run = bag.dags[sys.argv[2]].test(run_conf=json.loads(sys.argv[3]))
-tasks = {}
-with create_session() as session:
-    for ti in run.get_task_instances(session=session):
-        xcom = session.query(XComModel.value).filter_by(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id,
-                                                        key="return_value").scalar()
-        tasks[ti.task_id] = {"state": str(ti.state), "xcom": xcom}
-print("DAG-TEST-RESULT " + json.dumps({"state": str(run.state), "tasks": tasks}, default=str))
+replies = os.fdopen(os.dup(1), "w", buffering=1)  # stdout is each run's log: answers go here
+idle = os.dup(2)  # this runner's own log, between runs
+os.dup2(idle, 1)
+for line in sys.stdin:
+    request = json.loads(line)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    with open(request["log"], "ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    try:
+        if request["connections"]:
+            with create_session() as session:
+                for spec in request["connections"]:
+                    session.query(Connection).filter(Connection.conn_id == spec["conn_id"]).delete()
+                    session.add(Connection(**spec))
+        bag = DagBag(dag_folder=request["dags"])
+        assert not bag.import_errors, bag.import_errors
+        run = bag.dags[request["dag_id"]].test(run_conf=request["conf"])
+        tasks = {}
+        with create_session() as session:
+            for ti in run.get_task_instances(session=session):
+                xcom = session.query(XComModel.value).filter_by(dag_id=ti.dag_id, run_id=ti.run_id,
+                                                                task_id=ti.task_id, key="return_value").scalar()
+                tasks[ti.task_id] = {"state": str(ti.state), "xcom": xcom}
+        result = {"state": str(run.state), "tasks": tasks}
+    except BaseException as exc:
+        traceback.print_exc()
+        result = {"error": repr(exc)}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(idle, 1)
+    os.dup2(idle, 2)
+    replies.write("DAG-TEST-RESULT " + json.dumps(result, default=str) + "\\n")
 """
 
 
@@ -185,32 +215,65 @@ def airflow_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return env
 
 
-ADD_CONNECTIONS = """
-import json, sys
-from airflow.models.connection import Connection
-from airflow.utils.session import create_session
+class DagRunner:
+    """The interpreter that runs the module's ``dag.test()`` runs (``RUNNER``), started when first needed
+    and again after a run that did not answer; its own output goes to ``log``."""
 
-with create_session() as session:
-    for spec in json.loads(sys.argv[4]):
-        session.query(Connection).filter(Connection.conn_id == spec["conn_id"]).delete()
-        session.add(Connection(**spec))
-"""
+    def __init__(self, airflow_env: dict[str, str], log: Path) -> None:
+        self.airflow_env = airflow_env
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> DagRunner:
+        """Start the interpreter unless it runs (it imports Airflow, then waits for runs)."""
+        if self.proc is None or self.proc.poll() is not None:
+            with open(self.log, "ab") as own_log:
+                self.proc = subprocess.Popen([sys.executable, "-c", RUNNER], env={**os.environ, **self.airflow_env},
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=own_log)
+        return self
+
+    def run(self, dag_id: str, conf: dict[str, Any], log: Path, dags: Path = DAGS,
+            connections: list[dict[str, Any]] | None = None, timeout: float = 1200.0) -> dict[str, Any]:
+        """``dag.test(run_conf=conf)`` of a DAG in ``dags`` with this process's environment, in ``log``'s
+        folder, after storing ``connections`` (``Connection`` fields) in the metadata database; returns
+        the run's and tasks' states and XComs."""
+        self.start()
+        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
+        request = {"dags": str(dags), "dag_id": dag_id, "conf": conf, "log": str(log), "cwd": str(log.parent),
+                   "connections": connections or [],
+                   "env": {**os.environ, **self.airflow_env, "AIRFLOW__CORE__DAGS_FOLDER": str(dags)}}
+        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        answer = self.proc.stdout.readline().decode() if ready else ""
+        if not answer.startswith("DAG-TEST-RESULT "):
+            self.stop()
+            tail = log.read_text(errors="replace")[-6000:] if log.exists() else ""
+            raise AssertionError(f"dag.test gave no result (log {log}, runner log {self.log}):\n{tail}")
+        result: dict[str, Any] = json.loads(answer.split(" ", 1)[1])
+        assert "error" not in result, f"dag.test failed (log {log}): {result['error']}\n" + log.read_text()[-6000:]
+        return result
+
+    def stop(self) -> None:
+        """End the interpreter."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
 
 
-def dag_test(airflow_env: dict[str, str], dag_id: str, conf: dict[str, Any], log: Path, dags: Path = DAGS,
+@pytest.fixture(scope="module")
+def dag_runner(airflow_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[DagRunner]:
+    """The module's ``DagRunner``, started now: it imports Airflow while the stream app starts."""
+    runner = DagRunner(airflow_env, tmp_path_factory.mktemp("dag_runner") / "runner.log").start()
+    yield runner
+    runner.stop()
+
+
+def dag_test(runner: DagRunner, dag_id: str, conf: dict[str, Any], log: Path, dags: Path = DAGS,
              connections: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Run ``dag.test(run_conf=conf)`` of a DAG in ``dags`` in a fresh interpreter, after storing
-    ``connections`` (``Connection`` fields) in the metadata database; returns the run's and tasks'
-    states and XComs."""
-    runner = (ADD_CONNECTIONS if connections else "") + RUNNER
-    done = subprocess.run([sys.executable, "-c", runner, str(dags), dag_id, json.dumps(conf),
-                           json.dumps(connections or [])],
-                          env={**os.environ, **airflow_env, "AIRFLOW__CORE__DAGS_FOLDER": str(dags)}, capture_output=True, text=True, timeout=1200,
-                          cwd=str(log.parent))
-    log.write_text(done.stdout + done.stderr)
-    results = [line for line in done.stdout.splitlines() if line.startswith("DAG-TEST-RESULT ")]
-    assert done.returncode == 0 and results, f"dag.test failed (log {log}):\n{(done.stdout + done.stderr)[-6000:]}"
-    return json.loads(results[-1].split(" ", 1)[1])  # type: ignore[no-any-return]
+    """Run ``dag.test(run_conf=conf)`` (``DagRunner.run``); returns the run's and tasks' states and XComs."""
+    return runner.run(dag_id, conf, log, dags, connections)
 
 
 CONFIG = """
@@ -260,10 +323,10 @@ def backfill(dsn: str, backfill_id: int) -> store.Backfill:
         return store.get_backfill(conn, "sequin", backfill_id)
 
 
-def test_dag_test_full_backfill_delivers_every_row_as_a_read(airflow_env: dict[str, str],
+def test_dag_test_full_backfill_delivers_every_row_as_a_read(dag_runner: DagRunner,
                                                              connections: tuple[str, Path], tmp_path: Path) -> None:
     dsn, _ = connections
-    result = dag_test(airflow_env, "sequin_backfill", {"sink": "items_sink", "table": "items"}, tmp_path / "dag.log")
+    result = dag_test(dag_runner, "sequin_backfill", {"sink": "items_sink", "table": "items"}, tmp_path / "dag.log")
     assert result["state"] == "success", result
     task = result["tasks"]["backfill"]
     assert task["state"] == "success"
@@ -277,12 +340,12 @@ def test_dag_test_full_backfill_delivers_every_row_as_a_read(airflow_env: dict[s
     assert reads[0]["metadata"]["idempotency_key"].startswith(f"backfill:{final.id}:")
 
 
-def test_dag_test_partial_backfill_from_the_form(airflow_env: dict[str, str], connections: tuple[str, Path],
+def test_dag_test_partial_backfill_from_the_form(dag_runner: DagRunner, connections: tuple[str, Path],
                                                  tmp_path: Path) -> None:
     dsn, _ = connections
     conf = {"sink": "events_sink", "table": "public.events", "kind": "partial", "sort_column": "at",
             "start_position": "2025-01-08 00:00:00+00", "max_query_ms": 2000}
-    result = dag_test(airflow_env, "sequin_backfill", conf, tmp_path / "dag.log")
+    result = dag_test(dag_runner, "sequin_backfill", conf, tmp_path / "dag.log")
     assert result["state"] == "success", result
     final = backfill(dsn, int(result["tasks"]["backfill"]["xcom"]))
     assert (final.state, final.kind, final.sort_column, final.max_query_ms) == ("completed", "partial", "at", 2000)
@@ -290,20 +353,20 @@ def test_dag_test_partial_backfill_from_the_form(airflow_env: dict[str, str], co
     assert [m["record"]["id"] for m in reads] == list(range(168, 201))  # 2025-01-08 00:00 is id 168, in order
 
 
-def test_dag_test_bad_input_fails_the_run_and_records_nothing(airflow_env: dict[str, str],
+def test_dag_test_bad_input_fails_the_run_and_records_nothing(dag_runner: DagRunner,
                                                              connections: tuple[str, Path], tmp_path: Path) -> None:
     dsn, _ = connections
     with psycopg.connect(dsn) as conn:
         before = len(store.list_backfills(conn, "sequin"))
     log = tmp_path / "dag.log"
-    result = dag_test(airflow_env, "sequin_backfill", {"sink": "nope", "table": "items"}, log)
+    result = dag_test(dag_runner, "sequin_backfill", {"sink": "nope", "table": "items"}, log)
     assert result["state"] == "failed" and result["tasks"]["backfill"]["state"] == "failed"
     assert "unknown sink 'nope' (configured sinks: items_sink, events_sink)" in log.read_text()
     with psycopg.connect(dsn) as conn:
         assert len(store.list_backfills(conn, "sequin")) == before
 
 
-def test_dag_test_monitoring_alerts_on_a_lagging_slot_and_only_then(airflow_env: dict[str, str],
+def test_dag_test_monitoring_alerts_on_a_lagging_slot_and_only_then(dag_runner: DagRunner,
                                                                     connections: tuple[str, Path], tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A slot nobody reads falls behind: ``slot_lag`` fails and its alert reaches the webhook; the
@@ -318,14 +381,14 @@ def test_dag_test_monitoring_alerts_on_a_lagging_slot_and_only_then(airflow_env:
     try:
         with Webhook() as hook:
             monkeypatch.setenv("SEQUIN_ALERT_WEBHOOK_URL", f"{hook.url}/alerts")
-            healthy = dag_test(airflow_env, "sequin_monitoring",
+            healthy = dag_test(dag_runner, "sequin_monitoring",
                                {**checks, "slot": "slot_dagtest", "max_lag_bytes": 64 << 20}, tmp_path / "ok.log")
             assert healthy["state"] == "success", healthy
             assert {t: v["state"] for t, v in healthy["tasks"].items()} == {
                 "slot_lag": "success", "stream_heartbeat": "success", "parked_messages": "success"}
             assert hook.received == []  # healthy: nobody is paged
 
-            lagging = dag_test(airflow_env, "sequin_monitoring",
+            lagging = dag_test(dag_runner, "sequin_monitoring",
                                {**checks, "slot": "lagging_slot", "max_lag_bytes": 100_000}, tmp_path / "lag.log")
             alerts = list(hook.received)
     finally:
@@ -339,7 +402,7 @@ def test_dag_test_monitoring_alerts_on_a_lagging_slot_and_only_then(airflow_env:
     assert "lagging_slot" in alert["message"] and "100000" in alert["message"], alert
 
 
-def test_dag_test_supervisor_that_gives_up_fails_and_alerts(airflow_env: dict[str, str], dsn: str, dbname: str,
+def test_dag_test_supervisor_that_gives_up_fails_and_alerts(dag_runner: DagRunner, dsn: str, dbname: str,
                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A stream app that cannot start: the supervisor gives up after its bounded restarts, the task
     fails and ``sequin_replication``'s failure alert is posted."""
@@ -356,7 +419,7 @@ def test_dag_test_supervisor_that_gives_up_fails_and_alerts(airflow_env: dict[st
     monkeypatch.setenv("SEQUIN_SUPERVISOR_RETRIES", "0")
     with Webhook() as hook:
         monkeypatch.setenv("SEQUIN_ALERT_WEBHOOK_URL", f"{hook.url}/pager")
-        result = dag_test(airflow_env, "sequin_replication", {}, tmp_path / "dag.log")
+        result = dag_test(dag_runner, "sequin_replication", {}, tmp_path / "dag.log")
         alerts = list(hook.received)
     assert result["state"] == "failed" and result["tasks"]["supervise_stream"]["state"] == "failed", result
     assert [a["json"]["title"] for a in alerts] == ["Sequin stream app down"]
@@ -445,7 +508,7 @@ def no_airflow_conn_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_hook_resolves_connections_stored_in_the_metadata_database(
-        airflow_env: dict[str, str], dsn: str, dbname: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        dag_runner: DagRunner, dsn: str, dbname: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No ``AIRFLOW_CONN_*`` variable anywhere: the ``sequin`` connection names the Postgres connections
     of the source and the store, and the config's ``conn_id``s are the same, all in the metadata DB."""
     no_airflow_conn_env(monkeypatch)
@@ -460,7 +523,7 @@ def test_the_hook_resolves_connections_stored_in_the_metadata_database(
         config = write_config(tmp_path / "sequin.yaml", META_CONFIG.format(slot=slot, publication="pub_meta",
                                                                           ckpt=tmp_path / "ckpt"))
         log = tmp_path / "dag.log"
-        result = dag_test(airflow_env, "sequin_meta_connections", {"slot": slot}, log,
+        result = dag_test(dag_runner, "sequin_meta_connections", {"slot": slot}, log,
                           dags=meta_dag(tmp_path, backfill=False), connections=metadata_connections(dsn, config))
     finally:
         execute(dsn, f"SELECT pg_drop_replication_slot('{slot}')")
@@ -474,7 +537,7 @@ def test_the_hook_resolves_connections_stored_in_the_metadata_database(
 
 
 def test_a_backfill_with_only_metadata_database_connections_runs_through_spark_submit(
-        airflow_env: dict[str, str], streaming_db: tuple[str, Path], tmp_path: Path,
+        dag_runner: DagRunner, streaming_db: tuple[str, Path], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The config names only ``conn_id``s stored in the metadata DB: the operator resolves them through
     Airflow and hands them to the submitted app (which has no Airflow) as ``AIRFLOW_CONN_*`` variables of
@@ -485,7 +548,7 @@ def test_a_backfill_with_only_metadata_database_connections_runs_through_spark_s
     config = write_config(tmp_path / "sequin.yaml", META_CONFIG.format(slot="slot_dagtest", publication="pub_dagtest",
                                                                       ckpt=tmp_path / "ckpt"))
     log = tmp_path / "dag.log"
-    result = dag_test(airflow_env, "sequin_meta_connections", {"slot": "slot_dagtest"}, log,
+    result = dag_test(dag_runner, "sequin_meta_connections", {"slot": "slot_dagtest"}, log,
                       dags=meta_dag(tmp_path, backfill=True), connections=metadata_connections(dsn, config))
     text = log.read_text()
     assert result["state"] == "success", (result, text[-6000:])

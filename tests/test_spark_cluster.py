@@ -54,11 +54,18 @@ class SparkCluster:
         return response.json() if response.is_success else None  # type: ignore[no-any-return]
 
     def start(self) -> SparkCluster:
+        """Start the master (``wait_ready`` starts the worker once the master answers)."""
         self._daemon("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port",
                      str(self.port), "--webui-port", str(self.ui_port))
+        return self
+
+    def wait_ready(self) -> SparkCluster:
+        """Wait for the master, start the worker (a worker that finds no master retries only after
+        5-15 s) and wait until it has registered."""
         wait_for(self.state, 180, interval=0.5, what="the Spark master")
-        self._daemon("worker", "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--webui-port",
-                     str(self.worker_ui_port), "--cores", "2", "--memory", "2g", self.url)
+        if len(self.procs) == 1:
+            self._daemon("worker", "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--webui-port",
+                         str(self.worker_ui_port), "--cores", "2", "--memory", "2g", self.url)
         wait_for(lambda: (self.state() or {}).get("aliveworkers", 0) >= 1, 180, interval=0.5,
                  what="the Spark worker to register")
         return self
@@ -74,6 +81,7 @@ class SparkCluster:
 
 @pytest.fixture(scope="module")
 def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkCluster]:
+    """A cluster whose master is starting (the test finishes it while its stream app starts)."""
     cluster = SparkCluster(tmp_path_factory.mktemp("spark_cluster"))
     try:
         yield cluster.start()
@@ -94,9 +102,9 @@ def test_backfill_operator_runs_on_a_spark_standalone_master(spark_cluster: Spar
     monkeypatch.setenv("AIRFLOW_CONN_SEQUIN_DEFAULT", sequin_connection(dsn, config_path=str(config)))
     monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": "spark://127.0.0.1",
                                                                  "port": spark_cluster.port}))
-    before = {app["id"] for app in (spark_cluster.state() or {}).get("completedapps", [])}
     app = StreamApp(config, tmp_path / "stream-app.log").start()  # the stream side runs locally
     try:
+        before = {app["id"] for app in (spark_cluster.wait_ready().state() or {}).get("completedapps", [])}
         app.wait_streaming(dsn)
         op = SequinBackfillOperator(task_id="backfill", sink="items_sink", table="items", max_query_ms=2000)
         backfill_id = op.execute(context={})

@@ -1,7 +1,9 @@
 """The replication stream app end to end: real Postgres, real Spark (local mode), the store as sink.
 
-One app serves the workloads of this module's first tests (Spark starts once); the tests that
-kill or starve the app start their own.
+One app serves the workloads of this module's first tests and, idle, the heartbeat test (Spark
+starts once for them); another, with its store in a database of its own and a stand-in supervisor,
+serves the store-outage test and then the supervisor test, which ends it; the tests that kill the
+app or need it to fail start their own.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import random
 import re
 import subprocess
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from decimal import Decimal
 from pathlib import Path
@@ -330,28 +333,57 @@ def test_sigkill_mid_workload_loses_and_duplicates_nothing(tmp_path: Path, dsn: 
     assert workload.committed > 500
 
 
-def test_slot_does_not_pass_undelivered_changes_while_store_is_down(tmp_path: Path, pg: EmbeddedPostgres, dsn: str,
-                                                                   dbname: str, stream_app: Any) -> None:
-    store_db = f"{dbname}_store"
-    store_dsn = pg.create_database(store_db)
+@dataclass
+class Supervised:
+    """The source database, the store's database, the supervisor process the app watches, and the app."""
+
+    dsn: str
+    db: str
+    store_db: str
+    store_dsn: str
+    supervisor: subprocess.Popen[bytes]
+    app: StreamApp
+
+
+@pytest.fixture(scope="module")
+def supervised(pg: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervised]:
+    """A stream app with its store in another database, watching a stand-in for its supervisor (the
+    Airflow task process): the store-outage test runs on it, then the supervisor test ends it."""
+    db = "stream_supervised"
+    dsn, store_dsn = pg.create_database(db), pg.create_database(f"{db}_store")
     execute(dsn, "CREATE TABLE kv (id int PRIMARY KEY, v int)")
-    app = stream_app(simple_config(tmp_path, dsn, dbname, store_dsn=store_dsn))
-    app.wait_streaming(store_dsn)
+    tmp = tmp_path_factory.mktemp("supervised")
+    supervisor = subprocess.Popen(["sleep", "600"])
+    app = StreamApp(simple_config(tmp, dsn, db, store_dsn=store_dsn), tmp / "stream-app.log",
+                    {"SEQUIN_SUPERVISOR_PID": str(supervisor.pid)})
+    try:
+        app.start().wait_streaming(store_dsn)
+        yield Supervised(dsn, db, f"{db}_store", store_dsn, supervisor, app)
+    finally:
+        app.stop()
+        supervisor.kill()
+        supervisor.wait()
+
+
+def test_slot_does_not_pass_undelivered_changes_while_store_is_down(pg: EmbeddedPostgres,
+                                                                   supervised: Supervised) -> None:
+    dsn, dbname, store_db, store_dsn = supervised.dsn, supervised.db, supervised.store_db, supervised.store_dsn
     execute(dsn, "INSERT INTO kv VALUES (1, 1)")
     wait_for(lambda: len(sink_messages(store_dsn, "kv")) == 1, what="first message")
 
     execute(pg.dsn("postgres"), f"ALTER DATABASE {store_db} WITH ALLOW_CONNECTIONS false",
             f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{store_db}'")
-    with psycopg.connect(dsn) as conn:
-        before = lsn_to_int(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
-    execute(dsn, "INSERT INTO kv VALUES (2, 2)", "UPDATE kv SET v = 3 WHERE id = 1")
-    time.sleep(8)  # several heartbeats and micro-batch attempts
-    with psycopg.connect(dsn) as conn:
-        during = slot_info(conn, f"slot_{dbname}")
-    assert during is not None and during.confirmed_flush_lsn is not None
-    assert during.confirmed_flush_lsn <= before, "the slot advanced past changes that never reached the store"
-
-    execute(pg.dsn("postgres"), f"ALTER DATABASE {store_db} WITH ALLOW_CONNECTIONS true")
+    try:
+        with psycopg.connect(dsn) as conn:
+            before = lsn_to_int(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
+        execute(dsn, "INSERT INTO kv VALUES (2, 2)", "UPDATE kv SET v = 3 WHERE id = 1")
+        time.sleep(8)  # several heartbeats and micro-batch attempts
+        with psycopg.connect(dsn) as conn:
+            during = slot_info(conn, f"slot_{dbname}")
+        assert during is not None and during.confirmed_flush_lsn is not None
+        assert during.confirmed_flush_lsn <= before, "the slot advanced past changes that never reached the store"
+    finally:
+        execute(pg.dsn("postgres"), f"ALTER DATABASE {store_db} WITH ALLOW_CONNECTIONS true")
     got = wait_for(lambda: (lambda m: m if len(m) == 3 else None)(sink_messages(store_dsn, "kv")), 120, what="catch-up")
     assert [(m["action"], m["record"]) for m in got] == [
         ("insert", {"id": 1, "v": 1}), ("insert", {"id": 2, "v": 2}), ("update", {"id": 1, "v": 3})]
@@ -363,29 +395,44 @@ def test_slot_does_not_pass_undelivered_changes_while_store_is_down(tmp_path: Pa
     wait_for(advanced, 60, what="the slot to advance after delivery")
 
 
-def test_heartbeats_keep_an_idle_slot_from_retaining_wal(tmp_path: Path, pg: EmbeddedPostgres, dsn: str, dbname: str,
-                                                         stream_app: Any) -> None:
-    execute(dsn, "CREATE TABLE kv (id int PRIMARY KEY, v int)")
-    app = stream_app(simple_config(tmp_path, dsn, dbname))
-    app.wait_streaming(dsn)
-    execute(dsn, f"SELECT pg_create_logical_replication_slot('idle_control_{dbname}', 'pgoutput')")
-    busy = pg.create_database(f"{dbname}_busy")
-    execute(busy, "CREATE TABLE filler (id serial PRIMARY KEY, pad text)")
-    for _ in range(8):  # ~100 MB of WAL in another database
-        execute(busy, "INSERT INTO filler (pad) SELECT repeat(md5(g::text), 8) FROM generate_series(1, 30000) g")
-    execute(busy, "CHECKPOINT")
+def test_heartbeats_keep_an_idle_slot_from_retaining_wal(pg: EmbeddedPostgres,
+                                                         shop: tuple[str, StreamApp, Path]) -> None:
+    """The module's app, idle now (none of its tables changes), beside a slot that nobody reads."""
+    dsn, app, config = shop
+    slot = load_config(config).database().slot.name
 
-    def retained(slot: str) -> int:
+    def stored() -> int:
         with psycopg.connect(dsn) as conn:
-            info = slot_info(conn, slot)
-        assert info is not None and info.retained_bytes is not None
-        return info.retained_bytes
+            return int(conn.execute("SELECT count(*) FROM sequin.stream_messages").fetchone()[0])
 
-    assert retained(f"idle_control_{dbname}") > 64 * 1024 * 1024  # without a consumer the WAL piles up
-    wait_for(lambda: retained(f"slot_{dbname}") < 16 * 1024 * 1024, 90, interval=1.0,
-             what="the heartbeat to let the idle slot release WAL")
-    assert sink_messages(dsn, "kv") == []  # heartbeats are not messages
-    execute(dsn, f"SELECT pg_drop_replication_slot('idle_control_{dbname}')")
+    before = stored()
+    execute(dsn, "SELECT pg_create_logical_replication_slot('idle_control', 'pgoutput')")
+    try:
+        busy = pg.create_database("shop_stream_busy")
+        execute(busy, "CREATE TABLE filler (id serial PRIMARY KEY, pad text)")
+        for _ in range(8):  # ~100 MB of WAL in another database
+            execute(busy, "INSERT INTO filler (pad) SELECT repeat(md5(g::text), 8) FROM generate_series(1, 30000) g")
+        execute(busy, "CHECKPOINT")
+
+        def retained(slot: str) -> int:
+            with psycopg.connect(dsn) as conn:
+                info = slot_info(conn, slot)
+            assert info is not None and info.retained_bytes is not None
+            return info.retained_bytes
+
+        assert retained("idle_control") > 64 * 1024 * 1024  # without a consumer the WAL piles up
+
+        def released() -> bool:
+            # Postgres moves a slot's restart point up to what its consumer confirmed when it logs the
+            # running transactions: its background writer does every 15 s, a checkpoint does at once
+            execute(dsn, "CHECKPOINT")
+            return retained(slot) < 16 * 1024 * 1024
+        wait_for(released, 90, interval=1.0, what="the heartbeat to let the idle slot release WAL")
+        assert retained("idle_control") > 64 * 1024 * 1024  # the checkpoints release nothing by themselves
+        app.check_alive()
+        assert stored() == before  # heartbeats are not messages
+    finally:
+        execute(dsn, "SELECT pg_drop_replication_slot('idle_control')")
 
 
 def test_invalid_filter_stops_the_app_with_a_clear_error(tmp_path: Path, dsn: str, dbname: str, stream_app: Any) -> None:
@@ -398,15 +445,14 @@ def test_invalid_filter_stops_the_app_with_a_clear_error(tmp_path: Path, dsn: st
     assert "sinks[0].filter: invalid SQL" in app.log_tail()
 
 
-def test_stream_app_stops_when_its_supervisor_dies(tmp_path: Path, dsn: str, dbname: str, stream_app: Any) -> None:
+def test_stream_app_stops_when_its_supervisor_dies(supervised: Supervised) -> None:
     """A supervisor killed without stopping the app (a lost worker): the app notices and stops
     cleanly instead of holding the slot against the next supervisor."""
-    execute(dsn, "CREATE TABLE kv (id int PRIMARY KEY, v int)")
-    supervisor = subprocess.Popen(["sleep", "600"])  # stands in for the Airflow task process
-    app = stream_app(simple_config(tmp_path, dsn, dbname), {"SEQUIN_SUPERVISOR_PID": str(supervisor.pid)})
-    app.wait_streaming(dsn)
-    execute(dsn, "INSERT INTO kv VALUES (1, 1)")
-    wait_for(lambda: len(sink_messages(dsn, "kv")) == 1, 120, what="the insert in the sink")
+    dsn, store_dsn, supervisor, app = supervised.dsn, supervised.store_dsn, supervised.supervisor, supervised.app
+    count = len(sink_messages(store_dsn, "kv"))
+    execute(dsn, "INSERT INTO kv VALUES (100, 1)")
+    wait_for(lambda: [m["record"] for m in sink_messages(store_dsn, "kv")[count:]] == [{"id": 100, "v": 1}], 120,
+             what="the insert in the sink")
     assert app.proc is not None and app.proc.poll() is None  # still running while the supervisor lives
     supervisor.kill()
     supervisor.wait()
