@@ -21,7 +21,7 @@ import psycopg
 import pytest
 
 from sequin_provider import store
-from sequin_provider.embedded_postgres import EmbeddedPostgres
+from devtools.embedded_postgres import EmbeddedPostgres
 from tests.conftest import StreamApp, execute, sink_messages, wait_for, write_config
 
 BATCH_ROWS = 50_000
