@@ -272,8 +272,15 @@ def dag_runner(airflow_env: dict[str, str], tmp_path_factory: pytest.TempPathFac
 
 def dag_test(runner: DagRunner, dag_id: str, conf: dict[str, Any], log: Path, dags: Path = DAGS,
              connections: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Run ``dag.test(run_conf=conf)`` (``DagRunner.run``); returns the run's and tasks' states and XComs."""
-    return runner.run(dag_id, conf, log, dags, connections)
+    """Run ``dag.test(run_conf=conf)`` (``DagRunner.run``); returns the run's and tasks' states and XComs.
+    Airflow reads its DAG folder once per interpreter: a run of another folder gets an interpreter of its own."""
+    if dags == DAGS:
+        return runner.run(dag_id, conf, log, dags, connections)
+    own = DagRunner({**runner.airflow_env, "AIRFLOW__CORE__DAGS_FOLDER": str(dags)}, log.with_suffix(".runner.log"))
+    try:
+        return own.run(dag_id, conf, log, dags, connections)
+    finally:
+        own.stop()
 
 
 CONFIG = """
