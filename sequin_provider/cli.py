@@ -266,7 +266,7 @@ def cmd_api(args: argparse.Namespace) -> int:
     for db in config.databases:  # the tables must exist before the first request
         with psycopg.connect(config.store_dsn(db.name), connect_timeout=5) as conn:
             store.migrate(conn, config.store.schema)
-    streams = [s.name for s in config.sinks if s.destination.type == "sequin_stream"]
+    streams = [s.name for s in config.sinks if s.destination.kind.stored]
     print(f"serving Sequin Streams {', '.join(streams) or '(none configured)'} on http://{args.host}:{args.port}"
           f" (OpenAPI: /docs)", file=sys.stderr)
     serve(config, args.host, args.port, args.log_level)

@@ -17,12 +17,14 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
-from urllib.parse import quote, urlencode, urlsplit
+from urllib.parse import quote, urlencode
 
 import yaml
 from psycopg.conninfo import conninfo_to_dict
 
 from sequin_provider.exceptions import ConfigError, UnknownSinkError
+from sequin_provider.sinks import registry
+from sequin_provider.sinks.base import DestinationKind
 
 DEFAULT_CONFIG_PATH = "sequin.yaml"
 ACTIONS = ("insert", "update", "delete")
@@ -92,13 +94,16 @@ class TableConfig:
 
 @dataclass(frozen=True)
 class DestinationConfig:
-    """Where a sink delivers; ``options`` holds the type-specific settings."""
+    """Where a sink delivers: ``type`` names its kind (``sinks.registry``), ``options`` are that
+    kind's typed settings (e.g. ``sinks.webhook.WebhookOptions``)."""
 
     type: str
-    visibility_timeout: float = 30.0
-    max_ack_pending: int = 10_000
-    max_waiting: int = 20
-    options: dict[str, Any] = field(default_factory=dict)
+    options: Any
+
+    @property
+    def kind(self) -> DestinationKind:
+        """The destination kind (``sinks.base.DestinationKind``): stored or pushed, and its work."""
+        return registry.kind(self.type)
 
 
 @dataclass(frozen=True)
@@ -373,50 +378,16 @@ def _parse_table(r: _Reader, value: Any, path: str) -> TableConfig:
 
 
 def _parse_destination(r: _Reader, value: Any, path: str) -> DestinationConfig:
+    """``destination:``: its ``type`` picks a registered kind, which validates the other keys."""
     if not isinstance(value, dict) or "type" not in value:
-        raise r.fail(f"{path}.type" if isinstance(value, dict) else path, "is required (sequin_stream | webhook)")
-    kind = r.string(value["type"], f"{path}.type")
-    if kind == "sequin_stream":
-        item = r.mapping(value, path, {"type", "visibility_timeout", "max_ack_pending", "max_waiting"})
-        return DestinationConfig(
-            type=kind,
-            visibility_timeout=r.duration(item.get("visibility_timeout", 30), f"{path}.visibility_timeout"),
-            max_ack_pending=r.integer(item.get("max_ack_pending", 10_000), f"{path}.max_ack_pending", 1),
-            max_waiting=r.integer(item.get("max_waiting", 20), f"{path}.max_waiting", 1),
-        )
-    if kind == "webhook":
-        item = r.mapping(value, path, {"type", "url", "headers", "batch", "batch_size", "timeout", "secret",
-                                       "concurrency"}, {"url"})
-        url = r.string(item["url"], f"{path}.url")
-        if not re.match(r"^https?://[^/\s]+", url) or re.search(r"[\s\x00-\x1f\x7f]", url) or not _url_port_ok(url):
-            raise r.fail(f"{path}.url", f"expected an http:// or https:// URL, got {url!r}")
-        headers = item.get("headers") or {}
-        if not isinstance(headers, dict) or not all(isinstance(k, str) and isinstance(v, (str, int)) for k, v in
-                                                    headers.items()):
-            raise r.fail(f"{path}.headers", "expected a mapping of header names to string values")
-        for name, header in headers.items():
-            if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", name) or re.search(r"[\r\n\x00]", str(header)):
-                raise r.fail(f"{path}.headers", f"not a valid HTTP header: {name!r}: {str(header)!r}")
-        secret = item.get("secret")
-        return DestinationConfig(type=kind, options={
-            "url": url,
-            "headers": {k: str(v) for k, v in headers.items()},
-            "batch": r.boolean(item.get("batch", True), f"{path}.batch"),
-            "batch_size": r.integer(item.get("batch_size", 10), f"{path}.batch_size", 1, 1000),
-            "timeout": r.duration(item.get("timeout", 30), f"{path}.timeout"),
-            "secret": None if secret is None else r.string(secret, f"{path}.secret"),
-            "concurrency": r.integer(item.get("concurrency", 8), f"{path}.concurrency", 1, 64),
-        })
-    raise r.fail(f"{path}.type", f"unknown destination type {kind!r} (sequin_stream | webhook)")
-
-
-def _url_port_ok(url: str) -> bool:
-    """Whether the URL has a host and, if it names a port, a valid one."""
+        raise r.fail(f"{path}.type" if isinstance(value, dict) else path,
+                     f"is required ({' | '.join(registry.names())})")
+    name = r.string(value["type"], f"{path}.type")
     try:
-        parts = urlsplit(url)
-        return bool(parts.hostname) and (parts.port is None or parts.port > 0)
-    except ValueError:
-        return False
+        kind = registry.kind(name)
+    except registry.UnknownDestinationError as exc:
+        raise r.fail(f"{path}.type", str(exc)) from None
+    return DestinationConfig(type=name, options=kind.parse_options(r, value, path))
 
 
 def _parse_sink(r: _Reader, value: Any, path: str, databases: set[str]) -> SinkConfig:

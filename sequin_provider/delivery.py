@@ -83,7 +83,7 @@ def reads_render_in_store(sink: SinkConfig, table_schema: str, table_name: str) 
     """Whether the store itself can render and write this sink's backfill reads of a table, without
     Spark: a Sequin Stream sink with no filter and no Python transform, grouping the table by its
     primary key (or not at all). Reads are a backfill's bulk, and this keeps them off the stream's path."""
-    if sink.destination.type != "sequin_stream" or sink.filter or load_transform(sink.transform) is not None:
+    if not sink.destination.kind.stored or sink.filter or load_transform(sink.transform) is not None:
         return False
     table = next((t for t in sink.tables if (t.schema, t.name) == (table_schema, table_name)), None)
     return table is not None and not (sink.message_grouping and table.group_column_names)

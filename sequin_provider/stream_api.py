@@ -157,9 +157,9 @@ class StreamService:
 
     def __init__(self, config: SequinConfig, pool_size: int = 16) -> None:
         self.streams = {s.name: Stream(s.name, config.store_dsn(s.database), config.store.schema,
-                                       s.destination.visibility_timeout, s.destination.max_ack_pending,
-                                       s.destination.max_waiting)
-                        for s in config.sinks if s.destination.type == "sequin_stream"}
+                                       s.destination.options.visibility_timeout, s.destination.options.max_ack_pending,
+                                       s.destination.options.max_waiting)
+                        for s in config.sinks if s.destination.kind.stored}
         self.token_dsn = config.store_dsn(config.databases[0].name)
         self.schema = config.store.schema
         dsns = {s.store_dsn for s in self.streams.values()} | {self.token_dsn}

@@ -14,6 +14,8 @@ from sequin_provider.config import (
     parse_config,
     parse_duration,
 )
+from sequin_provider.sinks.sequin_stream import SequinStreamOptions
+from sequin_provider.sinks.webhook import WebhookOptions
 
 GOOD = """
 databases:
@@ -46,7 +48,8 @@ def test_good_config_is_typed(tmp_path: Path) -> None:
     assert [t.qualified for t in sink.tables] == ["public.orders", "public.users"]
     assert sink.tables[0].group_column_names == ("account_id",)
     assert sink.actions == ("insert", "update")
-    assert sink.destination.visibility_timeout == 60.0 and sink.destination.max_ack_pending == 5
+    assert sink.destination.options == SequinStreamOptions(visibility_timeout=60.0, max_ack_pending=5, max_waiting=20)
+    assert sink.destination.kind.stored and not sink.destination.kind.pushed
     assert sink.database == "app" and sink.message_grouping and sink.message_kind == "change"
     assert config.store_dsn() == db.dsn and config.store.schema == "sequin"
     assert sink.consumer_id == load_config(write(tmp_path, GOOD), environ={}).sinks[0].consumer_id
@@ -105,7 +108,8 @@ def test_dsn_uri_is_the_airflow_conn_form_and_resolves_back_to_the_same_connecti
         (GOOD.replace("    slot: {name: my_slot}", "    slot: {name: my_slot, colour: red}"), "databases[0].slot.colour", "unknown key"),
         (GOOD + "extra: 1\n", "extra", "unknown key"),
         (GOOD.replace("actions: [insert, update]", "actions: [insert, upsert]"), "sinks[0].actions[1]", "unknown action 'upsert'"),
-        (GOOD.replace("type: sequin_stream", "type: kafka"), "sinks[0].destination.type", "unknown destination type"),
+        (GOOD.replace("type: sequin_stream", "type: kafka"), "sinks[0].destination.type",
+         "unknown destination type 'kafka' (sequin_stream | webhook)"),
         (GOOD.replace("heartbeat_interval: 500ms", "heartbeat_interval: soon"), "databases[0].heartbeat_interval", "not a duration"),
         (GOOD.replace("max_ack_pending: 5", "max_ack_pending: 0"), "sinks[0].destination.max_ack_pending", "must be"),
         (GOOD.replace("max_ack_pending: 5", "max_ack_pending: true"), "sinks[0].destination.max_ack_pending", "expected an integer"),
@@ -160,8 +164,8 @@ def test_webhook_destination_defaults(tmp_path: Path) -> None:
     text = GOOD.replace("{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
                         "{type: webhook, url: 'https://h.example/x', headers: {X-A: 1}}")
     options = load_config(write(tmp_path, text), environ={}).sinks[0].destination.options
-    assert options == {"url": "https://h.example/x", "headers": {"X-A": "1"}, "batch": True, "batch_size": 10,
-                       "timeout": 30.0, "secret": None, "concurrency": 8}
+    assert options == WebhookOptions(url="https://h.example/x", headers={"X-A": "1"}, batch=True, batch_size=10,
+                                     timeout=30.0, secret=None, concurrency=8)
 
 
 def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from sequin_provider.buffer import DeliveryError
 from sequin_provider.config import DestinationConfig, SinkConfig
-from sequin_provider.sinks.webhook import SIGNATURE_HEADER, WebhookClient, signature
+from sequin_provider.sinks.webhook import SIGNATURE_HEADER, WebhookClient, WebhookOptions, signature
 
 
 class Recorder:
@@ -76,8 +76,8 @@ def recorder() -> Iterator[Recorder]:
 
 def client(url: str, **options: Any) -> WebhookClient:
     return WebhookClient(SinkConfig(name="hooks", database="app", tables=(), destination=DestinationConfig(
-        type="webhook", options={"url": url, "batch": True, "batch_size": 10, "timeout": 5.0, "secret": None,
-                                 "headers": {}, **options})))
+        type="webhook", options=WebhookOptions(**{"url": url, "batch": True, "batch_size": 10, "timeout": 5.0,
+                                                   "secret": None, "headers": {}, **options}))))
 
 
 def test_batches_go_out_in_order_over_kept_alive_connections_with_signature_and_headers(recorder: Recorder) -> None:

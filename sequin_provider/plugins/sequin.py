@@ -32,7 +32,7 @@ def _cell(value: Any) -> str:
 
 def status_page(config: Any, service: Any, token: str | None) -> str:
     """The HTML status view: sinks with their messages and parked counts, backfills, slot lag."""
-    from sequin_provider import buffer, store, stream_queue
+    from sequin_provider import buffer, store
     from sequin_provider.backfill import progress_line
     from sequin_provider.replication import slot_info
 
@@ -53,9 +53,8 @@ def status_page(config: Any, service: Any, token: str | None) -> str:
             with psycopg.connect(config.store_dsn(db.name), connect_timeout=5) as conn:
                 parked = buffer.buffer_counts(conn, schema) if store.schema_version(conn, schema) >= 6 else {}
                 for sink in config.sinks_of(db.name):
-                    counts = stream_queue.stream_counts(conn, schema, sink.name) \
-                        if sink.destination.type == "sequin_stream" else {}
-                    rows_sinks.append([sink.name, sink.destination.type, ", ".join(t.qualified for t in sink.tables),
+                    counts = sink.destination.kind.counts(conn, schema, sink.name)
+                    rows_sinks.append([sink.name, sink.destination.kind.name, ", ".join(t.qualified for t in sink.tables),
                                        counts.get("visible", ""), counts.get("outstanding", ""),
                                        parked.get(sink.name, {}).get("parked", 0),
                                        parked.get(sink.name, {}).get("discarded", 0)])

@@ -7,11 +7,10 @@ from typing import Any
 
 import psycopg
 
-from sequin_provider import buffer, store
+from sequin_provider import store
 from sequin_provider.buffer import DeliveryError, Parked, Render, RetryReport, parked_change
 from sequin_provider.config import ConfigError, SequinConfig, SinkConfig
 from sequin_provider.delivery import apply_transform, load_transform
-from sequin_provider.sinks.webhook import WebhookClient
 
 
 class _Filters:
@@ -83,18 +82,4 @@ def _retry_one(config: SequinConfig, sink: SinkConfig, filters: _Filters, worker
     with psycopg.connect(config.store_dsn(sink.database), connect_timeout=10) as conn:
         store.migrate(conn, config.store.schema)
         conn.commit()
-    if sink.destination.type == "webhook":
-        client = WebhookClient(sink)
-        try:
-            return buffer.retry_sink(config, sink, lambda m, data, c=client: c.send([data]),
-                                     _renderer(sink, filters), workers)
-        finally:
-            client.close()
-    # a Sequin Stream sink parks messages whose transform or filter failed, and those behind them:
-    # retried into the stream
-    with psycopg.connect(config.store_dsn(sink.database), connect_timeout=10) as conn:
-        def into_stream(m: Parked, data: str, conn: Any = conn) -> None:
-            store.insert_stream_messages(conn, config.store.schema,
-                                         [(m.sink, m.commit_lsn, m.commit_idx, m.group_id, m.idempotency_key, data,
-                                           m.barrier)])
-        return buffer.retry_sink(config, sink, into_stream, _renderer(sink, filters), workers=1)
+    return sink.destination.kind.retry(config, sink, _renderer(sink, filters), workers)

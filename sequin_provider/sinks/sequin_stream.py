@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import psycopg
 
-from sequin_provider import store
+from sequin_provider import buffer, store
+from sequin_provider.buffer import Parked, Render, RetryReport
+from sequin_provider.config import SequinConfig, SinkConfig
 from sequin_provider.exceptions import StoreUnavailableError
+from sequin_provider.sinks.base import DestinationKind, OptionReader
+from sequin_provider.sinks.registry import register
 from sequin_provider.store import CopyChunk, Span
 
 log = logging.getLogger(__name__)
@@ -87,3 +92,48 @@ class SequinStreamSink:
             except Exception:  # noqa: BLE001
                 pass
             self._conn = None
+
+
+@dataclass(frozen=True)
+class SequinStreamOptions:
+    """A Sequin Stream's consumer settings (docs/stream-api.md)."""
+
+    visibility_timeout: float = 30.0
+    max_ack_pending: int = 10_000
+    max_waiting: int = 20
+
+
+class SequinStreamKind(DestinationKind):
+    """``type: sequin_stream``: stored; messages are rows of the store's stream table, written by
+    the executors' COPY (``SequinStreamSink``) and pulled through the stream API."""
+
+    name = "sequin_stream"
+    stored = True
+
+    def parse_options(self, reader: OptionReader, value: Mapping[str, Any], path: str) -> SequinStreamOptions:
+        """``visibility_timeout``, ``max_ack_pending``, ``max_waiting``."""
+        item = self.option_keys(reader, value, path, {"visibility_timeout", "max_ack_pending", "max_waiting"})
+        return SequinStreamOptions(
+            visibility_timeout=reader.duration(item.get("visibility_timeout", 30), f"{path}.visibility_timeout"),
+            max_ack_pending=reader.integer(item.get("max_ack_pending", 10_000), f"{path}.max_ack_pending", 1),
+            max_waiting=reader.integer(item.get("max_waiting", 20), f"{path}.max_waiting", 1),
+        )
+
+    def retry(self, config: SequinConfig, sink: SinkConfig, render: Render, workers: int) -> RetryReport:
+        """A stream parks messages whose transform or filter failed, and those behind them: retried
+        into the stream, one at a time in position order (one connection)."""
+        with psycopg.connect(config.store_dsn(sink.database), connect_timeout=10) as conn:
+            def into_stream(m: Parked, data: str) -> None:
+                store.insert_stream_messages(conn, config.store.schema,
+                                             [(m.sink, m.commit_lsn, m.commit_idx, m.group_id, m.idempotency_key,
+                                               data, m.barrier)])
+            return buffer.retry_sink(config, sink, into_stream, render, workers=1)
+
+    def counts(self, conn: psycopg.Connection[Any], schema: str, sink: str) -> dict[str, int]:
+        """The stream's messages: total, visible, outstanding (``stream_queue.stream_counts``)."""
+        from sequin_provider.stream_queue import stream_counts
+
+        return stream_counts(conn, schema, sink)
+
+
+KIND = register(SequinStreamKind())

@@ -18,14 +18,20 @@ import hmac
 import http.client
 import os
 import queue
+import re
 import socket
 import ssl
 import urllib.parse
 import urllib.request
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
-from sequin_provider.buffer import DeliveryError
-from sequin_provider.config import SinkConfig
+from sequin_provider import buffer
+from sequin_provider.buffer import DeliveryError, Render, RetryReport
+from sequin_provider.config import SequinConfig, SinkConfig
+from sequin_provider.sinks.base import DestinationKind, OptionReader
+from sequin_provider.sinks.push import PushSink
+from sequin_provider.sinks.registry import register
 
 SIGNATURE_HEADER = "X-Sequin-Signature"
 ANSWER_LIMIT = 64 * 1024
@@ -60,27 +66,97 @@ def _tls_context() -> ssl.SSLContext:
     return ssl.create_default_context(cafile=cafile)
 
 
-class WebhookClient:
+@dataclass(frozen=True)
+class WebhookOptions:
+    """A webhook destination's settings (docs/webhook.md)."""
+
+    url: str
+    headers: Mapping[str, str] = field(default_factory=dict)
+    batch: bool = True
+    batch_size: int = 10
+    timeout: float = 30.0
+    secret: str | None = field(default=None, repr=False)
+    concurrency: int = 8
+
+
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def _url_port_ok(url: str) -> bool:
+    """Whether the URL has a host and, if it names a port, a valid one."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        return bool(parts.hostname) and (parts.port is None or parts.port > 0)
+    except ValueError:
+        return False
+
+
+class WebhookKind(DestinationKind):
+    """``type: webhook``: pushed, each request a POST of a batch of messages (``WebhookClient``)."""
+
+    name = "webhook"
+    stored = False
+
+    def parse_options(self, reader: OptionReader, value: Mapping[str, Any], path: str) -> WebhookOptions:
+        """``url`` (http/https), ``headers``, ``batch``, ``batch_size``, ``timeout``, ``secret``, ``concurrency``."""
+        item = self.option_keys(reader, value, path, {"url", "headers", "batch", "batch_size", "timeout", "secret",
+                                                      "concurrency"}, {"url"})
+        url = reader.string(item["url"], f"{path}.url")
+        if not re.match(r"^https?://[^/\s]+", url) or re.search(r"[\s\x00-\x1f\x7f]", url) or not _url_port_ok(url):
+            raise reader.fail(f"{path}.url", f"expected an http:// or https:// URL, got {url!r}")
+        headers = item.get("headers") or {}
+        if not isinstance(headers, dict) or not all(isinstance(k, str) and isinstance(v, (str, int))
+                                                    for k, v in headers.items()):
+            raise reader.fail(f"{path}.headers", "expected a mapping of header names to string values")
+        for name, header in headers.items():
+            if not _HEADER_NAME.fullmatch(name) or re.search(r"[\r\n\x00]", str(header)):
+                raise reader.fail(f"{path}.headers", f"not a valid HTTP header: {name!r}: {str(header)!r}")
+        secret = item.get("secret")
+        return WebhookOptions(
+            url=url,
+            headers={k: str(v) for k, v in headers.items()},
+            batch=reader.boolean(item.get("batch", True), f"{path}.batch"),
+            batch_size=reader.integer(item.get("batch_size", 10), f"{path}.batch_size", 1, 1000),
+            timeout=reader.duration(item.get("timeout", 30), f"{path}.timeout"),
+            secret=None if secret is None else reader.string(secret, f"{path}.secret"),
+            concurrency=reader.integer(item.get("concurrency", 8), f"{path}.concurrency", 1, 64),
+        )
+
+    def pusher(self, sink: SinkConfig) -> WebhookClient:
+        """A client of the sink's URL."""
+        return WebhookClient(sink)
+
+    def retry(self, config: SequinConfig, sink: SinkConfig, render: Render, workers: int) -> RetryReport:
+        """Each due parked message POSTed again on its own, ``workers`` groups at a time."""
+        client = WebhookClient(sink)
+        try:
+            return buffer.retry_sink(config, sink, lambda m, data: client.send([data]), render, workers)
+        finally:
+            client.close()
+
+
+class WebhookClient(PushSink):
     """Posts rendered messages of one webhook sink; keeps its connections alive between requests.
 
     Thread-safe: each request takes an idle connection from the pool (or opens one) and gives it
     back when the answer was read in full."""
 
     def __init__(self, sink: SinkConfig) -> None:
-        options: dict[str, Any] = sink.destination.options
+        options: WebhookOptions = sink.destination.options
         self.sink = sink.name
-        self.url: str = options["url"]
-        self.batch: bool = options.get("batch", True)
-        self.batch_size: int = options.get("batch_size", 10) if self.batch else 1
-        self.secret: str | None = options.get("secret")
-        self.timeout = float(options.get("timeout", 30.0))
+        self.url: str = options.url
+        self.batch: bool = options.batch
+        self.batch_size = options.batch_size if self.batch else 1
+        self.lanes = options.concurrency
+        self.secret: str | None = options.secret
+        self.timeout = float(options.timeout)
         parts = urllib.parse.urlsplit(self.url)  # checked by config: http(s), a host, a valid port
         self.tls = parts.scheme == "https"
         self.host: str = parts.hostname or ""
         self.port = parts.port or (443 if self.tls else 80)
         self.target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
         self.headers = {"Host": parts.netloc.rpartition("@")[2], "Content-Type": "application/json",
-                        "User-Agent": "sequin-provider", **options.get("headers", {})}
+                        "User-Agent": "sequin-provider", **options.headers}
         if parts.username is not None:  # credentials in the URL: basic auth, as httpx did
             self.headers.setdefault("Authorization", _basic_auth(parts))
         self.proxy, self._proxy_auth, self._proxy_error = self._proxy(parts.scheme)
@@ -180,3 +256,6 @@ class WebhookClient:
                 self._idle.get_nowait().close()
             except queue.Empty:
                 return
+
+
+KIND = register(WebhookKind())

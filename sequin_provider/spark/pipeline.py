@@ -5,7 +5,7 @@ ids where they need the record's values or a repartition), and each partition's 
 sinks' messages (``message_render``, vectorized over Arrow batches) and writes them to the store
 in one COPY from the executor (``mapInArrow``), so partitions render and write in parallel and
 nothing is collected on the driver. No Python runs per message except a sink's own
-``module:function`` transform. Push (webhook) sinks are sent a group at a time, each group in
+``module:function`` transform. Pushed sinks (``sinks.push``; the webhook) are sent a group at a time, each group in
 position order by one task, and what fails is parked (DESIGN §9): with ``payload=spool`` the
 same tasks do it, each reading the batch's whole spool file and sending the groups that first
 appear in its own slice (``PushWriter.write_share``); otherwise each push sink gets one more job,
@@ -37,7 +37,6 @@ from sequin_provider.buffer import (
     backoff_seconds,
     change_source,
     park,
-    parked_barriers,
     parked_heads,
     sinks_with_parked,
 )
@@ -49,7 +48,6 @@ from sequin_provider.delivery import (
     group_expression,
     load_transform,
     needs_parsed_record,
-    push_in_group_order,
     selected_actions,
     selection_predicate,
 )
@@ -76,7 +74,6 @@ from sequin_provider.spark.poison import (
 )
 from sequin_provider.spark.source import SPOOL_SLICE_DDL, spool_slice_rows, spool_table
 from sequin_provider.spark.worker_heap import freeze_long_lived
-from sequin_provider.sinks.webhook import WebhookClient
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +92,7 @@ def group_in_jvm(sink: SinkConfig) -> bool:
     """Whether a ``payload=full`` batch carries a sink's group ids computed by Spark: custom group
     columns need the record's values, and a push sink's batch is repartitioned by group.
     Otherwise the executor renders them."""
-    return sink.destination.type != "sequin_stream" or (sink.message_grouping and any(t.group_column_names for t in sink.tables))
+    return sink.destination.kind.pushed or (sink.message_grouping and any(t.group_column_names for t in sink.tables))
 
 
 def payload_mode(sinks: tuple[SinkConfig, ...]) -> str:
@@ -174,8 +171,8 @@ class StreamWriter:
         self.config_path, self.database = config_path, db.name
         self.schema = config.store.schema
         self.sinks = config.sinks_of(db.name)
-        self.copies = any(s.destination.type == "sequin_stream" for s in self.sinks)
-        self.pushes = any(s.destination.type != "sequin_stream" and "truncate" in selected_actions(s) for s in self.sinks)
+        self.copies = any(s.destination.kind.stored for s in self.sinks)
+        self.pushes = any(s.destination.kind.pushed and "truncate" in selected_actions(s) for s in self.sinks)
         self.transforms = [load_transform(s.transform) for s in self.sinks]
         self.sink = SequinStreamSink(config.store_dsn(db.name), config.store.schema, config.stream.store_retry_timeout)
         self.buffer = SequinStreamSink(config.store_dsn(db.name), config.store.schema, config.stream.store_retry_timeout)
@@ -188,7 +185,7 @@ class StreamWriter:
         transform raises, and later messages of their groups or of groups parked before (a
         transform or a filter failed), are set aside to be parked."""
         for i, (sink, rendering, transform) in enumerate(zip(self.sinks, self.renderings, self.transforms)):
-            if sink.destination.type != "sequin_stream":
+            if not sink.destination.kind.stored:
                 continue
             if transform is None and sink.name not in self._held:
                 tuples = stream_rows_copy_binary(sink.name, _rendered(batch, i, rendering))
@@ -250,7 +247,7 @@ class StreamWriter:
         self._parked = []
         if self.copies:  # a sink with nothing parked keeps the vectorized path; what it costs: one round trip
             # per task and batch (sinks_with_parked: 2.3 ms measured on a 2-core machine at load 15)
-            names = [s.name for s in self.sinks if s.destination.type == "sequin_stream"]
+            names = [s.name for s in self.sinks if s.destination.kind.stored]
             self._held = self.buffer.retrying(lambda conn: sinks_with_parked(conn, self.schema, names))
             written = self.sink.write(chunks(), binary=True, span=lambda: None if stats["min_lsn"] is None
                                       else (stats["min_lsn"], stats["max_lsn"]))  # the acked positions to skip
@@ -266,7 +263,7 @@ class StreamWriter:
         seconds = time.monotonic() - started
         delivered = pushed_parked = 0
         for sink in self.sinks if slices else ():
-            if sink.destination.type != "sequin_stream":
+            if sink.destination.kind.pushed:
                 sent, held = push_writer(self.config_path, self.database, sink.name).write_share(slices)
                 delivered, pushed_parked = delivered + sent, pushed_parked + held
         yield pa.RecordBatch.from_pydict({"rows": [stats["rows"]], "written": [written], "max_lsn": [stats["max_lsn"]],
@@ -325,7 +322,8 @@ def first_of_group(groups: pa.Array) -> np.ndarray:
 
 
 class PushWriter:
-    """Executor side: one partition's messages of a push (webhook) sink, sent in order per group."""
+    """Executor side: one partition's messages of a pushed sink (``DestinationKind.pusher``), sent in
+    order per group."""
 
     def __init__(self, config_path: str, database: str, sink_name: str) -> None:
         config = load_config(config_path)
@@ -334,8 +332,7 @@ class PushWriter:
         self.index = config.sinks_of(database).index(self.sink_config)
         self.transform = load_transform(self.sink_config.transform)
         self.rendering = SinkRendering.of(self.sink_config, database)
-        self.client = WebhookClient(self.sink_config)
-        self.lanes = int(self.sink_config.destination.options.get("concurrency", 8))
+        self.pusher = self.sink_config.destination.kind.pusher(self.sink_config)
         self.store = SequinStreamSink(config.store_dsn(database), config.store.schema, config.stream.store_retry_timeout)
 
     def write(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -386,22 +383,9 @@ class PushWriter:
         return self._deliver(messages)
 
     def _deliver(self, messages: Outgoing) -> tuple[int, int]:
-        """Send ``messages`` (position order) in order per group, behind the groups already parked,
-        and park what fails; returns (delivered, parked)."""
-        if not messages:
-            return 0, 0
-        name = self.sink_config.name
-        groups = set(messages.group_id)
-        heads = self.store.retrying(lambda conn: parked_heads(conn, self.schema, name, groups))
-        barriers = set(messages.barriers.values())
-        barred, held = self.store.retrying(lambda conn: parked_barriers(conn, self.schema, name, barriers))
-        result = push_in_group_order(name, messages, self.client.send, self.client.batch_size, self.lanes, heads,
-                                     barred, held)
-        if result.parked:
-            self.store.retrying(lambda conn: park(conn, self.schema, result.parked))
-            log.warning("sink %s: %d messages parked in the buffer, first error: %s", name, len(result.parked),
-                        result.parked[0].error)
-        return result.delivered, len(result.parked)
+        """Send ``messages`` (position order) through the sink's pusher (``sinks.push.PushSink.deliver``:
+        in order per group, failures parked); returns (delivered, parked)."""
+        return self.pusher.deliver(messages, self.store, self.schema)
 
 
 WRITE_RESULT_SCHEMA = pa.schema([("rows", pa.int64()), ("written", pa.int64()), ("max_lsn", pa.int64()),
@@ -472,8 +456,8 @@ class Pipeline:
         self._visibility = SequinStreamSink(config.store_dsn(self.database.name), config.store.schema,
                                             config.stream.store_retry_timeout)
         self._status_conn: Any = None
-        self.stream_sinks = [s.name for s in self.sinks if s.destination.type == "sequin_stream"]
-        self.push_sinks = [(i, s) for i, s in enumerate(self.sinks) if s.destination.type != "sequin_stream"]
+        self.stream_sinks = [s.name for s in self.sinks if s.destination.kind.stored]
+        self.push_sinks = [(i, s) for i, s in enumerate(self.sinks) if s.destination.kind.pushed]
         self._push = {s.name: push_partitions(config.source, self.database.name, s.name) for _, s in self.push_sinks}
         self.payload = payload_mode(self.sinks)
         self._test_stall = os.environ.get(TEST_STALL_AFTER_STORE_ENV) or None  # read once: free when unset

@@ -395,7 +395,7 @@ class ReplicationStreamReader(DataSourceStreamReader):
         """This database's Sequin Stream sinks (whose acked positions ``commit`` prunes)."""
         db, _ = self._settings()
         assert self._config is not None
-        return [s.name for s in self._config.sinks_of(db.name) if s.destination.type == "sequin_stream"]
+        return [s.name for s in self._config.sinks_of(db.name) if s.destination.kind.stored]
 
     def _remove_spooled(self, committed: Position) -> None:
         folder = Path(self.spool)

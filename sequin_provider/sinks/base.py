@@ -1,0 +1,89 @@
+"""The interface every destination implements (one module per destination kind, ``sinks.registry``).
+
+A destination kind is either *stored*: its messages become durable rows of the store's stream
+table, which consumers pull (the Sequin Stream), or *pushed*: the Spark executors deliver its
+messages a group at a time, in position order within a group, and park what fails in the buffer
+for ``retry`` (the webhook). A kind declares which, parses and validates its own ``destination:``
+options into a typed, frozen dataclass (errors name the key path, as the rest of the config), says
+how the buffer redelivers a parked message (``retry``), and what ``sequin status`` and the Airflow
+view show for a sink of it (``counts``). A pushed kind also makes the executor-side ``PushSink``
+(``sinks.push``) that sends its messages.
+
+This module imports nothing of the pipeline, so the config parser can ask the registry without
+import cycles; the kind modules import what their work needs.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Protocol
+
+if TYPE_CHECKING:
+    import psycopg
+
+    from sequin_provider.buffer import Render, RetryReport
+    from sequin_provider.config import SequinConfig, SinkConfig
+    from sequin_provider.exceptions import ConfigError
+    from sequin_provider.sinks.push import PushSink
+
+
+class OptionReader(Protocol):
+    """What a kind's option parser gets from the config parser: typed values from the YAML tree,
+    or a ``ConfigError`` naming the file, the key path and the reason."""
+
+    def fail(self, path: str, reason: str) -> ConfigError:
+        """The error for a bad value at ``path`` (raise it)."""
+
+    def mapping(self, value: Any, path: str, allowed: set[str], required: set[str] = ...) -> dict[str, Any]:
+        """``value`` as a mapping with only ``allowed`` keys and every ``required`` one."""
+
+    def string(self, value: Any, path: str) -> str:
+        """A non-empty string, ``${VAR}`` substituted."""
+
+    def boolean(self, value: Any, path: str) -> bool:
+        """``true`` or ``false``."""
+
+    def integer(self, value: Any, path: str, minimum: int = 0, maximum: int | None = None) -> int:
+        """An integer within bounds."""
+
+    def duration(self, value: Any, path: str) -> float:
+        """Seconds from ``15``, ``"15s"``, ``"500ms"``, ``"2m"``."""
+
+
+class DestinationKind(ABC):
+    """One kind of destination (``destination.type``): how its options are read, whether it is
+    stored or pushed, how parked messages are redelivered, and what its sinks report."""
+
+    name: ClassVar[str]
+    """The ``destination.type`` that selects this kind."""
+    stored: ClassVar[bool]
+    """True: messages are durable rows of the store's stream table, pulled by consumers (the
+    Sequin Stream API serves them). False: pushed from the executors (``pusher``)."""
+
+    @property
+    def pushed(self) -> bool:
+        """Whether the executors deliver this kind's messages (``pusher``), parking failures."""
+        return not self.stored
+
+    def option_keys(self, reader: OptionReader, value: Mapping[str, Any], path: str, allowed: set[str],
+                    required: set[str] = frozenset()) -> dict[str, Any]:
+        """``value`` (the ``destination:`` mapping) checked for this kind's keys (and ``type``)."""
+        return reader.mapping(dict(value), path, {"type", *allowed}, set(required))
+
+    @abstractmethod
+    def parse_options(self, reader: OptionReader, value: Mapping[str, Any], path: str) -> Any:
+        """This kind's typed options (a frozen dataclass) from the ``destination:`` mapping at
+        ``path``; a bad key or value raises ``reader.fail(<path>.<key>, reason)``."""
+
+    @abstractmethod
+    def retry(self, config: SequinConfig, sink: SinkConfig, render: Render, workers: int) -> RetryReport:
+        """Redeliver the sink's due parked messages (``buffer.retry_sink`` with this kind's delivery)."""
+
+    def counts(self, conn: psycopg.Connection[Any], schema: str, sink: str) -> dict[str, int]:
+        """Message counts of a sink of this kind for ``sequin status`` and the Airflow view (the
+        buffer's parked/discarded counts are every kind's and shown besides). None by default."""
+        return {}
+
+    def pusher(self, sink: SinkConfig) -> PushSink:
+        """The executor-side sender of a pushed sink's messages (``sinks.push.PushSink``)."""
+        raise TypeError(f"destination type {self.name!r} is stored, not pushed")

@@ -1,0 +1,55 @@
+"""Delivery of a pushed destination from the executors: in position order within each group,
+groups concurrently over ``lanes``, behind what the buffer already holds, and what fails parked
+before the batch completes (DESIGN §9). A pushed kind only says how one request is sent
+(``PushSink.send``); the ordering and parking here are every pushed kind's."""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+from sequin_provider.buffer import park, parked_barriers, parked_heads
+from sequin_provider.delivery import Outgoing, push_in_group_order
+
+if TYPE_CHECKING:
+    from sequin_provider.sinks.sequin_stream import SequinStreamSink
+
+log = logging.getLogger(__name__)
+
+
+class PushSink(ABC):
+    """The executor-side sender of one pushed sink's messages."""
+
+    sink: str
+    """The sink's name."""
+    batch_size: int = 1
+    """Messages per ``send`` at most."""
+    lanes: int = 1
+    """Groups sent concurrently at most."""
+
+    @abstractmethod
+    def send(self, messages: list[str]) -> None:
+        """Deliver ``messages`` (rendered JSON, in order) as one request; ``DeliveryError`` unless
+        the destination took all of them."""
+
+    def close(self) -> None:
+        """Release connections (the default holds none)."""
+
+    def deliver(self, messages: Outgoing, store: SequinStreamSink, schema: str) -> tuple[int, int]:
+        """Send ``messages`` (position order) in order per group, behind the groups and truncates
+        the buffer holds, and park what fails in the buffer (durable when this returns);
+        returns (delivered, parked)."""
+        if not messages:
+            return 0, 0
+        name = self.sink
+        groups = set(messages.group_id)
+        heads = store.retrying(lambda conn: parked_heads(conn, schema, name, groups))
+        barriers = set(messages.barriers.values())
+        barred, held = store.retrying(lambda conn: parked_barriers(conn, schema, name, barriers))
+        result = push_in_group_order(name, messages, self.send, self.batch_size, self.lanes, heads, barred, held)
+        if result.parked:
+            store.retrying(lambda conn: park(conn, schema, result.parked))
+            log.warning("sink %s: %d messages parked in the buffer, first error: %s", name, len(result.parked),
+                        result.parked[0].error)
+        return result.delivered, len(result.parked)
