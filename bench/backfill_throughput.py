@@ -39,13 +39,12 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sequin_provider.config import load_config  # noqa: E402
-from devtools.embedded_postgres import EmbeddedPostgres  # noqa: E402
-from sequin_provider.provisioning import initialize  # noqa: E402
-from devtools.stream_process import BackfillServerProcess, StreamAppProcess  # noqa: E402
-
 from bench.machine_memory import add_touch_memory_argument, touch_memory_for  # noqa: E402
 from bench.stream_throughput import ROW, TABLE, add_pg_setting_argument, cpu_by_class, process_class  # noqa: E402 - the same table as the stream benchmark
+from devtools.embedded_postgres import EmbeddedPostgres  # noqa: E402
+from devtools.stream_process import BackfillServerProcess, StreamAppProcess  # noqa: E402
+from sequin_provider.config import load_config  # noqa: E402
+from sequin_provider.provisioning import initialize  # noqa: E402
 
 
 def seed_events(dsn: str, rows: int) -> None:

@@ -44,17 +44,31 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.backfill_throughput import (  # noqa: E402
-    copy_seconds, empty_stream_table, in_sink_seconds, run_backfill, running_seconds, seed_events)
+    copy_seconds,
+    empty_stream_table,
+    in_sink_seconds,
+    run_backfill,
+    running_seconds,
+    seed_events,
+)
 from bench.delivery_throughput import answers, fill, http_consumer, run_consumers  # noqa: E402
 from bench.machine_memory import add_touch_memory_argument, touch_memory_for  # noqa: E402
 from bench.stream_throughput import (  # noqa: E402
-    ROW, TABLE, add_pg_setting_argument, check_sink, current_lsn, run_pg_recvlogical, sink_count, write_workload)
+    ROW,
+    TABLE,
+    add_pg_setting_argument,
+    check_sink,
+    current_lsn,
+    run_pg_recvlogical,
+    sink_count,
+    write_workload,
+)
+from devtools.embedded_postgres import EmbeddedPostgres, free_port  # noqa: E402
+from devtools.stream_process import BackfillServerProcess, StreamAppProcess, wait_for  # noqa: E402
 from sequin_provider import stream_queue  # noqa: E402
 from sequin_provider.config import load_config  # noqa: E402
-from devtools.embedded_postgres import EmbeddedPostgres, free_port  # noqa: E402
 from sequin_provider.provisioning import initialize  # noqa: E402
 from sequin_provider.replication import create_slot  # noqa: E402
-from devtools.stream_process import BackfillServerProcess, StreamAppProcess, wait_for  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 

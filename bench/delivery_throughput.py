@@ -37,11 +37,11 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from devtools.embedded_postgres import EmbeddedPostgres  # noqa: E402
+from devtools.stream_process import StreamAppProcess, wait_for  # noqa: E402
 from sequin_provider import store, stream_queue  # noqa: E402
 from sequin_provider.config import load_config  # noqa: E402
-from devtools.embedded_postgres import EmbeddedPostgres  # noqa: E402
 from sequin_provider.provisioning import initialize  # noqa: E402
-from devtools.stream_process import StreamAppProcess, wait_for  # noqa: E402
 
 MESSAGE = json.dumps({"record": {"id": 1, "account": 7, "amount": "12.50", "kind": "kind-3"}, "changes": None,
                       "action": "insert", "metadata": {"table_schema": "public", "table_name": "events"}})

@@ -31,12 +31,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from sequin_provider.config import load_config  # noqa: E402
+from stream_throughput import current_lsn, run_pg_recvlogical, sink_count  # noqa: E402
+
 from devtools.embedded_postgres import EmbeddedPostgres  # noqa: E402
+from devtools.stream_process import StreamAppProcess, wait_for  # noqa: E402
+from sequin_provider.config import load_config  # noqa: E402
 from sequin_provider.provisioning import initialize  # noqa: E402
 from sequin_provider.replication import create_slot  # noqa: E402
-from devtools.stream_process import StreamAppProcess, wait_for  # noqa: E402
-from stream_throughput import current_lsn, run_pg_recvlogical, sink_count  # noqa: E402
 
 
 def tree_rss(pid: int) -> int:

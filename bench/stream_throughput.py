@@ -22,8 +22,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import psycopg
@@ -31,12 +31,12 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sequin_provider.config import load_config  # noqa: E402
 from devtools.embedded_postgres import EmbeddedPostgres, find_server_bindir  # noqa: E402
+from devtools.stream_process import StreamAppProcess, wait_for  # noqa: E402
+from sequin_provider.config import load_config  # noqa: E402
 from sequin_provider.pgoutput import int_to_lsn, lsn_to_int  # noqa: E402
 from sequin_provider.provisioning import initialize  # noqa: E402
 from sequin_provider.replication import ChangeReader, create_slot  # noqa: E402
-from devtools.stream_process import StreamAppProcess, wait_for  # noqa: E402
 
 TABLE = ("CREATE TABLE events (id bigint PRIMARY KEY, account int NOT NULL, amount numeric(12,2), kind text,"
          " payload jsonb, updated_at timestamptz NOT NULL DEFAULT now())")

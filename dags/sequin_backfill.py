@@ -14,6 +14,7 @@ operator checks them when the run starts and fails with the reason, e.g. ``unkno
 from __future__ import annotations
 
 from airflow.sdk import Param, dag
+
 from sequin_provider.operators.backfill import SequinBackfillOperator
 
 

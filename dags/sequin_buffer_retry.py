@@ -12,6 +12,7 @@ import os
 from datetime import datetime, timedelta, timezone
 
 from airflow.sdk import dag
+
 from sequin_provider.operators.buffer import SequinBufferRetryOperator
 
 

@@ -23,6 +23,7 @@ import os
 from datetime import datetime, timedelta, timezone
 
 from airflow.sdk import Param, dag
+
 from sequin_provider.notifications.sequin import alert_from_environment
 from sequin_provider.sensors.sequin import ParkedMessagesSensor, ReplicationSlotLagSensor, StreamHeartbeatSensor
 

@@ -21,6 +21,7 @@ import os
 from datetime import datetime, timedelta, timezone
 
 from airflow.sdk import Param, dag
+
 from sequin_provider.operators.backfill import SequinBackfillOperator
 
 

@@ -21,6 +21,7 @@ import os
 from datetime import datetime, timedelta, timezone
 
 from airflow.sdk import dag
+
 from sequin_provider.notifications.sequin import alert_from_environment
 from sequin_provider.operators.replication import SequinReplicationOperator
 

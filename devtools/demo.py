@@ -17,12 +17,12 @@ from pathlib import Path
 
 import psycopg
 
-from sequin_provider.config import load_config
 from devtools.demo_airflow import run_airflow_demo, sink_messages
 from devtools.embedded_postgres import EmbeddedPostgres, kept_data_dir
+from devtools.stream_process import ROOT, StreamAppProcess, wait_for
+from sequin_provider.config import load_config
 from sequin_provider.provisioning import initialize
 from sequin_provider.replication import slot_info
-from devtools.stream_process import ROOT, StreamAppProcess, wait_for
 
 VAR = ROOT / "var"
 SCHEMA = (

@@ -15,13 +15,13 @@ from typing import Any
 
 import psycopg
 
-from sequin_provider import store
 from devtools.airflow_standalone import AirflowStandalone, airflow_env
-from sequin_provider.backfill import MIN_SERVER_VERSION
 from devtools.embedded_postgres import free_port
+from devtools.stream_process import streaming_status, wait_for
+from sequin_provider import store
+from sequin_provider.backfill import MIN_SERVER_VERSION
 from sequin_provider.messages import parse_message
 from sequin_provider.replication import slot_info
-from devtools.stream_process import streaming_status, wait_for
 
 REPLICATION, BACKFILL = "sequin_replication", "sequin_backfill"
 

@@ -14,9 +14,9 @@ import sys
 import psycopg
 
 from devtools.airflow_standalone import AirflowStandalone, airflow_env
-from sequin_provider.config import load_config
 from devtools.demo import CONFIG, SCHEMA, VAR
 from devtools.embedded_postgres import EmbeddedPostgres, kept_data_dir
+from sequin_provider.config import load_config
 from sequin_provider.provisioning import initialize
 
 

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
 from sequin_provider.exceptions import SequinError
 
 

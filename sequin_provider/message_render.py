@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 
 from sequin_provider.config import SinkConfig
 from sequin_provider.delivery import message_kind, selected_actions
-from sequin_provider.messages import json_text, idempotency_key, metadata_head, metadata_tail
+from sequin_provider.messages import idempotency_key, json_text, metadata_head, metadata_tail
 from sequin_provider.pgoutput import COMPILED, hot_path
 
 if TYPE_CHECKING:

@@ -14,7 +14,6 @@ from psycopg import sql
 
 from sequin_provider import store
 from sequin_provider.backfill import create_initial_backfills
-from sequin_provider.store import BackfillError
 from sequin_provider.config import SequinConfig
 from sequin_provider.replication import (
     ReplicationError,
@@ -24,6 +23,7 @@ from sequin_provider.replication import (
     ensure_publication,
     server_version,
 )
+from sequin_provider.store import BackfillError
 
 
 @dataclass

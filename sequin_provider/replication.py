@@ -21,7 +21,6 @@ from psycopg import sql
 
 from sequin_provider.config import TableConfig
 from sequin_provider.exceptions import ReplicationError, SourceUnavailableError
-from sequin_provider.replication_protocol import ReplicationProtocolError, ReplicationStream
 from sequin_provider.pgoutput import (
     Commit,
     LogicalMessage,
@@ -32,6 +31,7 @@ from sequin_provider.pgoutput import (
     int_to_lsn,
     lsn_to_int,
 )
+from sequin_provider.replication_protocol import ReplicationProtocolError, ReplicationStream
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ import psutil
 import psycopg
 import pytest
 
-from sequin_provider import store
 from devtools.embedded_postgres import EmbeddedPostgres
-from sequin_provider.messages import parse_message
 from devtools.stream_process import StreamAppProcess, wait_for  # noqa: F401 - wait_for is shared with the tests
+from sequin_provider import store
+from sequin_provider.messages import parse_message
 
 _counter = itertools.count()
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import psycopg
 
+from devtools.stream_process import streaming_status
 from sequin_provider import store, stream_queue
 from sequin_provider.spark.pipeline import TEST_STALL_AFTER_STORE_ENV
-from devtools.stream_process import streaming_status
 from tests.conftest import execute, wait_for, write_config
 
 SINK = "s"

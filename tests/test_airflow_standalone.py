@@ -13,9 +13,9 @@ import httpx
 import psycopg
 import pytest
 
-from sequin_provider import store, stream_queue
 from devtools.airflow_standalone import AirflowApiError, AirflowStandalone, airflow_env
 from devtools.embedded_postgres import EmbeddedPostgres, free_port
+from sequin_provider import store, stream_queue
 from tests.conftest import StreamApp, execute, write_config
 
 CONFIG = """

@@ -23,11 +23,11 @@ from typing import Any, Iterator
 import psycopg
 import pytest
 
+from devtools.embedded_postgres import EmbeddedPostgres
 from sequin_provider import store
 from sequin_provider.backfill import create_backfill
 from sequin_provider.backfill.reader import DEFAULT_PAGES_IN_FLIGHT
 from sequin_provider.config import load_config
-from devtools.embedded_postgres import EmbeddedPostgres
 from sequin_provider.store import Backfill
 from tests.conftest import StreamApp, execute, sink_messages, wait_for, write_config
 
@@ -547,15 +547,14 @@ def test_reads_the_task_writes_equal_the_pipelines_byte_for_byte(kind: str, dsn:
     Keys include control characters that JSON escapes as ``\\u00xx`` (Spark's own JSON would write
     ``\\u001F``). (The task numbers a page's reads before the close drops any, so dropping is
     tested on its own below.)"""
+    import pyarrow as pa
     from psycopg import sql
 
-    import pyarrow as pa
-
     from sequin_provider.backfill.reader import copy_out
+    from sequin_provider.backfill.watermarks import page_reads, read_rows
     from sequin_provider.message_render import COPY_BINARY_HEADER, COPY_BINARY_TRAILER, read_rows_copy_binary
     from sequin_provider.messages import CHANGE_SCHEMA_DDL, json_text
     from sequin_provider.spark.pipeline import StreamWriter, project_batch
-    from sequin_provider.backfill.watermarks import page_reads, read_rows
 
     staged = [([k, str(n)], json.dumps({"k": k, "n": n, "amount": 1.50, "nested": {"a": [1, None]}}, ensure_ascii=n % 2 == 0)
                .replace("1.5,", "1.50,")) for n, k in enumerate(TRICKY_KEYS)]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import psycopg
 import pytest
-
 from airflow.sdk.exceptions import AirflowException
+
 from sequin_provider.airflow_errors import airflow_errors
 from sequin_provider.backfill import place_backfill, run_lock, server_lock
 from sequin_provider.exceptions import StoreUnavailableError

@@ -11,10 +11,10 @@ from typing import Iterator
 import psycopg
 import pytest
 
-from sequin_provider import store
-from sequin_provider.backfill.reader import DEFAULT_PAGES_IN_FLIGHT
 from devtools.embedded_postgres import EmbeddedPostgres
 from devtools.stream_process import BackfillServerProcess
+from sequin_provider import store
+from sequin_provider.backfill.reader import DEFAULT_PAGES_IN_FLIGHT
 from tests.conftest import StreamApp, execute, sink_messages, wait_for, write_config
 from tests.test_backfill_app import backfill, ranges_moved
 

@@ -27,8 +27,8 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
-from sequin_provider import store
 from devtools.embedded_postgres import EmbeddedPostgres
+from sequin_provider import store
 from sequin_provider.operators.backfill import SequinBackfillOperator
 from sequin_provider.operators.buffer import SequinBufferRetryOperator
 from sequin_provider.operators.replication import SequinReplicationOperator
@@ -186,8 +186,9 @@ def test_dag_files_do_no_io_at_parse_time(monkeypatch: pytest.MonkeyPatch, tmp_p
     def forbidden(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError(f"I/O at DAG parse time: {args!r}")
 
-    import sequin_provider.config
     from airflow.sdk import BaseHook, Variable
+
+    import sequin_provider.config
 
     monkeypatch.setattr(psycopg, "connect", forbidden)
     monkeypatch.setattr(socket.socket, "connect", forbidden)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
 from sequin_provider import buffer, config, delivery, exceptions, pgoutput, replication, store, stream_queue
 from sequin_provider.airflow_errors import airflow_errors, airflow_exception
 from sequin_provider.sinks.sequin_stream import StoreUnavailableError

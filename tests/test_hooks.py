@@ -9,11 +9,11 @@ from typing import Any, Iterator
 
 import psycopg
 import pytest
+from airflow.sdk.exceptions import AirflowNotFoundException
 from psycopg.conninfo import conninfo_to_dict
 
-from airflow.sdk.exceptions import AirflowNotFoundException
-from sequin_provider import buffer, replication, store
 from devtools.embedded_postgres import EmbeddedPostgres
+from sequin_provider import buffer, replication, store
 from sequin_provider.hooks.sequin import SequinConnectionSettings, SequinHook
 
 

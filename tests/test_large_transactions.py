@@ -20,8 +20,8 @@ import psutil
 import psycopg
 import pytest
 
-from sequin_provider import store
 from devtools.embedded_postgres import EmbeddedPostgres
+from sequin_provider import store
 from tests.conftest import StreamApp, execute, sink_messages, wait_for, write_config
 
 BATCH_ROWS = 50_000

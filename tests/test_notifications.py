@@ -10,9 +10,9 @@ from types import SimpleNamespace
 from typing import Any, Iterator
 
 import pytest
+from airflow.sdk import DAG
 from structlog.testing import capture_logs
 
-from airflow.sdk import DAG
 from sequin_provider.notifications.sequin import SequinNotifier, webhook_host
 
 

@@ -21,14 +21,14 @@ from typing import Any, Callable, Iterator
 import psutil
 import psycopg
 import pytest
+from airflow.sdk.exceptions import AirflowException, AirflowFailException, TaskDeferred
 from psycopg.conninfo import conninfo_to_dict
 
-from airflow.sdk.exceptions import AirflowException, AirflowFailException, TaskDeferred
 from sequin_provider import buffer, store
 from sequin_provider.backfill import run_lock, server_lock
 from sequin_provider.operators.backfill import SequinBackfillOperator
-from sequin_provider.operators.common import task_instance_key
 from sequin_provider.operators.buffer import SequinBufferRetryOperator
+from sequin_provider.operators.common import task_instance_key
 from sequin_provider.operators.replication import (
     HeartbeatWatch,
     SequinReplicationOperator,

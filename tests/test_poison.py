@@ -18,10 +18,10 @@ from typing import Any, Iterator
 import psycopg
 import pytest
 
+from devtools.embedded_postgres import EmbeddedPostgres
 from sequin_provider import buffer
 from sequin_provider.buffer import FOLLOWER_ERROR
 from sequin_provider.config import load_config
-from devtools.embedded_postgres import EmbeddedPostgres
 from sequin_provider.spark.pipeline import payload_mode
 from tests.conftest import StreamApp, execute, sink_messages, wait_for, write_config
 from tests.receiver import Receiver

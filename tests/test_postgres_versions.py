@@ -22,11 +22,11 @@ from typing import Any, Iterator
 import psycopg
 import pytest
 
+from devtools.embedded_postgres import EmbeddedPostgres
 from sequin_provider import store
 from sequin_provider.backfill import create_backfill
 from sequin_provider.cli import main as cli_main
 from sequin_provider.config import load_config
-from devtools.embedded_postgres import EmbeddedPostgres
 from sequin_provider.replication import slot_info
 from tests import type_matrix
 from tests.conftest import StreamApp, execute, sink_messages, wait_for, write_config

@@ -7,10 +7,10 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from devtools.embedded_postgres import EmbeddedPostgres
 from sequin_provider import store
 from sequin_provider.cli import main as cli_main
 from sequin_provider.config import load_config
-from devtools.embedded_postgres import EmbeddedPostgres
 from sequin_provider.provisioning import initialize
 from sequin_provider.replication import ChangeReader, ReplicationError
 from tests.conftest import execute, write_config

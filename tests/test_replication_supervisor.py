@@ -16,11 +16,11 @@ from typing import Any
 
 import psycopg
 import pytest
-
 from airflow.sdk.exceptions import AirflowException
+
+from devtools.stream_process import streaming_status
 from sequin_provider import store
 from sequin_provider.operators.replication import SequinReplicationOperator
-from devtools.stream_process import streaming_status
 from tests.conftest import execute, sink_messages, wait_for, write_config
 from tests.test_operators import lock_is_free, no_process_left, sequin_connection
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import psycopg
 import pytest
+from airflow.sdk.exceptions import AirflowException, AirflowSensorTimeout, AirflowSkipException, TaskDeferred
 from psycopg.conninfo import conninfo_to_dict
 
-from airflow.sdk.exceptions import AirflowException, AirflowSensorTimeout, AirflowSkipException, TaskDeferred
 from sequin_provider import buffer, store
 from sequin_provider.sensors.sequin import (
     BackfillCompletedSensor,

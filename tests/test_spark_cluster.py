@@ -19,8 +19,8 @@ import psycopg
 import pyspark
 import pytest
 
-from sequin_provider import store
 from devtools.embedded_postgres import free_port
+from sequin_provider import store
 from sequin_provider.operators.backfill import SequinBackfillOperator
 from tests.conftest import StreamApp, execute, sink_messages, wait_for, write_config
 from tests.test_operators import sequin_connection

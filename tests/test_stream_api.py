@@ -24,7 +24,8 @@ import uvicorn
 from sequin_provider import store, stream_queue
 from sequin_provider.config import SequinConfig, load_config
 from sequin_provider.stream_api import create_app
-from tests.conftest import StreamApp, execute, put_stream_messages as put, wait_for, write_config
+from tests.conftest import StreamApp, execute, wait_for, write_config
+from tests.conftest import put_stream_messages as put
 
 CONFIG = """
 databases:

@@ -23,9 +23,10 @@ import httpx
 import psycopg
 import pytest
 
-from sequin_provider import store, stream_queue
 from devtools.embedded_postgres import EmbeddedPostgres, free_port
-from tests.conftest import execute, put_stream_messages as put, wait_for, write_config
+from sequin_provider import store, stream_queue
+from tests.conftest import execute, wait_for, write_config
+from tests.conftest import put_stream_messages as put
 
 CONFIG = """
 databases:

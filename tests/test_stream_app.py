@@ -22,9 +22,9 @@ from typing import Any, Iterator
 import psycopg
 import pytest
 
+from devtools.embedded_postgres import EmbeddedPostgres
 from sequin_provider import store
 from sequin_provider.config import load_config
-from devtools.embedded_postgres import EmbeddedPostgres
 from sequin_provider.pgoutput import lsn_to_int
 from sequin_provider.replication import slot_info
 from sequin_provider.spark.pipeline import payload_mode

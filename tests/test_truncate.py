@@ -18,11 +18,11 @@ import psycopg
 import pytest
 
 from sequin_provider import buffer, store, stream_queue
+from sequin_provider.backfill.watermarks import HIGH_PREFIX, LOW_PREFIX, Watermark, WindowTracker, watermark_content
 from sequin_provider.buffer import DeliveryError, ParkRow
 from sequin_provider.config import ConfigError, load_config
 from sequin_provider.delivery import Outgoing, push_in_group_order
 from sequin_provider.spark.pipeline import payload_mode
-from sequin_provider.backfill.watermarks import LOW_PREFIX, HIGH_PREFIX, Watermark, WindowTracker, watermark_content
 from tests.conftest import execute, sink_messages, wait_for, write_config
 from tests.receiver import Receiver
 from tests.test_stream_api import ApiServer

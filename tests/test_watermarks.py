@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from sequin_provider.backfill.watermarks import HIGH_PREFIX, LOW_PREFIX, Watermark, holdable, parse_watermark, watermark_content
+from sequin_provider.backfill.watermarks import (
+    HIGH_PREFIX,
+    LOW_PREFIX,
+    Watermark,
+    holdable,
+    parse_watermark,
+    watermark_content,
+)
 
 MARK = Watermark(7, 42, 1, "public", "we\"ird", ("id", "k"))
 

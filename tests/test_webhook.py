@@ -20,8 +20,8 @@ import psycopg
 
 from sequin_provider import buffer
 from sequin_provider.buffer import DeliveryError, backoff_seconds
-from sequin_provider.delivery import Outgoing, push_in_group_order
 from sequin_provider.config import load_config
+from sequin_provider.delivery import Outgoing, push_in_group_order
 from sequin_provider.replication import confirmed_flush_lsn
 from sequin_provider.spark.pipeline import payload_mode
 from tests.conftest import execute, sink_messages, spark_jvm_arguments, wait_for, write_config

@@ -165,11 +165,12 @@ def test_a_proxy_named_by_the_environment_gets_the_whole_url_and_its_credentials
 
 
 def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    import ipaddress
+
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
-    import ipaddress
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])

@@ -31,14 +31,20 @@ from psycopg import sql
 from sequin_provider import store
 from sequin_provider.backfill.control import PageSizeOptimizer
 from sequin_provider.backfill.source_sql import record_sql, text_array_sql
+from sequin_provider.backfill.watermarks import HIGH_PREFIX, LOW_PREFIX, Watermark, page_reads, watermark_content
 from sequin_provider.config import SequinConfig, SinkConfig
-from sequin_provider.message_render import COPY_BINARY_HEADER, COPY_BINARY_TRAILER, read_rows_copy_binary
 from sequin_provider.delivery import reads_render_in_store
-from sequin_provider.pgoutput import (PgOutputDecoder, Relation, TypeRegistry, lsn_to_int, parse_array_literal,
-                                      parse_copy_line)
+from sequin_provider.message_render import COPY_BINARY_HEADER, COPY_BINARY_TRAILER, read_rows_copy_binary
+from sequin_provider.pgoutput import (
+    PgOutputDecoder,
+    Relation,
+    TypeRegistry,
+    lsn_to_int,
+    parse_array_literal,
+    parse_copy_line,
+)
 from sequin_provider.replication import REPLICATION_SESSION_OPTIONS, Catalog, emit_message, primary_key_columns
 from sequin_provider.store import BackfillError, StoreReads
-from sequin_provider.backfill.watermarks import HIGH_PREFIX, LOW_PREFIX, Watermark, page_reads, watermark_content
 
 log = logging.getLogger(__name__)
 

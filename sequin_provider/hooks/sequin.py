@@ -25,11 +25,11 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import psycopg
-from psycopg.conninfo import make_conninfo
-
 from airflow.providers.postgres.hooks.postgres import PostgresHook
 from airflow.sdk import BaseHook
 from airflow.sdk.exceptions import AirflowNotFoundException
+from psycopg.conninfo import make_conninfo
+
 from sequin_provider import backfill as backfill_module
 from sequin_provider import buffer, replication, store
 from sequin_provider.exceptions import StoreUnavailableError

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from urllib.parse import urlsplit
 
 import httpx
-
 from airflow.sdk import BaseNotifier
 
 if TYPE_CHECKING:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
 from sequin_provider.airflow_errors import airflow_errors, airflow_exception
 from sequin_provider.backfill import DEFAULT_MAX_QUERY_MS, RUN_LOCK_WAIT, progress_line
 from sequin_provider.exceptions import SequinError
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from airflow.sdk import Context
+
     from sequin_provider.config import SequinConfig
     from sequin_provider.store import Backfill
 

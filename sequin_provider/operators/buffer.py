@@ -12,12 +12,14 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException
+
 from sequin_provider.airflow_errors import airflow_errors
 from sequin_provider.hooks.sequin import SequinHook
 from sequin_provider.operators.common import load_sequin_config, optional_text
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
+
     from sequin_provider.buffer import RetryReport
 
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException
+
 from sequin_provider.airflow_errors import airflow_errors
 from sequin_provider.exceptions import LockHeldError, SupervisionError
 from sequin_provider.hooks.sequin import SequinHook

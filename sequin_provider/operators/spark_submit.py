@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import psutil
-
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
+
 from sequin_provider.config import airflow_conn_env, dsn_uri
 from sequin_provider.spark.app import SUPERVISOR_PID_ENV
 from sequin_provider.spark_apps import app_path

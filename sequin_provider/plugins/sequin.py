@@ -17,10 +17,9 @@ import threading
 from typing import Any, Awaitable, Callable
 
 import psycopg
+from airflow.plugins_manager import AirflowPlugin
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, Response
-
-from airflow.plugins_manager import AirflowPlugin
 
 URL_PREFIX = "/sequin"
 TOKEN_COOKIE = "sequin_token"

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException, AirflowSensorTimeout
+
 from sequin_provider.airflow_errors import airflow_errors
 from sequin_provider.hooks.sequin import SequinHook
 from sequin_provider.triggers.sequin import (

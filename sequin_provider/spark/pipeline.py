@@ -23,14 +23,13 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
+import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
-import psycopg
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from sequin_provider import store
-from sequin_provider.config import ConfigError, SequinConfig, SinkConfig, load_config
 from sequin_provider.buffer import (
     FOLLOWER_ERROR,
     ParkRow,
@@ -40,6 +39,7 @@ from sequin_provider.buffer import (
     parked_heads,
     sinks_with_parked,
 )
+from sequin_provider.config import ConfigError, SequinConfig, SinkConfig, load_config
 from sequin_provider.delivery import (
     Outgoing,
     Transform,

@@ -36,12 +36,6 @@ from typing import Any, Iterator
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 
-from sequin_provider.config import DatabaseConfig, SequinConfig, StreamConfig, load_config
-from sequin_provider.logs import configure_logging
-from sequin_provider.messages import CHANGE_ARROW_SCHEMA, CHANGE_SCHEMA_DDL, open_transaction_row, rows_to_arrow
-from sequin_provider.replication import CHUNK_BYTES, CHUNK_ROWS, ChangeReader, Position, ReadResult, SourceUnavailableError, confirmed_flush_lsn
-from sequin_provider.sinks.sequin_stream import SequinStreamSink
-from sequin_provider.spark.worker_heap import freeze_long_lived
 from sequin_provider import store
 from sequin_provider.backfill.watermarks import (
     HIGH_PREFIX,
@@ -50,6 +44,20 @@ from sequin_provider.backfill.watermarks import (
     parse_watermark,
     read_rows,
 )
+from sequin_provider.config import DatabaseConfig, SequinConfig, StreamConfig, load_config
+from sequin_provider.logs import configure_logging
+from sequin_provider.messages import CHANGE_ARROW_SCHEMA, CHANGE_SCHEMA_DDL, open_transaction_row, rows_to_arrow
+from sequin_provider.replication import (
+    CHUNK_BYTES,
+    CHUNK_ROWS,
+    ChangeReader,
+    Position,
+    ReadResult,
+    SourceUnavailableError,
+    confirmed_flush_lsn,
+)
+from sequin_provider.sinks.sequin_stream import SequinStreamSink
+from sequin_provider.spark.worker_heap import freeze_long_lived
 
 log = logging.getLogger(__name__)
 

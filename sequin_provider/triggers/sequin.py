@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
+
 from sequin_provider import store
 from sequin_provider.backfill import progress_line
 from sequin_provider.exceptions import ConditionError

@@ -25,12 +25,12 @@ from typing import Any, Callable
 
 import psycopg
 
+from devtools.embedded_postgres import EmbeddedPostgres
+from devtools.stream_process import ROOT, StreamAppProcess, app_env, streaming_status, wait_for
 from sequin_provider import stream_queue
 from sequin_provider.backfill import create_backfill
 from sequin_provider.config import load_config
-from devtools.embedded_postgres import EmbeddedPostgres
 from sequin_provider.messages import parse_message
-from devtools.stream_process import ROOT, StreamAppProcess, app_env, streaming_status, wait_for
 from sequin_provider.spark.pipeline import TEST_STALL_AFTER_STORE_ENV
 from tests.chaos.checker import SinkReport, check_sink
 from tests.chaos.workload import Workload, committed_changes, create_schema, final_rows, row_key
