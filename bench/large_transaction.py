@@ -20,11 +20,9 @@ import argparse
 import json
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import psutil
 import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,26 +32,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 from stream_throughput import current_lsn, run_pg_recvlogical, sink_count  # noqa: E402
 
 from devtools.embedded_postgres import EmbeddedPostgres  # noqa: E402
+from devtools.process_memory import PeakRss, tree_rss  # noqa: E402
 from devtools.stream_process import StreamAppProcess, wait_for  # noqa: E402
 from sequin_provider.config import load_config  # noqa: E402
 from sequin_provider.provisioning import initialize  # noqa: E402
 from sequin_provider.replication import create_slot  # noqa: E402
-
-
-def tree_rss(pid: int) -> int:
-    """Resident memory of a process and all its descendants."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    total = 0
-    for proc in procs:
-        try:
-            total += proc.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total
 
 
 def run_one(rows: int, batch_rows: int, work: Path) -> dict[str, float]:
@@ -88,37 +71,26 @@ stream:
             wait_for(lambda: sink_count(dsn) >= rows, 3600, 1.0, "the load in the sink")
             with psycopg.connect(dsn, autocommit=True) as conn:
                 create_slot(conn, "recv_slot")
-            idle_rss = tree_rss(app.proc.pid)  # type: ignore[union-attr]
-            peak = [idle_rss]
-            stop = threading.Event()
+            idle_rss = sum(tree_rss(app.proc.pid).values())  # type: ignore[union-attr]
+            with PeakRss(app.proc.pid) as sampler:  # type: ignore[union-attr]
+                started = time.monotonic()
+                with psycopg.connect(dsn, autocommit=True) as conn:
+                    conn.execute("UPDATE items SET qty = qty + 1")
+                committed = time.monotonic()
+                end_lsn = current_lsn(dsn)
 
-            def sample() -> None:
-                while not stop.is_set():
-                    peak[0] = max(peak[0], tree_rss(app.proc.pid))  # type: ignore[union-attr]
-                    stop.wait(0.1)
-
-            sampler = threading.Thread(target=sample, daemon=True)
-            sampler.start()
-            started = time.monotonic()
-            with psycopg.connect(dsn, autocommit=True) as conn:
-                conn.execute("UPDATE items SET qty = qty + 1")
-            committed = time.monotonic()
-            end_lsn = current_lsn(dsn)
-
-            def done() -> bool:
-                app.check_alive()
-                return sink_count(dsn) >= 2 * rows
-            wait_for(done, 7200, 0.2, "the transaction in the sink")
+                def done() -> bool:
+                    app.check_alive()
+                    return sink_count(dsn) >= 2 * rows
+                wait_for(done, 7200, 0.2, "the transaction in the sink")
             finished = time.monotonic()
-            stop.set()
-            sampler.join(5)
         finally:
             app.stop()
         recv_seconds = run_pg_recvlogical(dsn, "recv_slot", end_lsn)
     return {"rows": rows, "update_seconds": committed - started, "stream_seconds": finished - committed,
             "stream_rows_per_s": rows / (finished - committed), "pg_recvlogical_seconds": recv_seconds,
             "pg_recvlogical_rows_per_s": rows / recv_seconds, "idle_rss_mib": idle_rss / 2**20,
-            "peak_rss_mib": peak[0] / 2**20}
+            "peak_rss_mib": max(sampler.peak, idle_rss) / 2**20}
 
 
 def main() -> None:
