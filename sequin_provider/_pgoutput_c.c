@@ -19,7 +19,8 @@
  *                            COPY binary tuples, in one pass
  *
  * render() converts the common types here (kinds, see pgoutput.CONVERTER_KINDS) and calls the
- * Python converter for every other value. configure(toast_marker, decode_error) is called once
+ * Python converter for every other value. It never sees a type OID: pgtypes.PG_TYPES maps OIDs to
+ * rules, and the KIND_ codes below are pgtypes.NATIVE_KINDS (tests/test_pgtypes.py parses them). configure(toast_marker, decode_error) is called once
  * at import by pgoutput.py.
  */
 #define PY_SSIZE_T_CLEAN

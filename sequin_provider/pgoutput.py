@@ -15,6 +15,8 @@ json/jsonb -> the JSON value; timestamptz -> ``2024-01-02T03:04:05.123456Z``; ti
 duration (``P1Y2M3DT4H5M6S``); bytea -> ``"\\x0102ff"`` (Postgres hex format); arrays -> nested
 lists with ``null`` elements, elements converted by their type; enum, domain (as its base
 type), uuid, inet, cidr, macaddr, text types and anything else -> the text value as a string.
+The built-in types' rules are one table, ``pgtypes.PG_TYPES``, shared with the compiled renderer
+and the backfill's SQL.
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from array import array
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from itertools import accumulate
-from typing import Callable, Iterable
+from types import MappingProxyType
+from typing import Callable, Iterable, Mapping
 
 from sequin_provider.exceptions import SequinError
+from sequin_provider.pgtypes import NATIVE_KINDS, PG_TYPES, Rule
 
 log = logging.getLogger(__name__)
 
@@ -125,24 +129,14 @@ def _iso_offset(text: str, time_start: int) -> str:
     return text
 
 
-BUILTIN_CONVERTERS: dict[int, Converter] = {
-    16: as_bool,                      # bool
-    20: as_raw, 21: as_raw, 23: as_raw, 26: as_raw,  # int8, int2, int4, oid
-    700: as_number, 701: as_number,   # float4, float8
-    1700: as_number,                  # numeric
-    114: as_raw, 3802: as_raw,        # json, jsonb
-    1184: as_timestamptz,             # timestamptz
-    1114: as_timestamp,               # timestamp
-    1266: as_timetz,                  # timetz
-}
+RULE_CONVERTERS: Mapping[Rule, Converter] = MappingProxyType({
+    Rule.RAW: as_raw, Rule.NUMBER: as_number, Rule.BOOL: as_bool, Rule.STRING: as_string,
+    Rule.TIMESTAMPTZ: as_timestamptz, Rule.TIMESTAMP: as_timestamp, Rule.TIMETZ: as_timetz,
+})
+"""The converter of each scalar rule of ``pgtypes.PG_TYPES`` (``Rule.ARRAY``: ``array_converter``)."""
 
-# Array type OID -> element type OID, for the built-in array types (others come from the catalog).
-BUILTIN_ARRAYS: dict[int, int] = {
-    1000: 16, 1001: 17, 1002: 18, 1003: 19, 1005: 21, 1007: 23, 1016: 20, 1009: 25, 1014: 1042,
-    1015: 1043, 1021: 700, 1022: 701, 1231: 1700, 2951: 2950, 199: 114, 3807: 3802, 1182: 1082,
-    1183: 1083, 1115: 1114, 1185: 1184, 1187: 1186, 1270: 1266, 1041: 869, 651: 650, 1040: 829,
-    775: 774, 1028: 26, 143: 142, 791: 790, 1561: 1560, 1563: 1562,
-}
+CONVERTER_RULES: Mapping[Converter, Rule] = MappingProxyType({conv: rule for rule, conv in RULE_CONVERTERS.items()})
+"""The rule a scalar converter renders by (array converters are not in it)."""
 
 
 def parse_array_literal(text: str, delimiter: str = ",") -> list[object]:
@@ -228,7 +222,8 @@ class TypeInfo:
 
 
 class TypeRegistry:
-    """Maps type OIDs to converters; unknown OIDs are looked up once in the catalog."""
+    """Maps type OIDs to converters: the built-in types by ``pgtypes.PG_TYPES``, other OIDs looked
+    up once in the catalog (domains as their base type, arrays by their element)."""
 
     def __init__(self, lookup: Callable[[int], TypeInfo | None] | None = None) -> None:
         self._lookup = lookup
@@ -239,10 +234,12 @@ class TypeRegistry:
         cached = self._cache.get(oid)
         if cached is not None:
             return cached
-        conv = BUILTIN_CONVERTERS.get(oid)
-        if conv is None and oid in BUILTIN_ARRAYS:
-            conv = array_converter(self.converter(BUILTIN_ARRAYS[oid], _depth + 1))
-        if conv is None and self._lookup is not None and _depth < 8 and oid not in _KNOWN_TEXT_TYPES:
+        builtin = PG_TYPES.get(oid)
+        conv: Converter | None = None
+        if builtin is not None:  # the table decides, without the catalog
+            conv = (array_converter(self.converter(builtin.element, _depth + 1)) if builtin.rule is Rule.ARRAY
+                    else RULE_CONVERTERS[builtin.rule])
+        elif self._lookup is not None and _depth < 8:
             info = self._lookup(oid)
             if info is not None:
                 if info.typtype == "d" and info.base:
@@ -253,10 +250,6 @@ class TypeRegistry:
             conv = as_string
         self._cache[oid] = conv
         return conv
-
-
-_KNOWN_TEXT_TYPES = frozenset({17, 18, 19, 25, 142, 650, 774, 790, 829, 869, 1042, 1043, 1082, 1083, 1186,
-                               1560, 1562, 2950})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,10 +369,9 @@ class DecodeError(SequinError, ValueError):
 # The per-change hot path: reference definitions, and their compiled counterparts when built
 
 
-CONVERTER_KINDS: dict[Converter, int] = {as_raw: 1, as_string: 2, as_bool: 3, as_number: 4, as_timestamptz: 5,
-                                         as_timestamp: 6}
-"""Converters the compiled renderer applies itself (the same codes as in ``_pgoutput_c.c``); any
-other converter (0) is called from it."""
+CONVERTER_KINDS: dict[Converter, int] = {RULE_CONVERTERS[rule]: kind for rule, kind in NATIVE_KINDS.items()}
+"""Converters the compiled renderer applies itself (``pgtypes.NATIVE_KINDS``, the codes of
+``_pgoutput_c.c``); any other converter (0) is called from it."""
 
 
 def parse_tuple(buf: bytes, pos: int) -> tuple[list[object], int]:

@@ -14,28 +14,18 @@ keeps the Python rendering (``record_sql`` returns None). The source session mus
 
 from __future__ import annotations
 
-from typing import Sequence
+from types import MappingProxyType
+from typing import Callable, Mapping, Sequence
 
 from psycopg import sql
 
-from sequin_provider.pgoutput import (
-    NON_FINITE,
-    Converter,
-    Relation,
-    as_bool,
-    as_number,
-    as_raw,
-    as_string,
-    as_timestamp,
-    as_timestamptz,
-    as_timetz,
-)
+from sequin_provider.pgoutput import CONVERTER_RULES, NON_FINITE, Converter, Relation
+from sequin_provider.pgtypes import PG_TYPES, Rule
 
-_CAST_IS_OUTPUT = frozenset({20, 21, 23, 26, 700, 701, 1700, 114, 3802, 1114, 1184, 1266, 25, 1043, 2950,
-                             1082, 1083, 1186})
-"""Type OIDs whose cast to text is their output function. Others (bool, char(n), inet…) have casts
-that print differently, so their text is taken with ``format('%s', …)``, which uses the output
-function."""
+_CAST_IS_OUTPUT = frozenset(oid for oid, t in PG_TYPES.items() if t.text_cast)
+"""Type OIDs whose cast to text is their output function (``pgtypes.PgType.text_cast``). Others
+(bool, char(n), inet…) have casts that print differently, so their text is taken with
+``format('%s', …)``, which uses the output function."""
 
 _RENDERED_KINDS = frozenset({"b", "e", "r", "m"})
 """``pg_type.typtype`` of the value (a domain's base): base, enum, range, multirange. A composite's
@@ -56,29 +46,62 @@ def _with_offset_minutes(text: sql.Composable) -> sql.Composable:
     return sql.SQL("CASE WHEN {0} ~ {1} THEN {0} || ':00' ELSE {0} END").format(text, sql.Literal(_OFFSET_HOURS))
 
 
+def _finite(text: sql.Composable) -> sql.Composable:
+    """A timestamp text the decoder rewrites: AD, not ``infinity``."""
+    return sql.SQL("{0} ~ '^[0-9]' AND {0} NOT LIKE '% BC'").format(text)
+
+
+def _iso(text: sql.Composable) -> sql.Composable:
+    """The first space made a ``T``, like ``str.replace(' ', 'T', 1)``."""
+    return sql.SQL("regexp_replace({}, ' ', 'T')").format(text)
+
+
+def _raw_sql(column: sql.Composable, text: sql.Composable) -> sql.Composable:
+    return text
+
+
+def _string_sql(column: sql.Composable, text: sql.Composable) -> sql.Composable:
+    return sql.SQL("to_json({})::text").format(text)
+
+
+def _bool_sql(column: sql.Composable, text: sql.Composable) -> sql.Composable:
+    return sql.SQL("CASE WHEN {} THEN 'true' ELSE 'false' END").format(column)
+
+
+def _number_sql(column: sql.Composable, text: sql.Composable) -> sql.Composable:
+    specials = sql.SQL(" ").join(sql.SQL("WHEN {} THEN {}").format(sql.Literal(k), sql.Literal(v))
+                                 for k, v in NON_FINITE.items())
+    return sql.SQL("CASE {0} {1} ELSE {0} END").format(text, specials)
+
+
+def _timestamp_sql(column: sql.Composable, text: sql.Composable) -> sql.Composable:
+    return sql.SQL("CASE WHEN {} THEN '\"' || {} || '\"' ELSE to_json({})::text END").format(_finite(text), _iso(text),
+                                                                                           text)
+
+
+def _timestamptz_sql(column: sql.Composable, text: sql.Composable) -> sql.Composable:
+    return sql.SQL("CASE WHEN NOT ({0}) THEN to_json({1})::text WHEN {1} LIKE '%+00' THEN '\"' || left({2}, -3)"
+                   " || 'Z\"' ELSE to_json({3})::text END").format(_finite(text), text, _iso(text),
+                                                                   _with_offset_minutes(_iso(text)))
+
+
+def _timetz_sql(column: sql.Composable, text: sql.Composable) -> sql.Composable:
+    return sql.SQL("to_json({})::text").format(_with_offset_minutes(text))
+
+
+RULE_SQL: Mapping[Rule, Callable[[sql.Composable, sql.Composable], sql.Composable]] = MappingProxyType({
+    Rule.RAW: _raw_sql, Rule.STRING: _string_sql, Rule.BOOL: _bool_sql, Rule.NUMBER: _number_sql,
+    Rule.TIMESTAMP: _timestamp_sql, Rule.TIMESTAMPTZ: _timestamptz_sql, Rule.TIMETZ: _timetz_sql,
+})
+"""The SQL of each ``pgtypes.Rule`` rendered by the source: f(column, its text) -> the value's JSON
+text, as the rule's converter makes it. ``Rule.ARRAY`` is not here: arrays keep the Python rendering."""
+
+
 def value_sql(column: sql.Composable, type_oid: int, converter: Converter) -> sql.Composable | None:
     """SQL giving ``converter(text of column)`` for a non-null value; None for a converter not handled."""
-    text = text_sql(column, type_oid)
-    finite = sql.SQL("{0} ~ '^[0-9]' AND {0} NOT LIKE '% BC'").format(text)
-    iso = sql.SQL("regexp_replace({}, ' ', 'T')").format(text)  # the first space only, like str.replace(…, 1)
-    if converter is as_raw:
-        return text
-    if converter is as_string:
-        return sql.SQL("to_json({})::text").format(text)
-    if converter is as_bool:
-        return sql.SQL("CASE WHEN {} THEN 'true' ELSE 'false' END").format(column)
-    if converter is as_number:
-        specials = sql.SQL(" ").join(sql.SQL("WHEN {} THEN {}").format(sql.Literal(k), sql.Literal(v))
-                                     for k, v in NON_FINITE.items())
-        return sql.SQL("CASE {0} {1} ELSE {0} END").format(text, specials)
-    if converter is as_timestamp:
-        return sql.SQL("CASE WHEN {} THEN '\"' || {} || '\"' ELSE to_json({})::text END").format(finite, iso, text)
-    if converter is as_timestamptz:
-        return sql.SQL("CASE WHEN NOT ({0}) THEN to_json({1})::text WHEN {1} LIKE '%+00' THEN '\"' || left({2}, -3)"
-                       " || 'Z\"' ELSE to_json({3})::text END").format(finite, text, iso, _with_offset_minutes(iso))
-    if converter is as_timetz:
-        return sql.SQL("to_json({})::text").format(_with_offset_minutes(text))
-    return None
+    rule = CONVERTER_RULES.get(converter)
+    build = RULE_SQL.get(rule) if rule is not None else None
+    return None if build is None else build(column, text_sql(column, type_oid))
 
 
 def record_sql(rel: Relation, type_kinds: Sequence[str], table: str = "r") -> sql.Composable | None:
