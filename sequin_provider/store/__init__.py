@@ -8,10 +8,16 @@ One module per concern, every public name re-exported here (``store.migrate``, `
 - ``stream``: the stream table (writing a micro-batch's messages, the acked ledger, visibility);
 - ``backfills``: the backfills table and sink setups;
 - ``backfill_pages``: backfill ranges and pages (the watermark window protocol, DESIGN §7);
-- ``status``: the stream status table.
+- ``status``: the stream status table;
+- ``stream_queue``: the pull API's consumer-group queue on the stream table (claiming a receive's
+  messages, ``FOR UPDATE SKIP LOCKED``; the pending counter; ack, nack, release; a sink's counts);
+- ``tokens``: the pull API's tokens (their hashes);
+- ``buffer``: the buffer of parked messages (parking, parked heads and barriers, due groups,
+  attempts, listing, counts, discarding and requeueing).
 
-The consumer-group queries and API tokens (``stream_queue``) and the buffer of parked messages
-(``buffer``) run their own SQL on the tables these migrations create, through ``ident``.
+Every query on the store's tables is here. ``sequin_provider.stream_queue`` (how much a receive
+reads and claims, ack ids, token rules) and ``sequin_provider.buffer`` (the retry: backoff, giving
+up, delivery) keep their rules and call these functions.
 """
 
 from __future__ import annotations
