@@ -12,6 +12,8 @@ bring them back: a sink is one consumer group), ``nack`` makes them visible at o
 carries its message's position (``ack_id``). Concurrent receivers
 never get the same message: rows are claimed with ``FOR UPDATE SKIP LOCKED``. API tokens are stored
 as SHA-256 hashes only.
+The queries are the store's (``store.stream_queue``, ``store.tokens``); this module decides how much a
+receive reads and claims, makes and parses ack ids, and makes, hashes and checks tokens.
 """
 
 from __future__ import annotations
@@ -20,14 +22,12 @@ import hashlib
 import secrets
 import uuid
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, Sequence
 
 import psycopg
-from psycopg import sql
 
+from sequin_provider import store
 from sequin_provider.exceptions import SequinError
-from sequin_provider.store import READS_RELEASED, durable_commit, ident
 
 TOKEN_PREFIX = "sqn_"
 
@@ -86,47 +86,6 @@ HEAD_GROWTH = 4
 """A receive first reads its pending messages and this many times the batch of the stream's head,
 and this many times more each time it claimed too few from the part it read (``receive``)."""
 
-_RECEIVE = """
-    WITH head AS (
-        SELECT m.ctid AS row_id, m.commit_lsn, m.commit_idx, m.group_id, m.barrier, {ready} AS ready
-        FROM {s}.stream_messages m
-        WHERE m.sink = %(sink)s AND m.commit_lsn <= %(visible)s
-        ORDER BY m.commit_lsn, m.commit_idx LIMIT %(head)s),
-    barriers AS MATERIALIZED (
-        SELECT commit_lsn, commit_idx, barrier FROM head WHERE barrier IS NOT NULL),
-    firsts AS (
-        SELECT DISTINCT ON (group_id COLLATE "C") row_id, commit_lsn, commit_idx, group_id, barrier, ready
-        FROM head ORDER BY group_id COLLATE "C", commit_lsn, commit_idx),
-    deliverable AS (
-        SELECT row_id FROM firsts f WHERE ready
-        AND (f.barrier IS NULL OR NOT EXISTS (SELECT 1 FROM head h WHERE (h.commit_lsn, h.commit_idx) <
-             (f.commit_lsn, f.commit_idx) AND starts_with(h.group_id COLLATE "C", f.barrier)))
-        AND NOT EXISTS (SELECT 1 FROM barriers b WHERE (b.commit_lsn, b.commit_idx) < (f.commit_lsn, f.commit_idx)
-             AND starts_with(f.group_id COLLATE "C", b.barrier))),
-    picked AS (
-        SELECT m.commit_lsn, m.commit_idx, m.state = 'available' AS newly_pending
-        FROM {s}.stream_messages m
-        WHERE m.ctid = ANY(ARRAY(SELECT row_id FROM deliverable)) AND {ready}
-        ORDER BY m.commit_lsn, m.commit_idx
-        LIMIT %(limit)s
-        FOR UPDATE OF m SKIP LOCKED),
-    claimed AS (
-        UPDATE {s}.stream_messages t
-           SET ack_nonce = floor(random() * %(nonces)s)::integer, state = 'delivered',
-               deliver_count = t.deliver_count + 1,
-               not_visible_until = clock_timestamp() + %(timeout)s * interval '1 second',
-               last_delivered_at = now()
-          FROM picked
-         WHERE t.sink = %(sink)s AND t.commit_lsn = picked.commit_lsn AND t.commit_idx = picked.commit_idx
-        RETURNING t.commit_lsn, t.commit_idx, t.ack_nonce, t.data::text, picked.newly_pending),
-    counted AS (
-        INSERT INTO {s}.stream_pending AS p (sink, pending)
-        SELECT %(sink)s, count(*) FROM claimed WHERE newly_pending HAVING count(*) > 0
-        ON CONFLICT (sink) DO UPDATE SET pending = p.pending + EXCLUDED.pending)
-    SELECT c.commit_lsn, c.commit_idx, c.ack_nonce, c.data, h.n
-    FROM (SELECT count(*) AS n FROM head) h LEFT JOIN claimed c ON true"""
-
-
 def receive(conn: psycopg.Connection[Any], schema: str, sink: str, batch_size: int, visibility_timeout: float,
             max_ack_pending: int) -> list[Delivery]:
     """Claim up to ``batch_size`` deliverable messages of ``sink`` for ``visibility_timeout`` seconds.
@@ -150,84 +109,28 @@ def receive(conn: psycopg.Connection[Any], schema: str, sink: str, batch_size: i
     in its own transaction; when it reads full, it is recounted (at most every ``RECOUNT_SECONDS``)
     so a counter gone wrong behind our back (a manual DELETE) cannot stall the sink.
     """
-    s = ident(schema)
-    ready = sql.SQL("(m.not_visible_until IS NULL OR m.not_visible_until <= now())"
-                    " AND (NOT %(only_redeliveries)s OR m.deliver_count > 0) AND {}").format(sql.SQL(READS_RELEASED).format(s=s))
-    query = sql.SQL(_RECEIVE).format(s=s, ready=ready)
-    claimed: list[tuple[int, int, int, str]] = []
+    claimed: list[store.Claimed] = []
     with conn.transaction():
-        row = conn.execute(sql.SQL(
-            "SELECT (SELECT visible_lsn FROM {0}.stream_visibility WHERE sink = %(sink)s),"
-            " (SELECT pending FROM {0}.stream_pending WHERE sink = %(sink)s)").format(s), {"sink": sink}).fetchone()
-        if row is None or row[0] is None:
+        started = store.receive_start(conn, schema, sink)
+        if started is None:
             return []
-        outstanding = int(row[1] or 0)
+        visible, outstanding = started
         if outstanding >= max_ack_pending:
-            outstanding = _recount_pending(conn, schema, sink, outstanding)
+            outstanding = store.recount_pending(conn, schema, sink, outstanding, RECOUNT_SECONDS)
         only_redeliveries = outstanding >= max_ack_pending
         limit = batch_size if only_redeliveries else min(batch_size, max_ack_pending - outstanding)
         head = outstanding + HEAD_GROWTH * limit
         while True:
-            rows = conn.execute(query, {
-                "sink": sink, "visible": int(row[0]), "head": head, "only_redeliveries": only_redeliveries,
-                "limit": limit - len(claimed), "timeout": visibility_timeout, "nonces": _NONCE_LIMIT}).fetchall()
-            claimed.extend(r[:4] for r in rows if r[0] is not None)
+            got, in_head = store.claim_from_head(conn, schema, sink, visible, head, only_redeliveries,
+                                                 limit - len(claimed), visibility_timeout, _NONCE_LIMIT)
+            claimed.extend(got)
             # Read further while too few were claimed and the head did not hold every visible
             # message: too few deliverable ones in it, or other receivers hold them (skipped,
             # not waited for). The ones claimed stay in the head, now received.
-            if len(claimed) >= limit or rows[0][4] < head:
+            if len(claimed) >= limit or in_head < head:
                 break
             head *= HEAD_GROWTH
     return [Delivery(ack_id(lsn, idx, nonce), data) for lsn, idx, nonce, data in sorted(claimed)]
-
-
-def _recount_pending(conn: psycopg.Connection[Any], schema: str, sink: str, counted: int) -> int:
-    """The exact pending count of ``sink``, written back to its counter; ``counted`` when the last
-    recount is under ``RECOUNT_SECONDS`` old. Exact because the counter row stays locked while
-    counting: a receive, ack or nack changes its rows and the counter in one transaction."""
-    row = conn.execute(sql.SQL(
-        "UPDATE {0}.stream_pending SET pending = (SELECT count(*) FROM {0}.stream_messages"
-        " WHERE sink = %(sink)s AND state = 'delivered'), checked_at = now()"
-        " WHERE sink = %(sink)s AND checked_at < now() - %(every)s * interval '1 second'"
-        " RETURNING pending").format(ident(schema)), {"sink": sink, "every": RECOUNT_SECONDS}).fetchone()
-    return int(row[0]) if row else counted
-
-
-def _settle(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequence[str | uuid.UUID],
-            change: sql.Composable, then: sql.Composable | None = None, durable: bool = False) -> int:
-    """Apply ``change`` (a DELETE or UPDATE of the messages matched by ``a``, returning their
-    positions) to the pending messages delivered with ``ack_ids``, and take them off the sink's
-    pending counter in the same transaction; ``then`` adds CTEs on ``settled``; ``durable``: the
-    commit is durable when it returns, whatever the server's ``synchronous_commit``."""
-    lsns, idxs, nonces = _parsed(ack_ids)
-    s = ident(schema)
-    with conn.transaction():
-        if durable:
-            durable_commit(conn)
-        row = conn.execute(sql.SQL("""
-            WITH settled AS ({change}),{then}
-            n AS (SELECT count(*) AS n FROM settled),
-            counted AS (UPDATE {s}.stream_pending p SET pending = greatest(p.pending - n.n, 0)
-                          FROM n WHERE p.sink = %(sink)s AND n.n > 0)
-            SELECT n FROM n""").format(change=change, then=then or sql.SQL(""), s=s),
-            {"sink": sink, "lsns": lsns, "idxs": idxs, "nonces": nonces}).fetchone()
-    return int(row[0]) if row else 0
-
-
-_MATCH = sql.SQL(
-    " unnest(%(lsns)s::bigint[], %(idxs)s::integer[], %(nonces)s::integer[]) a(lsn, idx, nonce)"
-    " WHERE m.sink = %(sink)s AND m.commit_lsn = a.lsn AND m.commit_idx = a.idx AND m.ack_nonce = a.nonce"
-    " AND m.state = 'delivered' RETURNING m.commit_lsn, m.commit_idx")
-
-_LEDGER = """
-            ledger AS (INSERT INTO {s}.stream_acked (sink, min_lsn, max_lsn, lsns, idxs)
-                SELECT %(sink)s, min(commit_lsn), max(commit_lsn), array_agg(commit_lsn ORDER BY commit_lsn, commit_idx),
-                       array_agg(commit_idx ORDER BY commit_lsn, commit_idx)
-                FROM settled
-                WHERE commit_lsn >= coalesce((SELECT passed_lsn FROM {s}.stream_visibility WHERE sink = %(sink)s), 0)
-                HAVING count(*) > 0),"""
-"""The ack's one entry in the acked ledger: the positions it settled that the slot has not passed
-yet (a replay of their batch must not write them again: ``store.insert_stream_copy``)."""
 
 
 def ack(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequence[str | uuid.UUID]) -> int:
@@ -237,35 +140,23 @@ def ack(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequence
     acked ledger until the slot has passed it (``store.prune_acked``), so a micro-batch replayed
     after a crash of the stream app skips it; and the ack is durable when it returns (a crash of
     the store does not undo an ack its consumer was told of)."""
-    s = ident(schema)
-    return _settle(conn, schema, sink, ack_ids, sql.SQL("DELETE FROM {}.stream_messages m USING").format(s) + _MATCH,
-                   sql.SQL(_LEDGER).format(s=s), durable=True)
+    return store.ack_messages(conn, schema, sink, _parsed(ack_ids))
 
 
 def nack(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequence[str | uuid.UUID]) -> int:
     """Make the messages delivered with ``ack_ids`` visible again at once (their ack ids expire)."""
-    return _settle(conn, schema, sink, ack_ids, sql.SQL(
-        "UPDATE {}.stream_messages m SET ack_nonce = NULL, state = 'available', not_visible_until = NULL FROM").format(
-        ident(schema)) + _MATCH)
+    return store.nack_messages(conn, schema, sink, _parsed(ack_ids))
 
 
 def release(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequence[str | uuid.UUID]) -> int:
     """Give back messages claimed for a client that disconnected before their answer was sent: a
     nack that also takes back the delivery count, since nobody received them (a message claimed
     again since, with another ack id, is left alone)."""
-    return _settle(conn, schema, sink, ack_ids, sql.SQL(
-        "UPDATE {}.stream_messages m SET ack_nonce = NULL, state = 'available', not_visible_until = NULL,"
-        " deliver_count = greatest(m.deliver_count - 1, 0) FROM").format(ident(schema)) + _MATCH)
+    return store.release_messages(conn, schema, sink, _parsed(ack_ids))
 
 
-def stream_counts(conn: psycopg.Connection[Any], schema: str, sink: str) -> dict[str, int]:
-    """Messages of a sink: total, visible, outstanding (received and not yet acked)."""
-    row = conn.execute(sql.SQL(
-        "SELECT count(*), count(*) FILTER (WHERE commit_lsn <= coalesce((SELECT visible_lsn FROM {0}.stream_visibility"
-        " WHERE sink = %s), -1)), count(*) FILTER (WHERE not_visible_until > now())"
-        " FROM {0}.stream_messages WHERE sink = %s").format(ident(schema)), (sink, sink)).fetchone()
-    total, visible, outstanding = row if row else (0, 0, 0)
-    return {"total": int(total), "visible": int(visible), "outstanding": int(outstanding)}
+stream_counts = store.stream_counts
+"""``store.stream_counts``, importable from here as before (``sinks.sequin_stream``)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,36 +178,24 @@ def create_token(conn: psycopg.Connection[Any], schema: str, name: str) -> str:
     if not name or len(name) > 100 or not name.isprintable():
         raise TokenError("a token name is 1-100 printable characters")
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
-    with conn.transaction():
-        row = conn.execute(sql.SQL(
-            "INSERT INTO {0}.api_tokens (name, token_hash) VALUES (%s, %s) ON CONFLICT (name) DO UPDATE"
-            " SET token_hash = EXCLUDED.token_hash, created_at = now(), revoked_at = NULL"
-            " WHERE {0}.api_tokens.revoked_at IS NOT NULL RETURNING name").format(ident(schema)),
-            (name, hash_token(token))).fetchone()
-    if row is None:
+    if not store.add_api_token(conn, schema, name, hash_token(token)):
         raise TokenError(f"a token named {name!r} exists; revoke it first or pick another name")
     return token
 
 
 def revoke_token(conn: psycopg.Connection[Any], schema: str, name: str) -> None:
     """Revoke a token: requests carrying it are refused from now on (403)."""
-    with conn.transaction():
-        cur = conn.execute(sql.SQL("UPDATE {}.api_tokens SET revoked_at = now() WHERE name = %s"
-                                   " AND revoked_at IS NULL").format(ident(schema)), (name,))
-    if cur.rowcount == 0:
+    if store.revoke_api_token(conn, schema, name) == 0:
         raise TokenError(f"no active token named {name!r}")
 
 
-def list_tokens(conn: psycopg.Connection[Any], schema: str) -> list[tuple[str, datetime, datetime | None]]:
-    """(name, created_at, revoked_at) of every token."""
-    return [tuple(r) for r in conn.execute(sql.SQL(  # type: ignore[misc]
-        "SELECT name, created_at, revoked_at FROM {}.api_tokens ORDER BY name").format(ident(schema))).fetchall()]
+list_tokens = store.list_api_tokens
+"""``store.list_api_tokens``: (name, created_at, revoked_at) of every token (``sequin token list``)."""
 
 
 def token_status(conn: psycopg.Connection[Any], schema: str, token: str) -> str:
     """``active``, ``revoked`` or ``unknown``."""
-    row = conn.execute(sql.SQL("SELECT revoked_at IS NULL FROM {}.api_tokens WHERE token_hash = %s").format(
-        ident(schema)), (hash_token(token),)).fetchone()
-    if row is None:
+    active = store.api_token_active(conn, schema, hash_token(token))
+    if active is None:
         return "unknown"
-    return "active" if row[0] else "revoked"
+    return "active" if active else "revoked"

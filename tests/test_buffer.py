@@ -75,7 +75,7 @@ def test_max_retry_count_discards_with_the_last_error_and_the_group_moves_on(dsn
         kept = buffer.list_messages(conn, "sequin", "hook")
         assert [(m.commit_lsn, m.state, m.attempts, m.last_error) for m in kept] == [
             (10, "discarded", 2, "HTTP 400: attempt 2")]
-        assert buffer.buffer_counts(conn, "sequin") == {"hook": {"parked": 0, "discarded": 1}}
+        assert store.buffer_counts(conn, "sequin") == {"hook": {"parked": 0, "discarded": 1}}
         assert buffer.set_state(conn, "sequin", "hook", "parked") == 1  # requeue: due now, attempts reset
         (requeued,) = buffer.list_messages(conn, "sequin", "hook")
     assert (requeued.state, requeued.attempts) == ("parked", 0)

@@ -149,7 +149,7 @@ def query_heartbeat_at(dsn: str, schema: str, database: str) -> datetime | None:
 def query_buffer_counts(dsn: str, schema: str) -> dict[str, dict[str, int]]:
     """``{sink: {"parked": n, "discarded": n}}`` of the buffer of parked messages."""
     with _connect(dsn) as conn:
-        return buffer.buffer_counts(conn, schema)
+        return store.buffer_counts(conn, schema)
 
 
 def query_backfill(dsn: str, schema: str, backfill_id: int) -> store.Backfill:

@@ -31,7 +31,7 @@ def _cell(value: Any) -> str:
 
 def status_page(config: Any, service: Any, token: str | None) -> str:
     """The HTML status view: sinks with their messages and parked counts, backfills, slot lag."""
-    from sequin_provider import buffer, store
+    from sequin_provider import store
     from sequin_provider.backfill import progress_line
     from sequin_provider.replication import slot_info
 
@@ -50,7 +50,7 @@ def status_page(config: Any, service: Any, token: str | None) -> str:
             rows_slots.append([db.name, db.slot.name, "yes" if info and info.active else "no",
                                f"{info.lag_bytes:,}" if info and info.lag_bytes is not None else "?"])
             with psycopg.connect(config.store_dsn(db.name), connect_timeout=5) as conn:
-                parked = buffer.buffer_counts(conn, schema) if store.schema_version(conn, schema) >= 6 else {}
+                parked = store.buffer_counts(conn, schema) if store.schema_version(conn, schema) >= 6 else {}
                 for sink in config.sinks_of(db.name):
                     counts = sink.destination.kind.counts(conn, schema, sink.name)
                     rows_sinks.append([sink.name, sink.destination.kind.name, ", ".join(t.qualified for t in sink.tables),
