@@ -15,6 +15,9 @@ from psycopg.conninfo import conninfo_to_dict
 from devtools.stream_process import wait_for
 from sequin_provider.operators.replication import lock_name
 
+# The triggers' connection id and a poll interval short enough for tests.
+FAST_TRIGGER = {"sequin_conn_id": "sequin_trig", "poke_interval": 0.05}
+
 
 def sequin_connection(dsn: str, **extra: Any) -> str:
     """``AIRFLOW_CONN_<ID>`` (JSON form) of a ``sequin`` connection to ``dsn``."""

@@ -1,28 +1,20 @@
-"""SequinHook against real Postgres: connection resolution, slot lag, heartbeat, buffer, backfills."""
+"""SequinHook against real Postgres: slot lag, heartbeat, buffer, backfills (connection settings alone:
+tests/unit/test_hooks.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from datetime import datetime, timedelta, timezone
-from typing import Any, Iterator
+from typing import Iterator
 
 import psycopg
 import pytest
-from airflow.sdk.exceptions import AirflowNotFoundException
-from psycopg.conninfo import conninfo_to_dict
 
 from devtools.embedded_postgres import EmbeddedPostgres
 from sequin_provider import buffer, replication, store
-from sequin_provider.hooks.sequin import SequinConnectionSettings, SequinHook
-
-
-def connection_json(dsn: str, **extra: Any) -> str:
-    """An ``AIRFLOW_CONN_<ID>`` value (JSON form) for a ``sequin`` connection to ``dsn``."""
-    parts = conninfo_to_dict(dsn)
-    return json.dumps({"conn_type": "sequin", "host": parts.get("host"), "port": int(parts.get("port") or 5432),
-                       "login": parts.get("user"), "password": parts.get("password"), "schema": parts.get("dbname"),
-                       "extra": extra})
+from sequin_provider.hooks.sequin import SequinHook
+from tests.support.airflow import sequin_connection
 
 
 def park(dsn: str, sink: str, n: int, schema: str = "sequin", start: int = 0) -> None:
@@ -54,49 +46,10 @@ def write_wal(dsn: str, rows: int = 2000) -> None:
 @pytest.fixture
 def hook(dsn: str, monkeypatch: pytest.MonkeyPatch) -> SequinHook:
     """A hook on connection ``sequin_test`` = the test database (store in the same database)."""
-    monkeypatch.setenv("AIRFLOW_CONN_SEQUIN_TEST", connection_json(dsn))
+    monkeypatch.setenv("AIRFLOW_CONN_SEQUIN_TEST", sequin_connection(dsn))
     with psycopg.connect(dsn) as conn:
         store.migrate(conn, "sequin")
     return SequinHook("sequin_test")
-
-
-def test_hook_does_no_io_until_used(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Built at DAG parse time inside operators: a missing connection must only fail on first use.
-    monkeypatch.delenv("AIRFLOW_CONN_NOT_THERE", raising=False)
-    hook = SequinHook("not_there")
-    assert hook.sequin_conn_id == "not_there" and hook._settings is None
-    with pytest.raises(AirflowNotFoundException):
-        _ = hook.settings
-
-
-def test_settings_from_json_and_uri_connections(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AIRFLOW_CONN_SEQ_JSON", json.dumps({
-        "conn_type": "sequin", "host": "db.example", "port": 6543, "login": "rep", "password": "s3cret pw",
-        "schema": "shop", "extra": {"store_dsn": "postgresql://st@store.example/ops", "store_schema": "cdc",
-                                    "config_path": "/etc/sequin.yaml", "sslmode": "require"}}))
-    settings = SequinHook("seq_json").settings
-    assert conninfo_to_dict(settings.source_dsn) == {"host": "db.example", "port": "6543", "user": "rep",
-                                                     "password": "s3cret pw", "dbname": "shop",
-                                                     "connect_timeout": "10", "sslmode": "require"}
-    assert (settings.store_dsn, settings.store_schema, settings.config_path) == (
-        "postgresql://st@store.example/ops", "cdc", "/etc/sequin.yaml")
-    assert "s3cret" not in repr(settings)
-
-    # URI form, no extras: the store is the source database, schema "sequin".
-    monkeypatch.setenv("AIRFLOW_CONN_SEQ_URI", "sequin://rep:pw@db.example:5433/shop")
-    uri = SequinHook("seq_uri").settings
-    assert uri.store_dsn == uri.source_dsn and uri.store_schema == "sequin" and uri.config_path is None
-    assert conninfo_to_dict(uri.source_dsn)["port"] == "5433"
-
-
-def test_settings_accept_prefixed_extras() -> None:
-    from airflow.sdk import Connection
-
-    conn = Connection(conn_id="x", conn_type="sequin", host="h", schema="d",
-                      extra=json.dumps({"extra__sequin__store_schema": "old_ui", "store_dsn": ""}))
-    settings = SequinConnectionSettings.from_connection(conn)
-    assert settings.store_schema == "old_ui"
-    assert settings.store_dsn == settings.source_dsn  # an empty extra means "not set"
 
 
 def test_slot_lag_grows_with_unconsumed_wal(hook: SequinHook, dsn: str, slot: str) -> None:
@@ -116,7 +69,7 @@ def test_heartbeat_age_reads_a_separate_store(pg: EmbeddedPostgres, dsn: str, db
     store_dsn = pg.create_database(f"{dbname}_st"[:63])
     with psycopg.connect(store_dsn) as conn:
         store.migrate(conn, "ops")
-    monkeypatch.setenv("AIRFLOW_CONN_SEQ_STORE", connection_json(dsn, store_dsn=store_dsn, store_schema="ops"))
+    monkeypatch.setenv("AIRFLOW_CONN_SEQ_STORE", sequin_connection(dsn, store_dsn=store_dsn, store_schema="ops"))
     hook = SequinHook("seq_store")
     assert hook.heartbeat_age_seconds("shop") is None  # no status row yet
 

@@ -1,9 +1,9 @@
-"""The deferrable triggers: serialisation round trip, and success / timeout / error events on real Postgres."""
+"""The deferrable triggers: success / timeout / error events on real Postgres (serialisation:
+tests/unit/test_triggers.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import time
 from datetime import datetime, timedelta, timezone
@@ -21,8 +21,7 @@ from sequin_provider.triggers.sequin import (
     SequinPollingTrigger,
     SlotLagTrigger,
 )
-
-FAST = {"sequin_conn_id": "sequin_trig", "poke_interval": 0.05}
+from tests.support.airflow import FAST_TRIGGER as FAST
 
 
 @pytest.fixture
@@ -68,32 +67,6 @@ def park(dsn: str, sink: str, n: int) -> None:
     rows = [buffer.ParkRow(sink, 100 + i, 0, f"g{i}", f"k{i}", "{}", None, 1, "HTTP 500") for i in range(n)]
     with psycopg.connect(dsn) as conn:
         buffer.park(conn, "sequin", rows)
-
-
-@pytest.mark.parametrize("trigger", [
-    SlotLagTrigger(slot="s", threshold_bytes=1024, fire_when="within", end_time=123.5, **FAST),
-    HeartbeatTrigger(database="shop", max_age_seconds=30, **FAST),
-    ParkedMessagesTrigger(sink="orders", threshold=5, end_time=None, **FAST),
-    ParkedMessagesTrigger(**FAST),
-    BackfillCompletedTrigger(backfill_id=7, end_time=99.0, **FAST),
-], ids=lambda t: type(t).__name__)
-def test_serialize_round_trips(trigger: SequinPollingTrigger) -> None:
-    classpath, kwargs = trigger.serialize()
-    module, _, name = classpath.rpartition(".")
-    cls = getattr(importlib.import_module(module), name)
-    assert cls is type(trigger)
-    json.dumps(kwargs)  # the triggerer stores the kwargs: they must be plain JSON
-    rebuilt = cls(**kwargs)
-    assert rebuilt.serialize() == (classpath, kwargs)
-    assert kwargs["sequin_conn_id"] == "sequin_trig" and kwargs["poke_interval"] == 0.05
-    assert {k: v for k, v in vars(rebuilt).items() if k in kwargs} == kwargs
-
-
-def test_invalid_arguments_fail_at_construction() -> None:
-    with pytest.raises(ValueError, match="fire_when"):
-        SlotLagTrigger(slot="s", threshold_bytes=1, fire_when="above")
-    with pytest.raises(ValueError, match="threshold"):
-        ParkedMessagesTrigger(threshold=-1)
 
 
 def test_slot_lag_success_timeout_and_missing_slot(conn_env: str, slot: str) -> None:

@@ -1,8 +1,8 @@
-"""message_render: messages and COPY binary stream rows rendered from Arrow change rows.
+"""message_render without a server: messages and COPY binary stream rows rendered from Arrow change rows.
 
-The end-to-end tests (test_stream_app, test_backfill_app) hold the rendering to the guarantees
-through the real pipeline; these pin the exact bytes, the escaping against PostgreSQL's own
-``to_json``, and the COPY binary encoding against a real COPY.
+These pin the exact bytes, every message kind, the backfill read's key, and the compiled COPY binary
+encoder against its Arrow reference; the escaping against PostgreSQL's own ``to_json`` and the
+encoding against a real COPY are tests/integration/test_message_render.py.
 """
 
 from __future__ import annotations
@@ -10,46 +10,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import psycopg
 import pyarrow as pa
 import pytest
 
-from sequin_provider import pgoutput, store
+from sequin_provider import pgoutput
 from sequin_provider.config import load_config
 from sequin_provider.message_render import (
-    COPY_BINARY_HEADER,
-    COPY_BINARY_TRAILER,
-    RenderedRows,
-    SinkRendering,
     copy_binary_rows,
-    copy_binary_tuple,
-    json_string_arrays,
     render,
-    stream_rows_copy_binary,
 )
 from sequin_provider.messages import parse_message, rows_to_arrow
-from tests.support.config import write_config
-
-HOSTILE = ["plain", 'quote " and \\ backslash', "tab\tnew\nline\rcr\bbs\fff", "ünïcødé ✓ 😀", "it's", '["x"]',
-           "unit\x1fsep\x0bvt\x01", "\x7fdel\u2028ls", ""]
-
-
-def sinks(tmp_path: Path) -> dict[str, SinkRendering]:
-    config = load_config(write_config(tmp_path / "sequin.yaml", """
-        databases: [{name: app, dsn: "postgresql://u@localhost/app"}]
-        sinks:
-          - {name: changes, tables: [public.t, other.t2], destination: {type: sequin_stream}}
-          - {name: rows, tables: [public.t], message_kind: record, destination: {type: sequin_stream}}
-          - {name: bare, tables: [public.t], transform: record_only, destination: {type: sequin_stream}}
-          - {name: loose, tables: [public.t], message_grouping: false, destination: {type: sequin_stream}}
-        """))
-    return {s.name: SinkRendering.of(s, "app") for s in config.sinks}
-
-
-def change(lsn: int, idx: int, record: str, pks: list[str], *, action: str = "update", changes: str | None = None,
-           toast: list[str] | None = None, table: tuple[str, str] = ("public", "t"), backfill: int | None = None) -> tuple:
-    return (lsn, idx, "2026-11-22T08:00:00.123456Z", 7, table[0], table[1], action, record, changes, pks,
-            toast or [], backfill, "changes" if backfill is not None else None)
+from tests.support.rendering import HOSTILE, change, sinks
 
 
 def test_a_change_renders_to_the_exact_message_bytes(tmp_path: Path) -> None:
@@ -92,21 +63,6 @@ def test_every_message_kind_parses_and_keeps_its_record_verbatim(tmp_path: Path)
     assert loose.group_id.to_pylist() == [f"{1000 + n}:{n}" for n in range(len(HOSTILE))]
 
 
-def test_keys_are_escaped_as_postgresql_escapes_them(tmp_path: Path, dsn: str) -> None:
-    """Group ids and ``record_pks`` must equal what the store renders for a backfill read of the
-    same key (``to_json(text[])``), so a read and a change of one row share their group."""
-    keys = [[k, str(n)] for n, k in enumerate(HOSTILE)] + [[]]
-    batch = rows_to_arrow([change(10 + n, 0, "{}", k) for n, k in enumerate(keys)])
-    with psycopg.connect(dsn) as conn:
-        expected = [conn.execute("SELECT to_json(%s::text[])::text", (k,)).fetchone()[0] for k in keys]
-    assert json_string_arrays(batch.column("record_pks")).to_pylist() == expected
-    assert render(batch, sinks(tmp_path)["changes"]).group_id.to_pylist() == [f"public.t:{e}" for e in expected]
-    sliced = batch.slice(3, 4)  # an Arrow slice: offsets that do not start at 0
-    assert json_string_arrays(sliced.column("record_pks")).to_pylist() == expected[3:7]
-    nulls = pa.array([["a"], None, []], pa.list_(pa.string()))
-    assert json_string_arrays(nulls).to_pylist() == ['["a"]', None, "[]"]
-
-
 def test_a_backfill_read_is_keyed_by_backfill_and_primary_key(tmp_path: Path) -> None:
     batch = rows_to_arrow([change(50, 0, '{"k":"a"}', ['a"b', "1"], action="read", backfill=9),
                            change(50, 1, '{"k":"c"}', ["c", "2"], action="update")])
@@ -115,32 +71,6 @@ def test_a_backfill_read_is_keyed_by_backfill_and_primary_key(tmp_path: Path) ->
     assert [parse_message(d)["metadata"]["idempotency_key"] for d in rows.data.to_pylist()] == [
         'backfill:9:["a\\"b","1"]', "50:1"]
     assert parse_message(rows.data[0].as_py())["changes"] is None
-
-
-def test_copy_binary_rows_load_exactly_and_incomplete_rows_are_left_out(tmp_path: Path, dsn: str) -> None:
-    """The encoding against PostgreSQL's COPY binary: every field back as written, including
-    empty strings, multi-byte text and the largest positions; rows with no message are not written."""
-    data = pa.array([json.dumps({"k": k}, ensure_ascii=False) for k in HOSTILE[:-1]] + [None], pa.string())
-    n = len(data)
-    rows = RenderedRows(pa.array([2**63 - 1 - j for j in range(n)], pa.int64()), pa.array([2**31 - 1 - j for j in range(n)], pa.int32()),
-                        pa.array(HOSTILE[:-1] + ["g"], pa.string()), pa.array([""] + HOSTILE[1:], pa.string()), data)
-    payload = stream_rows_copy_binary("sïnk", rows)
-    extra = copy_binary_tuple(("sïnk", -1, 0, "", "k", "{}"))  # the per-row form (transform sinks)
-    with psycopg.connect(dsn) as conn:
-        store.migrate(conn, "sequin")
-        written = store.insert_stream_copy(conn, "sequin", [COPY_BINARY_HEADER, memoryview(payload), extra,
-                                                            COPY_BINARY_TRAILER], binary=True)
-        back = conn.execute("SELECT sink, commit_lsn, commit_idx, group_id, idempotency_key, data::text"
-                            " FROM sequin.stream_messages ORDER BY commit_lsn DESC").fetchall()
-        # a replay of the same stream hits the positions and adds nothing
-        again = store.insert_stream_copy(conn, "sequin", [COPY_BINARY_HEADER, memoryview(payload), extra,
-                                                          COPY_BINARY_TRAILER], binary=True)
-    expected = [("sïnk", 2**63 - 1 - j, 2**31 - 1 - j, HOSTILE[j], ([""] + HOSTILE[1:])[j], data[j].as_py())
-                for j in range(n - 1)]
-    assert written == n and again == 0
-    assert back == expected + [("sïnk", -1, 0, "", "k", "{}")]
-    assert stream_rows_copy_binary("s", RenderedRows(*(a[:0] for a in (rows.commit_lsn, rows.commit_idx, rows.group_id,
-                                                                        rows.idempotency_key, rows.data)))).size == 0
 
 
 def test_the_compiled_copy_encoder_writes_the_references_bytes() -> None:
