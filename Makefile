@@ -35,7 +35,7 @@ up: $(STAMP)
 test: $(STAMP) lint
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
-# tests/unit only: pure functions, config, decoder, renderers, registry, layout and docs checks.
+# tests/unit only: pure functions, config parsing, renderers, checks before any I/O, layout and docs checks.
 test-fast: $(STAMP)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 

@@ -1,7 +1,7 @@
 """The docs hold together: every page under docs/ is in mkdocs.yml's nav and every nav entry exists,
 every relative link in the Markdown files resolves (to a file, and to a heading when it names an
-anchor, by GitHub's and MkDocs' slug rules both), and the README stays a front page. No Spark, no
-Postgres: plain file reads."""
+anchor, by GitHub's and MkDocs' slug rules both), every test file named in code (`tests/….py`, with
+`::test_name` when given) exists, and the README stays a front page. No Spark, no Postgres: plain file reads."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ INLINE_CODE = re.compile(r"`[^`]*`")
 INLINE_LINK = re.compile(r"!?\[((?:[^\[\]]|\[[^\]]*\])*)\]\(\s*<?([^)\s>]*)>?(?:\s+\"[^\"]*\")?\s*\)")
 REFERENCE_LINK = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+\"[^\"]*\")?\s*$")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+TEST_PATH = re.compile(r"`(tests/[\w/]+\.py)(?:::(\w+))?")
 EXTERNAL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")  # http:, https:, mailto:, …
 
 
@@ -135,6 +136,19 @@ def test_every_relative_link_points_to_an_existing_file_and_heading(path: Path) 
                 broken.append(f"{where}: no heading with that anchor on GitHub and on MkDocs "
                               f"(GitHub's: {sorted(github)})")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+@pytest.mark.parametrize("path", markdown_files(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_test_file_named_exists_with_the_test_named(path: Path) -> None:
+    missing = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        for file, test in TEST_PATH.findall(line):
+            where = f"{path.relative_to(ROOT)}:{number}: {file}"
+            if not (ROOT / file).is_file():
+                missing.append(f"{where}: no such file")
+            elif test and not re.search(rf"^def {test}\(", (ROOT / file).read_text(), re.M):
+                missing.append(f"{where}: no test {test}")
+    assert not missing, "test files named that do not exist:\n" + "\n".join(missing)
 
 
 def test_the_readme_is_a_front_page() -> None:
