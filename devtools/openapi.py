@@ -1,7 +1,7 @@
 """Write the pull API's OpenAPI document to ``docs/openapi.json`` (``make openapi``).
 
 The document is the one ``sequin api`` serves at ``/openapi.json``; it does not depend on which sinks
-a config has (the sink is a path parameter). ``tests/test_openapi_document.py`` fails when the file
+a config has (the sink is a path parameter). ``tests/unit/test_openapi_document.py`` fails when the file
 and the app disagree, so the published document cannot drift from the server.
 """
 

@@ -15,7 +15,7 @@ def jvm_fork(proc: psutil.Process) -> bool:
     """Whether ``proc`` is a child the JVM forked that has not yet run another program (Hadoop's
     shell commands, from the stream execution thread): for a moment it shows the whole JVM's RSS,
     pages it shares with its parent. Counted, a sample that caught one added the JVM twice (CI's
-    2,551 -> 3,340 MiB at 1,000,000 rows in tests/test_large_transactions.py was one JVM's worth)."""
+    2,551 -> 3,340 MiB at 1,000,000 rows in tests/system/test_large_transactions.py was one JVM's worth)."""
     parent = proc.parent()
     return parent is not None and parent.name() == "java" and proc.exe() == parent.exe()
 

@@ -13,7 +13,7 @@ take their per-type choices from ``PG_TYPES`` (type OID -> ``PgType``):
 - ``backfill.source_sql`` takes a value's text with ``::text`` where ``PgType.text_cast`` says
   that cast is the output function, and renders each rule but ``ARRAY`` in SQL.
 
-``tests/test_pgtypes.py`` holds the three to the table. Imports nothing of the package.
+``tests/integration/replication/test_pgtypes.py`` holds the three to the table. Imports nothing of the package.
 """
 
 from __future__ import annotations

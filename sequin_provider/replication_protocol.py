@@ -7,7 +7,7 @@ it read, it moves the flush position it reports to the keepalive's ``wal_end`` (
 replayed at its commit can all start below the commit we just confirmed; a keepalive that arrives
 while we read them (the walsender asks for one after ``wal_sender_timeout/2`` without a reply: a GC
 pause, a frozen VM, a busy reader) then confirms past transactions we received but have not
-delivered, and a crash loses them (tests/test_replication_keepalive.py shows it).
+delivered, and a crash loses them (tests/integration/replication/test_replication_keepalive.py shows it).
 
 Here the server hears exactly one position: the one the caller last passed to ``send_status``
 (and nothing, ``0/0``, which the server ignores, before the first). A keepalive that asks for a

@@ -1,0 +1,1 @@
+"""Airflow integration tests: operators, hooks, sensors, triggers, notifications, plugin, DAGs."""

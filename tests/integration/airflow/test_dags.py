@@ -1,0 +1,575 @@
+"""The DAGs: they import cleanly without I/O, have the documented ids, schedules and params, and
+``sequin_backfill`` runs end to end under ``dag.test()`` (real Postgres, the stream app, Spark).
+
+``dag.test()`` needs a migrated metadata database and reads Airflow's configuration when Airflow
+is first imported; this test process has long imported it with the default ``AIRFLOW_HOME``. So
+``dag.test()`` runs in another interpreter with ``AIRFLOW_HOME`` (and a SQLite metadata database
+migrated once per session) in a temporary folder; the connections reach it as
+``AIRFLOW_CONN_*`` environment variables, set with ``monkeypatch``. One such interpreter runs the
+module's DAG runs one after another (importing Airflow and starting ``dag.test()``'s in-process
+API cost about 15 s each time): each run gets the test's environment and working folder, parses
+the DAGs again, and writes its output to the test's log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict
+
+from devtools.embedded_postgres import EmbeddedPostgres
+from sequin_provider import store
+from sequin_provider.operators.backfill import SequinBackfillOperator
+from sequin_provider.operators.buffer import SequinBufferRetryOperator
+from sequin_provider.operators.replication import SequinReplicationOperator
+from sequin_provider.sensors.sequin import ParkedMessagesSensor, ReplicationSlotLagSensor, StreamHeartbeatSensor
+from tests.support.airflow import Webhook, sequin_connection
+from tests.support.config import write_config
+from tests.support.postgres import execute, sink_messages
+from tests.support.stream_app import StreamApp
+
+ROOT = Path(__file__).resolve().parents[3]
+DAGS = ROOT / "dags"
+DAG_IDS = {"sequin_backfill", "sequin_replay", "sequin_replication", "sequin_monitoring", "sequin_buffer_retry"}
+
+RUNNER = """
+import json, os, sys, traceback
+from airflow.dag_processing.dagbag import DagBag
+from airflow.models.connection import Connection
+from airflow.models.xcom import XComModel
+from airflow.utils.session import create_session
+
+replies = os.fdopen(os.dup(1), "w", buffering=1)  # stdout is each run's log: answers go here
+idle = os.dup(2)  # this runner's own log, between runs
+os.dup2(idle, 1)
+for line in sys.stdin:
+    request = json.loads(line)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    with open(request["log"], "ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    try:
+        if request["connections"]:
+            with create_session() as session:
+                for spec in request["connections"]:
+                    session.query(Connection).filter(Connection.conn_id == spec["conn_id"]).delete()
+                    session.add(Connection(**spec))
+        bag = DagBag(dag_folder=request["dags"])
+        assert not bag.import_errors, bag.import_errors
+        run = bag.dags[request["dag_id"]].test(run_conf=request["conf"])
+        tasks = {}
+        with create_session() as session:
+            for ti in run.get_task_instances(session=session):
+                xcom = session.query(XComModel.value).filter_by(dag_id=ti.dag_id, run_id=ti.run_id,
+                                                                task_id=ti.task_id, key="return_value").scalar()
+                tasks[ti.task_id] = {"state": str(ti.state), "xcom": xcom}
+        result = {"state": str(run.state), "tasks": tasks}
+    except BaseException as exc:
+        traceback.print_exc()
+        result = {"error": repr(exc)}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(idle, 1)
+    os.dup2(idle, 2)
+    replies.write("DAG-TEST-RESULT " + json.dumps(result, default=str) + "\\n")
+"""
+
+
+def dagbag() -> Any:
+    from airflow.dag_processing.dagbag import DagBag
+
+    return DagBag(dag_folder=str(DAGS))
+
+
+def test_dags_folder_imports_the_five_dags_with_their_schedules() -> None:
+    bag = dagbag()
+    assert bag.import_errors == {}
+    assert set(bag.dag_ids) == DAG_IDS
+    schedules = {dag_id: bag.dags[dag_id].schedule for dag_id in DAG_IDS}
+    assert schedules == {"sequin_backfill": None, "sequin_replay": "@daily", "sequin_replication": "@continuous",
+                         "sequin_monitoring": "*/5 * * * *", "sequin_buffer_retry": "* * * * *"}
+    for dag_id in DAG_IDS - {"sequin_backfill"}:
+        assert bag.dags[dag_id].max_active_runs == 1 and not bag.dags[dag_id].catchup, dag_id
+
+
+def test_backfill_dag_form() -> None:
+    dag = dagbag().dags["sequin_backfill"]
+    params = {name: dag.params.get_param(name) for name in dag.params}
+    assert list(params) == ["sink", "table", "kind", "sort_column", "start_position", "max_query_ms"]
+    assert params["sink"].schema["type"] == params["table"].schema["type"] == "string"
+    assert not params["sink"].has_value and not params["table"].has_value  # required in the form
+    assert params["kind"].value == "full" and params["kind"].schema["enum"] == ["full", "partial"]
+    assert params["sort_column"].value is None and params["start_position"].value is None
+    assert (params["max_query_ms"].value, params["max_query_ms"].schema["minimum"],
+            params["max_query_ms"].schema["maximum"]) == (5000, 1, 600000)
+    with pytest.raises(Exception, match="600001"):
+        params["max_query_ms"].resolve(600001)
+    with pytest.raises(Exception, match="sideways"):
+        params["kind"].resolve("sideways")
+    (task,) = dag.tasks
+    assert isinstance(task, SequinBackfillOperator) and task.deferrable
+    assert dag.render_template_as_native_obj  # unset form fields reach the operator as None
+
+
+def test_scheduled_dags_use_the_provider_operators_and_sensors() -> None:
+    bag = dagbag()
+    (replay,) = bag.dags["sequin_replay"].tasks
+    assert isinstance(replay, SequinBackfillOperator) and replay.kind == "partial"
+    assert "data_interval_start" in replay.start_position
+    (supervisor,) = bag.dags["sequin_replication"].tasks
+    assert isinstance(supervisor, SequinReplicationOperator) and supervisor.on_failure_callback
+    (retry,) = bag.dags["sequin_buffer_retry"].tasks
+    assert isinstance(retry, SequinBufferRetryOperator)
+    sensors = {t.task_id: t for t in bag.dags["sequin_monitoring"].tasks}
+    assert {type(t) for t in sensors.values()} == {ReplicationSlotLagSensor, StreamHeartbeatSensor,
+                                                   ParkedMessagesSensor}
+    for sensor in sensors.values():
+        assert sensor.deferrable and sensor.fire_when == "within" and not sensor.soft_fail
+        assert sensor.timeout < 300 and sensor.on_failure_callback  # judged and alerted within the 5-minute slot
+
+
+class Variables:
+    """``var.value`` of a template context, with the given Variables set."""
+
+    def __init__(self, **values: str) -> None:
+        self.values = values
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.values.get(name, default)
+
+
+def render(dag: Any, task: Any, **context: Any) -> Any:
+    """Render ``task``'s templates as a run of ``dag`` would (params, Variables, data interval)."""
+    full = {"params": {name: dag.params[name] for name in dag.params}, "var": {"value": Variables()},
+            "data_interval_start": None, **context}
+    task.render_template_fields(full, jinja_env=dag.get_template_env())
+    return task
+
+
+def test_replay_renders_a_partial_backfill_from_the_data_interval() -> None:
+    from datetime import datetime, timezone
+
+    dag = dagbag().dags["sequin_replay"]
+    (task,) = dag.tasks
+    render(dag, task, var={"value": Variables(sequin_replay_sink="kv_sink")},
+           data_interval_start=datetime(2025, 3, 1, tzinfo=timezone.utc))
+    assert task.request() == {"sink": "kv_sink", "table": "public.orders", "sort_column": "updated_at",
+                              "start_position": "2025-03-01T00:00:00+00:00", "max_query_ms": 5000}
+    (manual,) = dagbag().dags["sequin_replay"].tasks  # no data interval, no start position: a clear error
+    with pytest.raises(Exception, match="a partial backfill needs a sort column and a start position"):
+        render(dag, manual, params={"sink": "s", "table": "t", "sort_column": "at", "start_position": None}).request()
+
+
+def test_monitoring_thresholds_render_into_the_triggers() -> None:
+    dag = dagbag().dags["sequin_monitoring"]
+    sensors = {t.task_id: render(dag, t, var={"value": Variables(sequin_max_parked="5")}) for t in dag.tasks}
+    lag = sensors["slot_lag"].build_trigger(None)
+    assert (lag.slot, lag.threshold_bytes, lag.fire_when) == ("sequin_slot", 1 << 30, "within")
+    heartbeat = sensors["stream_heartbeat"].build_trigger(None)
+    assert (heartbeat.database, heartbeat.max_age_seconds) == ("app", 120.0)
+    assert sensors["parked_messages"].build_trigger(None).threshold == 5
+
+
+def test_dag_files_do_no_io_at_parse_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Parsing must not touch Postgres, the network, the config file, connections or Variables."""
+    def forbidden(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"I/O at DAG parse time: {args!r}")
+
+    from airflow.sdk import BaseHook, Variable
+
+    import sequin_provider.config
+
+    monkeypatch.setattr(psycopg, "connect", forbidden)
+    monkeypatch.setattr(socket.socket, "connect", forbidden)
+    monkeypatch.setattr(sequin_provider.config, "load_config", forbidden)
+    monkeypatch.setattr(BaseHook, "get_connection", classmethod(forbidden))
+    monkeypatch.setattr(Variable, "get", staticmethod(forbidden))
+    monkeypatch.setenv("SEQUIN_CONFIG", str(tmp_path / "missing.yaml"))
+    bag = dagbag()
+    assert bag.import_errors == {} and set(bag.dag_ids) == DAG_IDS
+
+
+# -- dag.test() --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def airflow_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """``AIRFLOW_HOME`` in a temporary folder with a migrated SQLite metadata database."""
+    home = tmp_path_factory.mktemp("airflow_home")
+    env = {"AIRFLOW_HOME": str(home), "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
+           "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+           "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    done = subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return env
+
+
+class DagRunner:
+    """The interpreter that runs the module's ``dag.test()`` runs (``RUNNER``), started when first needed
+    and again after a run that did not answer; its own output goes to ``log``."""
+
+    def __init__(self, airflow_env: dict[str, str], log: Path) -> None:
+        self.airflow_env = airflow_env
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> DagRunner:
+        """Start the interpreter unless it runs (it imports Airflow, then waits for runs)."""
+        if self.proc is None or self.proc.poll() is not None:
+            with open(self.log, "ab") as own_log:
+                self.proc = subprocess.Popen([sys.executable, "-c", RUNNER], env={**os.environ, **self.airflow_env},
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=own_log)
+        return self
+
+    def run(self, dag_id: str, conf: dict[str, Any], log: Path, dags: Path = DAGS,
+            connections: list[dict[str, Any]] | None = None, timeout: float = 1200.0) -> dict[str, Any]:
+        """``dag.test(run_conf=conf)`` of a DAG in ``dags`` with this process's environment, in ``log``'s
+        folder, after storing ``connections`` (``Connection`` fields) in the metadata database; returns
+        the run's and tasks' states and XComs."""
+        self.start()
+        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
+        request = {"dags": str(dags), "dag_id": dag_id, "conf": conf, "log": str(log), "cwd": str(log.parent),
+                   "connections": connections or [],
+                   "env": {**os.environ, **self.airflow_env, "AIRFLOW__CORE__DAGS_FOLDER": str(dags)}}
+        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        answer = self.proc.stdout.readline().decode() if ready else ""
+        if not answer.startswith("DAG-TEST-RESULT "):
+            self.stop()
+            tail = log.read_text(errors="replace")[-6000:] if log.exists() else ""
+            raise AssertionError(f"dag.test gave no result (log {log}, runner log {self.log}):\n{tail}")
+        result: dict[str, Any] = json.loads(answer.split(" ", 1)[1])
+        assert "error" not in result, f"dag.test failed (log {log}): {result['error']}\n" + log.read_text()[-6000:]
+        return result
+
+    def stop(self) -> None:
+        """End the interpreter."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+@pytest.fixture(scope="module")
+def dag_runner(airflow_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[DagRunner]:
+    """The module's ``DagRunner``, started now: it imports Airflow while the stream app starts."""
+    runner = DagRunner(airflow_env, tmp_path_factory.mktemp("dag_runner") / "runner.log").start()
+    yield runner
+    runner.stop()
+
+
+def dag_test(runner: DagRunner, dag_id: str, conf: dict[str, Any], log: Path, dags: Path = DAGS,
+             connections: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Run ``dag.test(run_conf=conf)`` (``DagRunner.run``); returns the run's and tasks' states and XComs.
+    Airflow reads its DAG folder once per interpreter: a run of another folder gets an interpreter of its own."""
+    if dags == DAGS:
+        return runner.run(dag_id, conf, log, dags, connections)
+    own = DagRunner({**runner.airflow_env, "AIRFLOW__CORE__DAGS_FOLDER": str(dags)}, log.with_suffix(".runner.log"))
+    try:
+        return own.run(dag_id, conf, log, dags, connections)
+    finally:
+        own.stop()
+
+
+CONFIG = """
+databases:
+  - name: app
+    dsn: {dsn}
+    slot: {{name: slot_dagtest}}
+    publication: {{name: pub_dagtest}}
+    heartbeat_interval: 1s
+sinks:
+  - {{name: items_sink, tables: [items], destination: {{type: sequin_stream}}}}
+  - {{name: events_sink, tables: [events], destination: {{type: sequin_stream}}}}
+stream:
+  checkpoint_location: {ckpt}
+"""
+
+
+@pytest.fixture(scope="module")
+def streaming_db(pg: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A database with two tables and the stream app running for it."""
+    dsn = pg.create_database("dag_test")
+    execute(dsn, "CREATE TABLE items (id int PRIMARY KEY, name text)",
+            "INSERT INTO items SELECT g, 'item ' || g FROM generate_series(1, 3000) g",
+            "CREATE TABLE events (id int PRIMARY KEY, at timestamptz)",
+            "INSERT INTO events SELECT g, timestamptz '2025-01-01 00:00:00+00' + g * interval '1 hour'"
+            " FROM generate_series(1, 200) g", "ANALYZE")
+    tmp = tmp_path_factory.mktemp("dag_test")
+    config = write_config(tmp / "sequin.yaml", CONFIG.format(dsn=dsn, ckpt=tmp / "ckpt"))
+    app = StreamApp(config, tmp / "stream-app.log").start()
+    try:
+        app.wait_streaming(dsn)
+        yield dsn, config
+    finally:
+        app.stop()
+
+
+@pytest.fixture
+def connections(streaming_db: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> tuple[str, Path]:
+    dsn, config = streaming_db
+    monkeypatch.setenv("AIRFLOW_CONN_SEQUIN_DEFAULT", sequin_connection(dsn, config_path=str(config)))
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": "local[2]"}))
+    return dsn, config
+
+
+def backfill(dsn: str, backfill_id: int) -> store.Backfill:
+    with psycopg.connect(dsn) as conn:
+        return store.get_backfill(conn, "sequin", backfill_id)
+
+
+def test_dag_test_full_backfill_delivers_every_row_as_a_read(dag_runner: DagRunner,
+                                                             connections: tuple[str, Path], tmp_path: Path) -> None:
+    dsn, _ = connections
+    result = dag_test(dag_runner, "sequin_backfill", {"sink": "items_sink", "table": "items"}, tmp_path / "dag.log")
+    assert result["state"] == "success", result
+    task = result["tasks"]["backfill"]
+    assert task["state"] == "success"
+    final = backfill(dsn, int(task["xcom"]))
+    assert (final.state, final.kind, final.rows_processed, final.max_query_ms) == ("completed", "full", 3000, 5000)
+    # the task instance that asked, as a retry of it would find the backfill (dag/task/run, no map index)
+    assert re.fullmatch(r"airflow:sequin_backfill/backfill/manual__[^/\[]+", final.requested_by or ""), final.requested_by
+    reads = [m for m in sink_messages(dsn, "items_sink") if m["action"] == "read"]
+    assert sorted(m["record"]["id"] for m in reads) == list(range(1, 3001))
+    assert all(m["changes"] is None and m["record"]["name"] == f"item {m['record']['id']}" for m in reads)
+    assert reads[0]["metadata"]["idempotency_key"].startswith(f"backfill:{final.id}:")
+
+
+def test_dag_test_partial_backfill_from_the_form(dag_runner: DagRunner, connections: tuple[str, Path],
+                                                 tmp_path: Path) -> None:
+    dsn, _ = connections
+    conf = {"sink": "events_sink", "table": "public.events", "kind": "partial", "sort_column": "at",
+            "start_position": "2025-01-08 00:00:00+00", "max_query_ms": 2000}
+    result = dag_test(dag_runner, "sequin_backfill", conf, tmp_path / "dag.log")
+    assert result["state"] == "success", result
+    final = backfill(dsn, int(result["tasks"]["backfill"]["xcom"]))
+    assert (final.state, final.kind, final.sort_column, final.max_query_ms) == ("completed", "partial", "at", 2000)
+    reads = [m for m in sink_messages(dsn, "events_sink") if m["action"] == "read"]
+    assert [m["record"]["id"] for m in reads] == list(range(168, 201))  # 2025-01-08 00:00 is id 168, in order
+
+
+def test_dag_test_bad_input_fails_the_run_and_records_nothing(dag_runner: DagRunner,
+                                                             connections: tuple[str, Path], tmp_path: Path) -> None:
+    dsn, _ = connections
+    with psycopg.connect(dsn) as conn:
+        before = len(store.list_backfills(conn, "sequin"))
+    log = tmp_path / "dag.log"
+    result = dag_test(dag_runner, "sequin_backfill", {"sink": "nope", "table": "items"}, log)
+    assert result["state"] == "failed" and result["tasks"]["backfill"]["state"] == "failed"
+    assert "unknown sink 'nope' (configured sinks: items_sink, events_sink)" in log.read_text()
+    with psycopg.connect(dsn) as conn:
+        assert len(store.list_backfills(conn, "sequin")) == before
+
+
+def test_dag_test_monitoring_alerts_on_a_lagging_slot_and_only_then(dag_runner: DagRunner,
+                                                                    connections: tuple[str, Path], tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slot nobody reads falls behind: ``slot_lag`` fails and its alert reaches the webhook; the
+    healthy slot of the running stream app raises no alert at all."""
+    dsn, _ = connections
+    monkeypatch.setenv("SEQUIN_CHECK_TIMEOUT", "8")  # how long unhealthy may last before the alert
+    monkeypatch.setenv("SEQUIN_CHECK_POKE_INTERVAL", "1")
+    execute(dsn, "SELECT pg_create_logical_replication_slot('lagging_slot', 'pgoutput')",
+            "CREATE TABLE ballast (id int PRIMARY KEY, pad text)",
+            "INSERT INTO ballast SELECT g, repeat('x', 200) FROM generate_series(1, 2000) g")  # ~0.5 MB of WAL
+    checks = {"database": "app", "max_heartbeat_age": 60, "max_parked": 0}
+    try:
+        with Webhook() as hook:
+            monkeypatch.setenv("SEQUIN_ALERT_WEBHOOK_URL", f"{hook.url}/alerts")
+            healthy = dag_test(dag_runner, "sequin_monitoring",
+                               {**checks, "slot": "slot_dagtest", "max_lag_bytes": 64 << 20}, tmp_path / "ok.log")
+            assert healthy["state"] == "success", healthy
+            assert {t: v["state"] for t, v in healthy["tasks"].items()} == {
+                "slot_lag": "success", "stream_heartbeat": "success", "parked_messages": "success"}
+            assert hook.received == []  # healthy: nobody is paged
+
+            lagging = dag_test(dag_runner, "sequin_monitoring",
+                               {**checks, "slot": "lagging_slot", "max_lag_bytes": 100_000}, tmp_path / "lag.log")
+            alerts = list(hook.received)
+    finally:
+        execute(dsn, "SELECT pg_drop_replication_slot('lagging_slot')")
+    assert lagging["state"] == "failed", lagging
+    assert {t: v["state"] for t, v in lagging["tasks"].items()} == {
+        "slot_lag": "failed", "stream_heartbeat": "success", "parked_messages": "success"}
+    assert [(a["path"], a["json"]["title"]) for a in alerts] == [("/alerts", "Sequin: replication slot lagging")]
+    alert = alerts[0]["json"]
+    assert (alert["dag_id"], alert["task_id"], alert["state"]) == ("sequin_monitoring", "slot_lag", "failed")
+    assert "lagging_slot" in alert["message"] and "100000" in alert["message"], alert
+
+
+def test_dag_test_supervisor_that_gives_up_fails_and_alerts(dag_runner: DagRunner, dsn: str, dbname: str,
+                                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream app that cannot start: the supervisor gives up after its bounded restarts, the task
+    fails and ``sequin_replication``'s failure alert is posted."""
+    execute(dsn, "CREATE TABLE kv (id int PRIMARY KEY, v text)")
+    config = write_config(tmp_path / "sequin.yaml", f"""
+        databases: [{{name: app, dsn: "{dsn}", slot: {{name: slot_{dbname}}}, publication: {{name: pub_{dbname}}}}}]
+        sinks: [{{name: kv_sink, tables: [kv], filter: "record.v ==== 'x'", destination: {{type: sequin_stream}}}}]
+        stream: {{checkpoint_location: "{tmp_path / 'ckpt'}"}}
+        """)  # valid YAML, invalid Spark SQL: the app exits with 2 at every start
+    monkeypatch.setenv("AIRFLOW_CONN_SEQUIN_DEFAULT", sequin_connection(dsn, config_path=str(config)))
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": "local[1]"}))
+    monkeypatch.setenv("SEQUIN_MAX_RESTARTS", "1")
+    monkeypatch.setenv("SEQUIN_RESTART_BACKOFF", "0.2")
+    monkeypatch.setenv("SEQUIN_SUPERVISOR_RETRIES", "0")
+    with Webhook() as hook:
+        monkeypatch.setenv("SEQUIN_ALERT_WEBHOOK_URL", f"{hook.url}/pager")
+        result = dag_test(dag_runner, "sequin_replication", {}, tmp_path / "dag.log")
+        alerts = list(hook.received)
+    assert result["state"] == "failed" and result["tasks"]["supervise_stream"]["state"] == "failed", result
+    assert [a["json"]["title"] for a in alerts] == ["Sequin stream app down"]
+    alert = alerts[0]["json"]
+    assert (alert["dag_id"], alert["task_id"]) == ("sequin_replication", "supervise_stream")
+    assert "giving up after 1 consecutive restarts" in alert["exception"], alert
+    assert "sinks[0].filter: invalid SQL" in alert["exception"], alert
+
+
+# -- connections stored in Airflow's metadata database ------------------------------------------------
+
+META_PASSWORD = "pw-Meta-7f3k9q"
+"""The password of the metadata-database connections: it must not reach a log or a command line."""
+
+META_CONFIG = """
+databases:
+  - name: app
+    conn_id: pg_meta_source
+    slot: {{name: {slot}}}
+    publication: {{name: {publication}}}
+    heartbeat_interval: 1s
+store:
+  conn_id: pg_meta_store
+sinks:
+  - {{name: items_sink, tables: [items], destination: {{type: sequin_stream}}}}
+  - {{name: events_sink, tables: [events], destination: {{type: sequin_stream}}}}
+stream:
+  checkpoint_location: {ckpt}
+"""
+
+META_DAG = """
+from datetime import datetime
+
+from airflow.sdk import DAG, task
+from sequin_provider.hooks.sequin import SequinHook
+from sequin_provider.operators.backfill import SequinBackfillOperator
+
+with DAG("sequin_meta_connections", schedule=None, start_date=datetime(2025, 1, 1), catchup=False):
+    @task
+    def hook_check(params=None):
+        hook = SequinHook("sequin_meta")
+        config = hook.load_config()
+        return {"lag_bytes": hook.slot_lag_bytes(params["slot"]), "parked": hook.parked_counts(),
+                "heartbeat_seen": hook.heartbeat_age_seconds("app") is not None,
+                "conn_ids": [config.database("app").conn_id, config.store.conn_id],
+                "same_source": config.database("app").dsn == hook.settings.source_dsn,
+                "same_store": config.store_dsn("app") == hook.settings.store_dsn}
+
+    hook_check()
+    if BACKFILL:
+        SequinBackfillOperator(task_id="backfill", sink="items_sink", table="items", max_query_ms=2000,
+                               sequin_conn_id="sequin_meta", spark_conn_id="spark_meta")
+"""
+
+
+def metadata_connections(dsn: str, config: Path) -> list[dict[str, Any]]:
+    """``sequin_meta`` (naming the Postgres connections of the source and the store, and the config),
+    ``pg_meta_source``/``pg_meta_store`` (role ``meta_user`` with a password) and ``spark_meta``."""
+    parts = conninfo_to_dict(dsn)
+    postgres = {"conn_type": "postgres", "host": parts.get("host"), "port": int(parts.get("port") or 5432),
+                "login": "meta_user", "password": META_PASSWORD, "schema": parts.get("dbname")}
+    return [{"conn_id": "pg_meta_source", **postgres}, {"conn_id": "pg_meta_store", **postgres},
+            {"conn_id": "sequin_meta", "conn_type": "sequin",
+             "extra": json.dumps({"source_conn_id": "pg_meta_source", "store_conn_id": "pg_meta_store",
+                                  "config_path": str(config)})},
+            {"conn_id": "spark_meta", "conn_type": "spark", "host": "local[1]"}]
+
+
+def meta_dag(tmp_path: Path, backfill: bool) -> Path:
+    """A DAG folder with ``sequin_meta_connections`` (the hook check, and the backfill if asked)."""
+    folder = tmp_path / "meta_dags"
+    folder.mkdir()
+    (folder / "meta.py").write_text(META_DAG.replace("BACKFILL", repr(backfill)))
+    return folder
+
+
+def meta_user(dsn: str) -> None:
+    execute(dsn, "DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'meta_user') THEN"
+                 f" CREATE ROLE meta_user LOGIN SUPERUSER PASSWORD '{META_PASSWORD}'; END IF; END $$")
+
+
+def no_airflow_conn_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("AIRFLOW_CONN_"):
+            monkeypatch.delenv(name)
+
+
+def test_the_hook_resolves_connections_stored_in_the_metadata_database(
+        dag_runner: DagRunner, dsn: str, dbname: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``AIRFLOW_CONN_*`` variable anywhere: the ``sequin`` connection names the Postgres connections
+    of the source and the store, and the config's ``conn_id``s are the same, all in the metadata DB."""
+    no_airflow_conn_env(monkeypatch)
+    meta_user(dsn)
+    slot = f"slot_{dbname}"[:63]
+    execute(dsn, f"SELECT pg_create_logical_replication_slot('{slot}', 'pgoutput')",
+            "CREATE TABLE filler (id serial PRIMARY KEY, body text)",
+            "INSERT INTO filler (body) SELECT repeat('x', 200) FROM generate_series(1, 2000)")
+    try:
+        with psycopg.connect(dsn) as conn:
+            store.migrate(conn, "sequin")
+        config = write_config(tmp_path / "sequin.yaml", META_CONFIG.format(slot=slot, publication="pub_meta",
+                                                                          ckpt=tmp_path / "ckpt"))
+        log = tmp_path / "dag.log"
+        result = dag_test(dag_runner, "sequin_meta_connections", {"slot": slot}, log,
+                          dags=meta_dag(tmp_path, backfill=False), connections=metadata_connections(dsn, config))
+    finally:
+        execute(dsn, f"SELECT pg_drop_replication_slot('{slot}')")
+    assert result["state"] == "success", (result, log.read_text()[-4000:])
+    checked = result["tasks"]["hook_check"]["xcom"]
+    assert checked["lag_bytes"] > 400_000, checked  # the ~0.5 MB written after the slot
+    assert checked["parked"] == {} and checked["heartbeat_seen"] is False
+    assert checked["conn_ids"] == ["pg_meta_source", "pg_meta_store"]
+    assert checked["same_source"] and checked["same_store"], checked
+    assert META_PASSWORD not in log.read_text()
+
+
+def test_a_backfill_with_only_metadata_database_connections_runs_through_spark_submit(
+        dag_runner: DagRunner, streaming_db: tuple[str, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The config names only ``conn_id``s stored in the metadata DB: the operator resolves them through
+    Airflow and hands them to the submitted app (which has no Airflow) as ``AIRFLOW_CONN_*`` variables of
+    its process; the password reaches neither the task log nor spark-submit's command line."""
+    dsn, _ = streaming_db
+    no_airflow_conn_env(monkeypatch)
+    meta_user(dsn)
+    config = write_config(tmp_path / "sequin.yaml", META_CONFIG.format(slot="slot_dagtest", publication="pub_dagtest",
+                                                                      ckpt=tmp_path / "ckpt"))
+    log = tmp_path / "dag.log"
+    result = dag_test(dag_runner, "sequin_meta_connections", {"slot": "slot_dagtest"}, log,
+                      dags=meta_dag(tmp_path, backfill=True), connections=metadata_connections(dsn, config))
+    text = log.read_text()
+    assert result["state"] == "success", (result, text[-6000:])
+    checked = result["tasks"]["hook_check"]["xcom"]
+    assert checked["heartbeat_seen"] and checked["same_source"] and checked["same_store"], checked
+    final = backfill(dsn, int(result["tasks"]["backfill"]["xcom"]))
+    assert (final.state, final.rows_processed) == ("completed", 3000)
+    reads = [m for m in sink_messages(dsn, "items_sink") if m["action"] == "read"
+             and m["metadata"]["idempotency_key"].startswith(f"backfill:{final.id}:")]
+    assert sorted(m["record"]["id"] for m in reads) == list(range(1, 3001))
+    assert all(m["record"]["name"] == f"item {m['record']['id']}" for m in reads)
+    (command,) = [line for line in text.splitlines() if "Spark-Submit cmd:" in line]
+    assert "backfill.py" in command and "AIRFLOW_CONN" not in command and "meta_user" not in command
+    assert "***" not in command  # not even masked: the DSNs are not on the command line
+    assert META_PASSWORD not in text

@@ -1,0 +1,1 @@
+"""Replication integration tests: the pgoutput decoder on a real server, slots, provisioning, restarts."""

@@ -1,0 +1,1 @@
+"""Sink integration tests: the registry, webhooks (client and push), TRUNCATE barriers."""

@@ -1,0 +1,185 @@
+"""A new destination is one module plus its test: a pushed kind defined here (its "module") is
+registered, parsed from ``sequin.yaml`` with typed options and key-path errors, delivered through
+the shared push path in group order with failures parked in a real store's buffer, and redelivered
+by ``sequin buffer retry``'s entry point. Its destination is an in-memory list (this tests the
+registry's wiring, not a transport; the webhook's transport is tests/integration/sinks/test_webhook.py's).
+
+The last test checks that no module outside ``sinks/`` names a destination: they ask the kind.
+"""
+
+from __future__ import annotations
+
+import ast
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from sequin_provider import buffer, store
+from sequin_provider.buffer import DeliveryError, Render, RetryReport
+from sequin_provider.config import ConfigError, SequinConfig, SinkConfig, parse_config
+from sequin_provider.delivery import Outgoing
+from sequin_provider.sinks import kind, kinds, registry
+from sequin_provider.sinks.base import DestinationKind, OptionReader
+from sequin_provider.sinks.push import PushSink
+from sequin_provider.sinks.retry import retry_sinks
+from sequin_provider.sinks.sequin_stream import SequinStreamSink
+
+PACKAGE = Path(__file__).resolve().parents[3] / "sequin_provider"
+
+# --- the new destination's module --------------------------------------------------------------
+
+DELIVERED: dict[str, list[list[str]]] = {}
+"""What each in-memory destination got: one list per request."""
+REFUSE: set[str] = set()
+"""Messages the destination refuses (a failing request)."""
+_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class MemoryListOptions:
+    """Settings of the in-memory destination."""
+
+    list_name: str
+    batch_size: int = 2
+
+
+class MemoryListSink(PushSink):
+    """Appends each request to ``DELIVERED[list_name]``; refuses a request holding a ``REFUSE`` message."""
+
+    def __init__(self, sink: SinkConfig) -> None:
+        options: MemoryListOptions = sink.destination.options
+        self.sink, self.name, self.batch_size, self.lanes = sink.name, options.list_name, options.batch_size, 4
+
+    def send(self, messages: list[str]) -> None:
+        if REFUSE.intersection(messages):
+            raise DeliveryError("memory list: refused")
+        with _LOCK:
+            DELIVERED.setdefault(self.name, []).append(list(messages))
+
+
+class MemoryListKind(DestinationKind):
+    """``type: memory_list``: pushed."""
+
+    name = "memory_list"
+    stored = False
+
+    def parse_options(self, reader: OptionReader, value: Mapping[str, Any], path: str) -> MemoryListOptions:
+        item = self.option_keys(reader, value, path, {"list_name", "batch_size"}, {"list_name"})
+        return MemoryListOptions(reader.string(item["list_name"], f"{path}.list_name"),
+                                 reader.integer(item.get("batch_size", 2), f"{path}.batch_size", 1, 100))
+
+    def pusher(self, sink: SinkConfig) -> MemoryListSink:
+        return MemoryListSink(sink)
+
+    def retry(self, config: SequinConfig, sink: SinkConfig, render: Render, workers: int) -> RetryReport:
+        pusher = MemoryListSink(sink)
+        return buffer.retry_sink(config, sink, lambda m, data: pusher.send([data]), render, workers)
+
+
+# --- its test ----------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def memory_kind() -> Iterator[DestinationKind]:
+    registered = registry.register(MemoryListKind())
+    DELIVERED.clear()
+    REFUSE.clear()
+    yield registered
+    registry.unregister(MemoryListKind.name)
+
+
+def _config(dsn: str, destination: dict[str, Any]) -> SequinConfig:
+    return parse_config({"databases": [{"name": "app", "dsn": dsn}],
+                         "sinks": [{"name": "mem", "tables": ["kv"], "destination": destination}]}, "sequin.yaml")
+
+
+def test_a_registered_kind_is_parsed_into_its_typed_options(memory_kind: DestinationKind) -> None:
+    sink = _config("postgresql:///x", {"type": "memory_list", "list_name": "L"}).sinks[0]
+    assert sink.destination.options == MemoryListOptions("L", 2)
+    assert sink.destination.kind is memory_kind and memory_kind.pushed and not memory_kind.stored
+    assert kind("memory_list") is memory_kind
+    assert [k.name for k in kinds()] == ["sequin_stream", "webhook", "memory_list"]
+
+
+@pytest.mark.parametrize(("destination", "path", "reason"), [
+    ({"type": "memory_list"}, "sinks[0].destination.list_name", "is required"),
+    ({"type": "memory_list", "list_name": "L", "colour": "red"}, "sinks[0].destination.colour",
+     "unknown key (allowed: batch_size, list_name, type)"),
+    ({"type": "memory_list", "list_name": "L", "batch_size": 0}, "sinks[0].destination.batch_size",
+     "must be between 1 and 100, got 0"),
+    ({"type": "kafka"}, "sinks[0].destination.type", "unknown destination type 'kafka' (sequin_stream | webhook"
+                                                     " | memory_list)"),
+    ({"list_name": "L"}, "sinks[0].destination.type", "is required (sequin_stream | webhook | memory_list)"),
+])
+def test_bad_destinations_name_the_key_path(memory_kind: DestinationKind, destination: dict[str, Any], path: str,
+                                            reason: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        _config("postgresql:///x", destination)
+    assert (err.value.path, err.value.reason) == (path, reason)
+
+
+def test_unregistered_the_kind_is_unknown() -> None:
+    with pytest.raises(ConfigError, match=r"unknown destination type 'memory_list' \(sequin_stream \| webhook\)$"):
+        _config("postgresql:///x", {"type": "memory_list", "list_name": "L"})
+
+
+def test_a_pushed_kind_is_delivered_in_group_order_parks_failures_and_is_retried(memory_kind: DestinationKind,
+                                                                                 dsn: str) -> None:
+    config = _config(dsn, {"type": "memory_list", "list_name": "L", "batch_size": 1})
+    sink = config.sinks[0]
+    with psycopg.connect(dsn) as conn:
+        store.migrate(conn, "sequin")
+        conn.commit()
+    messages = Outgoing()
+    for n, group in enumerate("abababa", start=1):
+        messages.extend(Outgoing([n], [0], [group], [f"{n}:0"], [f'{{"n":{n}}}']))
+    REFUSE.add('{"n":4}')  # group b's second message: it and b's later ones are parked, a goes on
+    pusher = sink.destination.kind.pusher(sink)
+    keeper = SequinStreamSink(dsn, "sequin")
+    try:
+        assert pusher.deliver(messages, keeper, "sequin") == (5, 2)  # 4 refused, 6 parked behind it
+    finally:
+        keeper.close()
+    sent = [m for request in DELIVERED["L"] for m in request]
+    assert [m for m in sent if int(m[5:-1]) % 2] == ['{"n":1}', '{"n":3}', '{"n":5}', '{"n":7}']
+    assert [m for m in sent if not int(m[5:-1]) % 2] == ['{"n":2}']
+    with psycopg.connect(dsn) as conn:
+        parked = buffer.list_messages(conn, "sequin", "mem")
+        assert [(m.commit_lsn, m.attempts, m.last_error) for m in parked] == [
+            (4, 1, "memory list: refused"), (6, 0, buffer.FOLLOWER_ERROR)]
+        buffer.set_state(conn, "sequin", "mem", "discarded")  # and back: due now
+        buffer.set_state(conn, "sequin", "mem", "parked")
+        conn.commit()
+    REFUSE.clear()
+    DELIVERED.clear()
+    (report,) = retry_sinks(config, "mem")  # sequin buffer retry: through the kind's retry
+    assert (report.delivered, report.still_parked) == (2, 0)
+    assert DELIVERED["L"] == [['{"n":4}'], ['{"n":6}']]
+
+
+def _names_a_destination(node: ast.AST, names: set[str]) -> bool:
+    """A string literal that is a destination's name, or a comparison of ``<x>.destination.type``."""
+    if isinstance(node, ast.Constant) and node.value in names:
+        return True
+    if isinstance(node, ast.Compare):
+        for operand in (node.left, *node.comparators):
+            if (isinstance(operand, ast.Attribute) and operand.attr in ("type", "name")
+                    and isinstance(operand.value, ast.Attribute) and operand.value.attr in ("destination", "kind")):
+                return True
+    return False
+
+
+def test_nothing_outside_sinks_names_a_destination() -> None:
+    names = {k.name for k in kinds()}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.relative_to(PACKAGE).parts[0] == "sinks":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        found += [f"{path.relative_to(PACKAGE)}:{n.lineno}" for n in ast.walk(tree) if _names_a_destination(n, names)]
+    assert found == []

@@ -1,0 +1,1 @@
+"""Spark integration tests: the stream app and its pipeline in local mode."""

@@ -1,0 +1,169 @@
+"""spark/pipeline: the executors' selection of ``payload=spool`` slices, held equal to Spark SQL's.
+
+End to end the pipeline is exercised by test_stream_app and test_backfill_app; here the one piece of
+logic that exists twice, a sink's selection (``delivery.selection_predicate`` evaluated by Spark for
+``payload=full``, ``message_render.selection`` over Arrow for ``payload=spool``), is compared row by
+row over every combination of table, action and backfill sink.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from pyspark.sql import functions as F
+
+from sequin_provider.config import load_config
+from sequin_provider.delivery import selection_predicate
+from sequin_provider.message_render import SinkRendering, selection
+from sequin_provider.messages import CHANGE_SCHEMA_DDL, rows_to_arrow
+from sequin_provider.spark.pipeline import with_selections
+from tests.support.config import write_config
+
+TABLES = [("public", "t"), ("other", "t2"), ("public", "unlisted"), ("", "sequin:backfill:low")]
+ACTIONS = ["insert", "update", "delete", "read", "message"]
+BACKFILL_SINKS = [None, "changes", "rows", "somebody_else"]
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    """Spark in local mode, as the stream app runs it."""
+    from sequin_provider.spark.app import spark_session
+
+    session = spark_session("sequin-pipeline-tests", "local[2]")
+    yield session
+    session.stop()
+
+
+def rows() -> list[tuple]:
+    """One change row per (table, action, backfill sink), in position order."""
+    out = []
+    for n, ((schema, table), action, backfill_sink) in enumerate(itertools.product(TABLES, ACTIONS, BACKFILL_SINKS)):
+        out.append((1000 + n, 0, "2026-11-24T08:00:00Z", 7, schema, table, action, f'{{"id":{n}}}', None, [str(n)],
+                    [], 3 if action == "read" else None, backfill_sink))
+    return out
+
+
+def test_the_executors_selection_equals_spark_sqls_for_every_sink_without_a_filter(tmp_path: Path, spark: Any) -> None:
+    """For every sink ``payload=spool`` serves (no filter, no custom groups), the Arrow selection takes
+    exactly the rows the SQL predicate takes: its tables, its actions (a record sink no deletes),
+    reads of its own backfills only, never a logical message."""
+    config = load_config(write_config(tmp_path / "sequin.yaml", """
+        databases: [{name: app, dsn: "postgresql://u@localhost/app"}]
+        sinks:
+          - {name: changes, tables: [public.t, other.t2], destination: {type: sequin_stream}}
+          - {name: rows, tables: [public.t], message_kind: record, destination: {type: sequin_stream}}
+          - {name: inserts, tables: [other.t2], actions: [insert], destination: {type: sequin_stream}}
+          - {name: deletes, tables: [public.t], actions: [delete], transform: record_only,
+             destination: {type: sequin_stream}}
+        """))
+    batch = rows_to_arrow(rows())
+    frame = spark.createDataFrame(rows(), CHANGE_SCHEMA_DDL)
+    for sink in config.sinks:
+        by_sql = [r[0] for r in frame.select(F.coalesce(F.expr(selection_predicate(sink)), F.lit(False))).collect()]
+        by_arrow = selection(batch, SinkRendering.of(sink, "app")).to_pylist()
+        assert by_arrow == by_sql, sink.name
+        assert 0 < sum(by_sql) < len(by_sql), sink.name  # the comparison means something for each sink
+
+    renderings = [SinkRendering.of(s, "app") for s in config.sinks]
+    selected = with_selections(batch, renderings)
+    flags = [selection(batch, r).to_pylist() for r in renderings]
+    kept = [n for n in range(batch.num_rows) if any(f[n] for f in flags)]
+    assert selected.column("commit_lsn").to_pylist() == [1000 + n for n in kept]  # rows no sink takes go, in order
+    for i, f in enumerate(flags):
+        assert selected.column(f"_select_{i}").to_pylist() == [f[n] for n in kept]
+    assert with_selections(rows_to_arrow(rows()[-4:]), renderings).num_rows == 0  # only logical messages
+
+
+def test_a_worker_keeps_its_writers_across_tasks(tmp_path: Path) -> None:
+    """Spark ships the ``mapInArrow`` functions to every task pickled (by value, with copies of the
+    globals they name); a Python worker must still make its writers, each with its store connection,
+    once, not once per task (that was a new store backend per task and micro-batch)."""
+    import pickle
+
+    from pyspark import cloudpickle
+
+    from sequin_provider.spark import pipeline
+
+    config_path = str(write_config(tmp_path / "sequin.yaml", """
+        databases: [{name: app, dsn: "postgresql://u@localhost/app"}]
+        sinks:
+          - {name: changes, tables: [public.t], destination: {type: sequin_stream}}
+          - {name: hook, tables: [public.t], destination: {type: webhook, url: "http://localhost:9/hook"}}
+    """))
+    shipped = [cloudpickle.dumps(pipeline.write_partitions(config_path, "app")),
+               cloudpickle.dumps(pipeline.push_partitions(config_path, "app", "hook"))]
+    seen: list[tuple[int, int]] = []
+    for _task in range(3):
+        write, push = (pickle.loads(p) for p in shipped)
+        write(iter([])), push(iter([]))  # generators: the writers are made, nothing is written yet
+        seen.append((id(pipeline._WRITERS[(config_path, "app")]), id(pipeline._PUSHERS[(config_path, "app", "hook")])))
+    assert len(set(seen)) == 1
+
+
+def test_the_push_shares_of_a_spooled_batch_send_each_group_once_in_order_from_its_first_slice(
+        dsn: str, tmp_path: Path) -> None:
+    """With ``payload=spool`` every task reads the batch's whole spool file and sends the groups
+    whose first message lies in its own slice: the shares of all slices send every message once,
+    a group entirely by one task (even when it continues into the next slice), in position order.
+    Real store (the parked-groups check) and a real HTTP endpoint."""
+    import psycopg
+
+    from sequin_provider import store
+    from sequin_provider.spark.pipeline import PushWriter
+    from sequin_provider.spark.source import write_spool
+    from tests.support.receiver import Receiver
+
+    with psycopg.connect(dsn) as conn:
+        store.migrate(conn, "sequin")
+        conn.commit()
+    receiver = Receiver().start()
+    try:
+        config_path = str(write_config(tmp_path / "sequin.yaml", f"""
+            databases: [{{name: app, dsn: "{dsn}"}}]
+            sinks:
+              - {{name: hook, tables: [public.t], destination: {{type: webhook, url: "{receiver.url}", batch_size: 3,
+                  concurrency: 4}}}}
+              - {{name: solo, tables: [public.t], message_grouping: false, destination: {{type: webhook,
+                  url: "{receiver.url}", batch_size: 3, concurrency: 4}}}}
+        """))
+        def key(n: int) -> int:  # keys 0-3 start in the first slice and go on in the second; 4-6 start there
+            return n % 4 if n < 12 or n % 2 == 0 else 4 + n % 3
+
+        theirs = {n for n in range(30) if n % 5 == 4}  # another table's changes: not this sink's
+        changes = [(1000 + n, 0, "2026-11-25T08:00:00Z", 7, *(("other", "t2") if n in theirs else ("public", "t")),
+                    "insert", f'{{"id":{key(n)},"n":{n}}}', None, [str(key(n))], [], None, None) for n in range(30)]
+        # a backfill's read of key 1 comes last in the file, at its window's position (1001, 1): before n=5
+        changes.append((1001, 1, "2026-11-25T08:00:00Z", 0, "public", "t", "read", '{"id":1,"n":30}', None, ["1"],
+                        [], 3, "hook"))
+        position = {c[7]: (c[0], c[1]) for c in changes}
+        path = str(tmp_path / "batch.arrow")
+        write_spool(path, rows_to_arrow(changes))
+        writer = PushWriter(config_path, "app", "hook")
+        shares = []
+        for offset, count in ((0, 12), (12, 19)):
+            before = len(receiver.messages())
+            delivered, parked = writer.write_share([(path, offset, count)])
+            shares.append(receiver.messages()[before:])
+            assert (delivered, parked) == (len(shares[-1]), 0)
+        solo = PushWriter(config_path, "app", "solo")  # every message its own group: each task sends its slice
+        solo_shares = []
+        for offset, count in ((0, 12), (12, 19)):
+            before = len(receiver.messages())
+            mine = [n for n in range(offset, min(offset + count, 30)) if n not in theirs]  # 30: hook's backfill read
+            assert solo.write_share([(path, offset, count)]) == (len(mine), 0)
+            solo_shares.append(sorted(m["record"]["n"] for m in receiver.messages()[before:]))
+    finally:
+        receiver.stop()
+    assert solo_shares == [[n for n in range(12) if n not in theirs], [n for n in range(12, 30) if n not in theirs]]
+    sent = [m for share in shares for m in share]
+    assert sorted(m["record"]["n"] for m in sent) == [n for n in range(31) if n not in theirs]  # each once
+    assert {m["record"]["id"] for m in shares[1]} == {4, 5, 6}
+    for k in range(7):
+        ns = sorted((n for n in range(31) if (key(n) if n < 30 else 1) == k and n not in theirs),
+                    key=lambda n: position[f'{{"id":{k},"n":{n}}}'])
+        owner = 0 if ns[0] < 12 else 1
+        assert [m["record"]["n"] for m in shares[owner] if m["record"]["id"] == k] == ns  # whole group, in order
+        assert not [m for m in shares[1 - owner] if m["record"]["id"] == k]

@@ -1,0 +1,1 @@
+"""Store integration tests: the stream table, the queue, the buffer, backfill rows."""

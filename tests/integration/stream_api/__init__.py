@@ -1,0 +1,1 @@
+"""Pull API integration tests: the API in-process and with real clients against `sequin api`."""

@@ -1,0 +1,1 @@
+"""Unit tests: no Postgres, no Spark, no network server; `make test-fast` runs this tier alone."""
