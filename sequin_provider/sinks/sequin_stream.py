@@ -23,6 +23,7 @@ from sequin_provider.config import SequinConfig, SinkConfig
 from sequin_provider.exceptions import StoreUnavailableError
 from sequin_provider.sinks.base import DestinationKind, OptionReader
 from sequin_provider.sinks.registry import register
+from sequin_provider.sinks.stored import StoredSinkWriter, StreamTableWriter
 from sequin_provider.store import CopyChunk, Span
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ class SequinStreamOptions:
 
 class SequinStreamKind(DestinationKind):
     """``type: sequin_stream``: stored; messages are rows of the store's stream table, written by
-    the executors' COPY (``SequinStreamSink``) and pulled through the stream API."""
+    the executors' COPY (``writer``, ``SequinStreamSink``) and pulled through the stream API."""
 
     name = "sequin_stream"
     stored = True
@@ -118,6 +119,10 @@ class SequinStreamKind(DestinationKind):
             max_ack_pending=reader.integer(item.get("max_ack_pending", 10_000), f"{path}.max_ack_pending", 1),
             max_waiting=reader.integer(item.get("max_waiting", 20), f"{path}.max_waiting", 1),
         )
+
+    def writer(self, sink: SinkConfig, table: StreamTableWriter) -> StoredSinkWriter:
+        """The sink's share of each partition's COPY (transform, parked groups held: ``sinks.stored``)."""
+        return StoredSinkWriter(sink, table)
 
     def retry(self, config: SequinConfig, sink: SinkConfig, render: Render, workers: int) -> RetryReport:
         """A stream parks messages whose transform or filter failed, and those behind them: retried
