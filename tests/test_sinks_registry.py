@@ -1,8 +1,9 @@
 """A new destination is one module plus its test: a pushed kind defined here (its "module") is
 registered, parsed from ``sequin.yaml`` with typed options and key-path errors, delivered through
 the shared push path in group order with failures parked in a real store's buffer, and redelivered
-by ``sequin buffer retry``'s entry point. Its destination is an in-memory list (this tests the
-registry's wiring, not a transport; the webhook's transport is tests/test_webhook.py's).
+by ``sequin buffer retry``'s entry point, and ``sequin status`` shows its own counts. Its destination
+is an in-memory list (this tests the registry's wiring, not a transport; the webhook's transport is
+tests/test_webhook.py's).
 
 The last test checks that no module outside ``sinks/`` names a destination: they ask the kind.
 """
@@ -10,6 +11,7 @@ The last test checks that no module outside ``sinks/`` names a destination: they
 from __future__ import annotations
 
 import ast
+import json
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ import pytest
 
 from sequin_provider import buffer, store
 from sequin_provider.buffer import DeliveryError, Render, RetryReport
+from sequin_provider.cli import main as cli_main
 from sequin_provider.config import ConfigError, SequinConfig, SinkConfig, parse_config
 from sequin_provider.delivery import Outgoing
 from sequin_provider.sinks import kind, kinds, registry
@@ -79,6 +82,11 @@ class MemoryListKind(DestinationKind):
     def retry(self, config: SequinConfig, sink: SinkConfig, render: Render, workers: int) -> RetryReport:
         pusher = MemoryListSink(sink)
         return buffer.retry_sink(config, sink, lambda m, data: pusher.send([data]), render, workers)
+
+    def counts(self, conn: psycopg.Connection[Any], schema: str, sink: str) -> dict[str, int]:
+        """Requests and messages its list got (a test names the list after its sink)."""
+        requests = DELIVERED.get(sink, [])
+        return {"requests": len(requests), "delivered": sum(len(r) for r in requests)}
 
 
 # --- its test ----------------------------------------------------------------------------------
@@ -160,6 +168,27 @@ def test_a_pushed_kind_is_delivered_in_group_order_parks_failures_and_is_retried
     (report,) = retry_sinks(config, "mem")  # sequin buffer retry: through the kind's retry
     assert (report.delivered, report.still_parked) == (2, 0)
     assert DELIVERED["L"] == [['{"n":4}'], ['{"n":6}']]
+
+
+def test_sequin_status_shows_each_kinds_own_counts(memory_kind: DestinationKind, dsn: str, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "sequin.yaml"
+    config.write_text(json.dumps({"databases": [{"name": "app", "dsn": dsn}], "sinks": [
+        {"name": "changes", "tables": ["kv"], "destination": {"type": "sequin_stream"}},
+        {"name": "mem", "tables": ["kv"], "destination": {"type": "memory_list", "list_name": "mem"}}]}))
+    with psycopg.connect(dsn) as conn:
+        store.migrate(conn, "sequin")
+        store.insert_stream_messages(conn, "sequin", [("changes", lsn, 0, "g", f"{lsn}:0", "{}") for lsn in (1, 2)])
+        conn.commit()
+    DELIVERED["mem"] = [["a", "b"], ["c"]]
+    assert cli_main(["--config", str(config), "status", "--json"]) == 0
+    (entry,) = json.loads(capsys.readouterr().out)
+    assert entry["sinks"] == {"changes": {"total": 2, "visible": 0, "outstanding": 0},
+                              "mem": {"requests": 2, "delivered": 3}}
+    assert entry["messages"] == {"changes": 2}
+    assert cli_main(["--config", str(config), "status"]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == ["  sink changes: 2 messages in the stream",
+                                                         "  sink mem: 2 requests, 3 delivered"]
 
 
 def _names_a_destination(node: ast.AST, names: set[str]) -> bool:
