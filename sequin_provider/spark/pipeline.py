@@ -2,8 +2,9 @@
 
 One Spark job per micro-batch: the JVM evaluates every sink's selection and filter (and group
 ids where they need the record's values or a repartition), and each partition's task renders its
-sinks' messages (``message_render``, vectorized over Arrow batches) and writes them to the store
-in one COPY from the executor (``mapInArrow``), so partitions render and write in parallel and
+sinks' messages (``message_render``, vectorized over Arrow batches) and hands the stored sinks'
+to their kinds' writers, one COPY per partition from the executor (``mapInArrow``; the COPY, held
+groups and parking are ``sinks.stored``'s), so partitions render and write in parallel and
 nothing is collected on the driver. No Python runs per message except a sink's own
 ``module:function`` transform. Pushed sinks (``sinks.push``; the webhook) are sent a group at a time, each group in
 position order by one task, and what fails is parked (DESIGN §9): with ``payload=spool`` the
