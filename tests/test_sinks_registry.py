@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pyarrow as pa
 import pytest
 
 from sequin_provider import buffer, store
@@ -26,11 +27,13 @@ from sequin_provider.buffer import DeliveryError, Render, RetryReport
 from sequin_provider.cli import main as cli_main
 from sequin_provider.config import ConfigError, SequinConfig, SinkConfig, parse_config
 from sequin_provider.delivery import Outgoing
+from sequin_provider.message_render import RenderedRows
 from sequin_provider.sinks import kind, kinds, registry
 from sequin_provider.sinks.base import DestinationKind, OptionReader
 from sequin_provider.sinks.push import PushSink
 from sequin_provider.sinks.retry import retry_sinks
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
+from sequin_provider.sinks.stored import StreamTableWriter
 
 PACKAGE = Path(__file__).resolve().parent.parent / "sequin_provider"
 
@@ -168,6 +171,44 @@ def test_a_pushed_kind_is_delivered_in_group_order_parks_failures_and_is_retried
     (report,) = retry_sinks(config, "mem")  # sequin buffer retry: through the kind's retry
     assert (report.delivered, report.still_parked) == (2, 0)
     assert DELIVERED["L"] == [['{"n":4}'], ['{"n":6}']]
+
+
+def _rendered(ids: list[int], groups: str) -> RenderedRows:
+    """Rendered stream messages ``{"record": {"id": n}}`` at positions (n, 0), in ``groups``."""
+    return RenderedRows(pa.array(ids, pa.int64()), pa.array([0] * len(ids), pa.int32()), pa.array(list(groups)),
+                        pa.array([f"{n}:0" for n in ids]), pa.array([f'{{"record": {{"id": {n}}}}}' for n in ids]))
+
+
+def test_a_stored_kinds_writer_copies_holds_parked_groups_and_parks_failed_transforms(dsn: str) -> None:
+    """The stored kinds' write without Spark (the pipeline feeds it the same rendered rows):
+    one COPY for every stored sink; a failed transform is parked with the rest of its group,
+    in this write and the next (its group's head is parked), while other groups go on."""
+    config = parse_config({"databases": [{"name": "app", "dsn": dsn}], "sinks": [
+        {"name": "plain", "tables": ["t"], "destination": {"type": "sequin_stream"}},
+        {"name": "picky", "tables": ["t"], "transform": "tests.transforms:refuse_three",
+         "destination": {"type": "sequin_stream"}}]}, "sequin.yaml")
+    with psycopg.connect(dsn) as conn:
+        store.migrate(conn, "sequin")
+        conn.commit()
+    with pytest.raises(TypeError, match="pushed, not stored"):
+        kind("webhook").writer(config.sinks[0], None)  # type: ignore[arg-type]
+    table = StreamTableWriter(config.sinks, "sequin", SequinStreamSink(dsn, "sequin"), SequinStreamSink(dsn, "sequin"))
+    try:
+        def write(ids: list[int], groups: str) -> int:
+            payload = (chunk for name in ("plain", "picky") for chunk in table.writer(name).tuples(_rendered(ids, groups)))
+            return table.write(payload, span=lambda: (min(ids), max(ids)))
+
+        assert write([1, 2, 3, 4, 5], "ababa") == 5 + 3  # picky: 3 refused, 5 behind it
+        assert write([6, 7], "ab") == 2 + 1  # picky: 6 behind the parked head of group a
+    finally:
+        table.store.close()
+        table.buffer.close()
+    with psycopg.connect(dsn) as conn:
+        assert [m.commit_lsn for m in store.stream_messages(conn, "sequin", "plain")] == [1, 2, 3, 4, 5, 6, 7]
+        assert [(m.commit_lsn, m.data) for m in store.stream_messages(conn, "sequin", "picky")] == [
+            (n, f'{{"record":{{"id":{n}}}}}') for n in (1, 2, 4, 7)]
+        assert [(m.commit_lsn, m.attempts, m.last_error.startswith("transform")) for m in
+                buffer.list_messages(conn, "sequin", "picky")] == [(3, 1, True), (5, 0, False), (6, 0, False)]
 
 
 def test_sequin_status_shows_each_kinds_own_counts(memory_kind: DestinationKind, dsn: str, tmp_path: Path,
