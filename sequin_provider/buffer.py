@@ -25,7 +25,6 @@ from typing import Any, Callable, Iterable
 
 import psycopg
 
-from sequin_provider import store
 from sequin_provider.backoff import exponential_backoff
 from sequin_provider.config import SequinConfig, SinkConfig
 from sequin_provider.exceptions import DeliveryError
@@ -73,13 +72,6 @@ def backoff_seconds(attempts: int, rng: random.Random | None = None) -> float:
     return exponential_backoff(attempts, BACKOFF_BASE, BACKOFF_CAP, JITTER, rng)
 
 
-# The buffer's queries are the store's (``store.buffer``); these names of them stay importable from
-# here, where the delivery paths (``spark.pipeline``, ``sinks.push``) and the CLI find them.
-ParkRow = store.ParkRow
-park = store.park_messages
-sinks_with_parked = store.sinks_with_parked
-list_messages = store.list_buffered
-set_state = store.set_buffered_state
 
 
 def parked_groups(conn: psycopg.Connection[Any], schema: str, sink: str, groups: Iterable[str]) -> set[str]:

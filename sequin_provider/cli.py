@@ -56,15 +56,26 @@ def _status(config: SequinConfig) -> list[dict[str, Any]]:
                     if rows:
                         entry["stream"] = {k: (v.isoformat() if hasattr(v, "isoformat") else v) for k, v in rows[0].items()
                                            if k != "database"}
-                    entry["messages"] = store.count_stream_messages(conn, config.store.schema)
+                    entry["sinks"] = {sink.name: sink.destination.kind.counts(conn, config.store.schema, sink.name)
+                                      for sink in config.sinks_of(db.name)}  # each kind reports its own
+                    entry["messages"] = {name: counts["total"] for name, counts in entry["sinks"].items()
+                                         if "total" in counts}
         except psycopg.Error as exc:
             entry["store_error"] = str(exc).strip()
         out.append(entry)
     return out
 
 
+def _counts_line(counts: dict[str, int]) -> str:
+    """A sink's counts (``DestinationKind.counts``) in ``sequin status``: a stream's total as
+    "N messages in the stream", any other kind's counts as "N name, ..."."""
+    if "total" in counts:
+        return f"{counts['total']} messages in the stream"
+    return ", ".join(f"{n} {name}" for name, n in counts.items())
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    """Slot position and lag, stream app heartbeat, messages per sink."""
+    """Slot position and lag, stream app heartbeat, each sink's counts (its kind's)."""
     status = _status(_config(args))
     if args.json:
         print(json.dumps(status, indent=2, default=str))
@@ -75,8 +86,9 @@ def cmd_status(args: argparse.Namespace) -> int:
               f"{'active' if entry.get('active') else 'inactive'}, lag {entry.get('lag_bytes', '?')} bytes, "
               f"last batch {stream.get('last_batch_id', '-')} at {stream.get('last_batch_at', '-')}, "
               f"{stream.get('total_rows', 0)} changes processed")
-        for sink, count in sorted((entry.get("messages") or {}).items()):
-            print(f"  sink {sink}: {count} messages in the stream")
+        for sink, counts in sorted((entry.get("sinks") or {}).items()):
+            if counts:
+                print(f"  sink {sink}: {_counts_line(counts)}")
         for key in ("error", "store_error"):
             if key in entry:
                 print(f"  {key.replace('_', ' ')}: {entry[key]}")
@@ -248,11 +260,10 @@ def cmd_token_revoke(args: argparse.Namespace) -> int:
 
 def cmd_token_list(args: argparse.Namespace) -> int:
     """List API tokens (names and dates; tokens themselves are not stored)."""
-    from sequin_provider import stream_queue
 
     config = _config(args)
     with _token_store(config) as conn:
-        for name, created, revoked in stream_queue.list_tokens(conn, config.store.schema):
+        for name, created, revoked in store.list_api_tokens(conn, config.store.schema):
             state = f"revoked {revoked:%Y-%m-%d %H:%M:%S}" if revoked else "active"
             print(f"{name}\tcreated {created:%Y-%m-%d %H:%M:%S}\t{state}")
     return 0
@@ -287,7 +298,6 @@ def cmd_buffer_retry(args: argparse.Namespace) -> int:
 
 def cmd_buffer_list(args: argparse.Namespace) -> int:
     """List parked and discarded messages."""
-    from sequin_provider import buffer
 
     config = _config(args)
     out: list[dict[str, Any]] = []
@@ -295,7 +305,7 @@ def cmd_buffer_list(args: argparse.Namespace) -> int:
         with _store_conn(config, db.name) as conn:
             if store.schema_version(conn, config.store.schema) < 6:
                 continue
-            for m in buffer.list_messages(conn, config.store.schema, args.sink, args.state):
+            for m in store.list_buffered(conn, config.store.schema, args.sink, args.state):
                 if _database_of_sink_or_none(config, m.sink) in (db.name, None):
                     out.append({"sink": m.sink, "commit_lsn": m.commit_lsn, "commit_idx": m.commit_idx,
                                 "group": m.group_id, "state": m.state, "attempts": m.attempts,
@@ -315,14 +325,13 @@ def _database_of_sink_or_none(config: SequinConfig, sink: str) -> str | None:
 
 
 def _set_buffer_state(args: argparse.Namespace, to_state: str) -> int:
-    from sequin_provider import buffer
 
     config = _config(args)
     database = _database_of_sink(config, args.sink)
     with _store_conn(config, database) as conn:
         store.migrate(conn, config.store.schema)
         conn.commit()
-        count = buffer.set_state(conn, config.store.schema, args.sink, to_state, args.group)
+        count = store.set_buffered_state(conn, config.store.schema, args.sink, to_state, args.group)
     verb = "discarded" if to_state == "discarded" else "requeued"
     print(f"{count} messages of sink {args.sink!r}{f' group {args.group!r}' if args.group else ''} {verb}")
     return 0
@@ -356,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("init", help="check prerequisites; create store schema, publication and slot")
     p.add_argument("--database", default=None)
     p.set_defaults(func=cmd_init)
-    p = sub.add_parser("status", help="slot lag, stream heartbeat, messages per sink")
+    p = sub.add_parser("status", help="slot lag, stream heartbeat, counts per sink")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_status)
     p = sub.add_parser("stream", help="run the replication stream app (Spark) in the foreground")

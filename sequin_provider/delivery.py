@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, Callable, Collection, Iterable, Mapping
 
-from sequin_provider.buffer import BARRIER_ERROR, FOLLOWER_ERROR, DeliveryError, ParkRow, backoff_seconds
+from sequin_provider.buffer import BARRIER_ERROR, FOLLOWER_ERROR, DeliveryError, backoff_seconds
 from sequin_provider.config import SinkConfig
 from sequin_provider.exceptions import SequinError
 from sequin_provider.messages import sql_string
+from sequin_provider.store import ParkRow
 
 
 class TransformError(SequinError, RuntimeError):

@@ -20,7 +20,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sequin_provider.config import SinkConfig
-from sequin_provider.delivery import message_kind, selected_actions
+from sequin_provider.delivery import (
+    Outgoing,
+    Transform,
+    TransformError,
+    apply_transform,
+    message_kind,
+    selected_actions,
+)
 from sequin_provider.messages import idempotency_key, json_text, metadata_head, metadata_tail
 from sequin_provider.pgoutput import COMPILED, hot_path
 
@@ -172,6 +179,25 @@ def render(batch: pa.RecordBatch, sink: SinkRendering, group: pa.Array | None = 
                      ',"action":"', batch.column("action"), '","metadata":', *metadata, "}"]
         data = pc.binary_join_element_wise(*parts, "")
     return RenderedRows(lsn, idx, group, key, data, truncate_barriers(batch, sink))
+
+
+def outgoing(rows: RenderedRows, sink: SinkConfig, transform: Transform | None) -> Outgoing:
+    """A sink's rendered messages as ``delivery.Outgoing``, transformed (the path of a push sink,
+    and of a stored sink with a transform or parked groups); a transform that raises marks its
+    message instead of failing the batch."""
+    out = Outgoing(rows.commit_lsn.to_pylist(), rows.commit_idx.to_pylist(), rows.group_id.to_pylist(),
+                   rows.idempotency_key.to_pylist(), rows.data.to_pylist())
+    if rows.barrier is not None:  # truncates
+        out.barriers.update((int(i), b) for i, b in zip(pc.indices_nonzero(pc.is_valid(rows.barrier)).to_pylist(),
+                                                         pc.drop_null(rows.barrier).to_pylist()))
+    if transform is not None:
+        for i, data in enumerate(out.data):
+            try:
+                out.data[i] = apply_transform(sink, transform, data)  # type: ignore[arg-type]
+            except TransformError as exc:
+                out.data[i] = None
+                out.failed[i] = (data, str(exc))  # type: ignore[assignment]
+    return out
 
 
 COPY_BINARY_HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack("!ii", 0, 0)

@@ -155,8 +155,6 @@ def release(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequ
     return store.release_messages(conn, schema, sink, _parsed(ack_ids))
 
 
-stream_counts = store.stream_counts
-"""``store.stream_counts``, importable from here as before (``sinks.sequin_stream``)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,8 +187,6 @@ def revoke_token(conn: psycopg.Connection[Any], schema: str, name: str) -> None:
         raise TokenError(f"no active token named {name!r}")
 
 
-list_tokens = store.list_api_tokens
-"""``store.list_api_tokens``: (name, created_at, revoked_at) of every token (``sequin token list``)."""
 
 
 def token_status(conn: psycopg.Connection[Any], schema: str, token: str) -> str:

@@ -6,8 +6,15 @@ messages a group at a time, in position order within a group, and park what fail
 for ``retry`` (the webhook). A kind declares which, parses and validates its own ``destination:``
 options into a typed, frozen dataclass (errors name the key path, as the rest of the config), says
 how the buffer redelivers a parked message (``retry``), and what ``sequin status`` and the Airflow
-view show for a sink of it (``counts``). A pushed kind also makes the executor-side ``PushSink``
-(``sinks.push``) that sends its messages.
+view show for a sink of it (``counts``).
+
+A stored kind makes the executor-side ``StoredSinkWriter`` (``sinks.stored``, ``writer``) that turns a
+sink's rendered messages of a partition into COPY binary tuples of the stream table: its database's
+stored sinks share one COPY per partition (``StreamTableWriter``), the messages of a failed transform
+and those behind parked groups are parked before the batch completes, and the driver then makes the
+batch visible to consumers. A pushed kind makes the executor-side ``PushSink`` (``sinks.push``,
+``pusher``) that sends its messages. The Spark glue (``spark.pipeline``) only partitions, renders and
+reports; it asks the kind which of the two it is and for its writer or pusher.
 
 This module imports nothing of the pipeline, so the config parser can ask the registry without
 import cycles; the kind modules import what their work needs.
@@ -25,6 +32,7 @@ if TYPE_CHECKING:
     from sequin_provider.config import SequinConfig, SinkConfig
     from sequin_provider.exceptions import ConfigError
     from sequin_provider.sinks.push import PushSink
+    from sequin_provider.sinks.stored import StoredSinkWriter, StreamTableWriter
 
 
 class OptionReader(Protocol):
@@ -58,7 +66,8 @@ class DestinationKind(ABC):
     """The ``destination.type`` that selects this kind."""
     stored: ClassVar[bool]
     """True: messages are durable rows of the store's stream table, pulled by consumers (the
-    Sequin Stream API serves them). False: pushed from the executors (``pusher``)."""
+    Sequin Stream API serves them), written by the executors' COPY (``writer``). False: pushed from
+    the executors (``pusher``)."""
 
     @property
     def pushed(self) -> bool:
@@ -87,3 +96,8 @@ class DestinationKind(ABC):
     def pusher(self, sink: SinkConfig) -> PushSink:
         """The executor-side sender of a pushed sink's messages (``sinks.push.PushSink``)."""
         raise TypeError(f"destination type {self.name!r} is stored, not pushed")
+
+    def writer(self, sink: SinkConfig, table: StreamTableWriter) -> StoredSinkWriter:
+        """The executor-side writer of a stored sink's messages into ``table``'s COPY of the
+        stream table (``sinks.stored.StoredSinkWriter``)."""
+        raise TypeError(f"destination type {self.name!r} is pushed, not stored")

@@ -9,8 +9,8 @@ import logging
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
-from sequin_provider.buffer import park, parked_barriers, parked_heads
 from sequin_provider.delivery import Outgoing, push_in_group_order
+from sequin_provider.store import park_messages, parked_barriers, parked_heads
 
 if TYPE_CHECKING:
     from sequin_provider.sinks.sequin_stream import SequinStreamSink
@@ -49,7 +49,7 @@ class PushSink(ABC):
         barred, held = store.retrying(lambda conn: parked_barriers(conn, schema, name, barriers))
         result = push_in_group_order(name, messages, self.send, self.batch_size, self.lanes, heads, barred, held)
         if result.parked:
-            store.retrying(lambda conn: park(conn, schema, result.parked))
+            store.retrying(lambda conn: park_messages(conn, schema, result.parked))
             log.warning("sink %s: %d messages parked in the buffer, first error: %s", name, len(result.parked),
                         result.parked[0].error)
         return result.delivered, len(result.parked)

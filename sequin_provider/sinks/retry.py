@@ -8,9 +8,10 @@ from typing import Any
 import psycopg
 
 from sequin_provider import store
-from sequin_provider.buffer import DeliveryError, Parked, Render, RetryReport, parked_change
+from sequin_provider.buffer import DeliveryError, Render, RetryReport, parked_change
 from sequin_provider.config import ConfigError, SequinConfig, SinkConfig
 from sequin_provider.delivery import apply_transform, load_transform
+from sequin_provider.store import Parked
 
 
 class _Filters:

@@ -18,12 +18,13 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 import psycopg
 
 from sequin_provider import buffer, store
-from sequin_provider.buffer import Parked, Render, RetryReport
+from sequin_provider.buffer import Render, RetryReport
 from sequin_provider.config import SequinConfig, SinkConfig
 from sequin_provider.exceptions import StoreUnavailableError
 from sequin_provider.sinks.base import DestinationKind, OptionReader
 from sequin_provider.sinks.registry import register
-from sequin_provider.store import CopyChunk, Span
+from sequin_provider.sinks.stored import StoredSinkWriter, StreamTableWriter
+from sequin_provider.store import CopyChunk, Parked, Span
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -105,7 +106,7 @@ class SequinStreamOptions:
 
 class SequinStreamKind(DestinationKind):
     """``type: sequin_stream``: stored; messages are rows of the store's stream table, written by
-    the executors' COPY (``SequinStreamSink``) and pulled through the stream API."""
+    the executors' COPY (``writer``, ``SequinStreamSink``) and pulled through the stream API."""
 
     name = "sequin_stream"
     stored = True
@@ -119,6 +120,10 @@ class SequinStreamKind(DestinationKind):
             max_waiting=reader.integer(item.get("max_waiting", 20), f"{path}.max_waiting", 1),
         )
 
+    def writer(self, sink: SinkConfig, table: StreamTableWriter) -> StoredSinkWriter:
+        """The sink's share of each partition's COPY (transform, parked groups held: ``sinks.stored``)."""
+        return StoredSinkWriter(sink, table)
+
     def retry(self, config: SequinConfig, sink: SinkConfig, render: Render, workers: int) -> RetryReport:
         """A stream parks messages whose transform or filter failed, and those behind them: retried
         into the stream, one at a time in position order (one connection)."""
@@ -130,10 +135,8 @@ class SequinStreamKind(DestinationKind):
             return buffer.retry_sink(config, sink, into_stream, render, workers=1)
 
     def counts(self, conn: psycopg.Connection[Any], schema: str, sink: str) -> dict[str, int]:
-        """The stream's messages: total, visible, outstanding (``stream_queue.stream_counts``)."""
-        from sequin_provider.stream_queue import stream_counts
-
-        return stream_counts(conn, schema, sink)
+        """The stream's messages: total, visible, outstanding (``store.stream_counts``)."""
+        return store.stream_counts(conn, schema, sink)
 
 
 KIND = register(SequinStreamKind())

@@ -2,8 +2,9 @@
 
 One Spark job per micro-batch: the JVM evaluates every sink's selection and filter (and group
 ids where they need the record's values or a repartition), and each partition's task renders its
-sinks' messages (``message_render``, vectorized over Arrow batches) and writes them to the store
-in one COPY from the executor (``mapInArrow``), so partitions render and write in parallel and
+sinks' messages (``message_render``, vectorized over Arrow batches) and hands the stored sinks'
+to their kinds' writers, one COPY per partition from the executor (``mapInArrow``; the COPY, held
+groups and parking are ``sinks.stored``'s), so partitions render and write in parallel and
 nothing is collected on the driver. No Python runs per message except a sink's own
 ``module:function`` transform. Pushed sinks (``sinks.push``; the webhook) are sent a group at a time, each group in
 position order by one task, and what fails is parked (DESIGN §9): with ``payload=spool`` the
@@ -30,39 +31,20 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from sequin_provider import store
-from sequin_provider.buffer import (
-    FOLLOWER_ERROR,
-    ParkRow,
-    backoff_seconds,
-    change_source,
-    park,
-    parked_heads,
-    sinks_with_parked,
-)
+from sequin_provider.buffer import backoff_seconds, change_source
 from sequin_provider.config import ConfigError, SequinConfig, SinkConfig, load_config
 from sequin_provider.delivery import (
     Outgoing,
-    Transform,
-    TransformError,
-    apply_transform,
     group_expression,
     load_transform,
     needs_parsed_record,
     selected_actions,
     selection_predicate,
 )
-from sequin_provider.message_render import (
-    COPY_BINARY_HEADER,
-    COPY_BINARY_TRAILER,
-    RenderedRows,
-    SinkRendering,
-    copy_binary_tuple,
-    render,
-    selection,
-    stream_rows_copy_binary,
-)
+from sequin_provider.message_render import RenderedRows, SinkRendering, outgoing, render, selection
 from sequin_provider.messages import CHANGE_FIELD_NAMES, CHANGE_SCHEMA_DDL, open_transaction_lsn
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
+from sequin_provider.sinks.stored import StoredSinkWriter, StreamTableWriter
 from sequin_provider.spark.poison import (
     JSON_COLUMNS,
     engine_error,
@@ -74,6 +56,7 @@ from sequin_provider.spark.poison import (
 )
 from sequin_provider.spark.source import SPOOL_SLICE_DDL, spool_slice_rows, spool_table
 from sequin_provider.spark.worker_heap import freeze_long_lived
+from sequin_provider.store import ParkRow, park_messages
 
 log = logging.getLogger(__name__)
 
@@ -143,73 +126,33 @@ def _rendered(batch: pa.RecordBatch, i: int, rendering: SinkRendering) -> Render
     return render(selected, rendering, group)
 
 
-def _outgoing(rows: RenderedRows, sink: SinkConfig, transform: Transform | None) -> Outgoing:
-    """A sink's rendered messages, transformed; a transform that raises marks its message instead
-    of failing the batch."""
-    out = Outgoing(rows.commit_lsn.to_pylist(), rows.commit_idx.to_pylist(), rows.group_id.to_pylist(),
-                   rows.idempotency_key.to_pylist(), rows.data.to_pylist())
-    if rows.barrier is not None:  # truncates
-        out.barriers.update((int(i), b) for i, b in zip(pc.indices_nonzero(pc.is_valid(rows.barrier)).to_pylist(),
-                                                         pc.drop_null(rows.barrier).to_pylist()))
-    if transform is not None:
-        for i, data in enumerate(out.data):
-            try:
-                out.data[i] = apply_transform(sink, transform, data)  # type: ignore[arg-type]
-            except TransformError as exc:
-                out.data[i] = None
-                out.failed[i] = (data, str(exc))  # type: ignore[assignment]
-    return out
-
-
 class StreamWriter:
-    """Executor side: one COPY of a partition's stream rows, for every sink of a database; with
+    """Executor side: one COPY of a partition's stream rows, for every stored sink of a database
+    (``sinks.stored.StreamTableWriter``, each sink's share made by its kind); with
     ``payload=spool``, also the push sinks' share of the batch that falls to this partition."""
 
     def __init__(self, config_path: str, database: str) -> None:
         config = load_config(config_path)
         db = config.database(database)
         self.config_path, self.database = config_path, db.name
-        self.schema = config.store.schema
         self.sinks = config.sinks_of(db.name)
         self.copies = any(s.destination.kind.stored for s in self.sinks)
         self.pushes = any(s.destination.kind.pushed and "truncate" in selected_actions(s) for s in self.sinks)
-        self.transforms = [load_transform(s.transform) for s in self.sinks]
-        self.sink = SequinStreamSink(config.store_dsn(db.name), config.store.schema, config.stream.store_retry_timeout)
-        self.buffer = SequinStreamSink(config.store_dsn(db.name), config.store.schema, config.stream.store_retry_timeout)
-        self._parked: list[ParkRow] = []
-        self._held: set[str] = set()  # stream sinks with parked messages, asked once per task
         self.renderings = [SinkRendering.of(s, db.name) for s in self.sinks]
+        self.table = StreamTableWriter(
+            [s for s in self.sinks if s.destination.kind.stored], config.store.schema,
+            SequinStreamSink(config.store_dsn(db.name), config.store.schema, config.stream.store_retry_timeout),
+            SequinStreamSink(config.store_dsn(db.name), config.store.schema, config.stream.store_retry_timeout))
+        self.stored: list[tuple[int, SinkRendering, StoredSinkWriter]] = [
+            (i, self.renderings[i], self.table.writer(s.name)) for i, s in enumerate(self.sinks)
+            if s.destination.kind.stored]
+        """Per stored sink: its index in the projected batch (``_select_i``), rendering and writer."""
 
     def payload(self, batch: pa.RecordBatch) -> Iterator[bytes | memoryview]:
-        """Every Sequin Stream sink's COPY binary tuples of the rows in ``batch``. Messages whose
-        transform raises, and later messages of their groups or of groups parked before (a
-        transform or a filter failed), are set aside to be parked."""
-        for i, (sink, rendering, transform) in enumerate(zip(self.sinks, self.renderings, self.transforms)):
-            if not sink.destination.kind.stored:
-                continue
-            if transform is None and sink.name not in self._held:
-                tuples = stream_rows_copy_binary(sink.name, _rendered(batch, i, rendering))
-                if tuples.size:
-                    yield memoryview(tuples)
-                continue
-            messages = _outgoing(_rendered(batch, i, rendering), sink, transform)
-            groups = set(messages.group_id)
-            heads = self.buffer.retrying(lambda conn, g=groups, n=sink.name: parked_heads(conn, self.schema, n, g)) \
-                if sink.name in self._held else {}
-            blocked: set[str] = set()
-            rows = []
-            for j, group in enumerate(messages.group_id):
-                if group in blocked or (group in heads and (messages.commit_lsn[j], messages.commit_idx[j]) > heads[group]):
-                    self._parked.append(messages.park_row(sink.name, j, 0, FOLLOWER_ERROR))
-                elif j in messages.failed:
-                    self._parked.append(messages.park_row(sink.name, j, 1, messages.failed[j][1]))
-                    blocked.add(group)
-                else:
-                    rows.append(copy_binary_tuple((sink.name, messages.commit_lsn[j], messages.commit_idx[j], group,
-                                                   messages.idempotency_key[j], messages.data[j],
-                                                   messages.barriers.get(j))))
-            if rows:
-                yield b"".join(rows)
+        """Every stored sink's COPY binary tuples of the rows in ``batch`` (``StoredSinkWriter.tuples``:
+        messages of a failed transform, and those behind parked groups, are set aside to be parked)."""
+        for i, rendering, writer in self.stored:
+            yield from writer.tuples(_rendered(batch, i, rendering))
 
     def write(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         """``mapInArrow`` body: stream the partition into one COPY as its batches arrive, then send
@@ -220,7 +163,6 @@ class StreamWriter:
         truncated: set[str] = set()
 
         def chunks() -> Iterator[bytes | memoryview]:
-            yield COPY_BINARY_HEADER
             for batch in batches:
                 spooled = "spool_rows" in batch.schema.names  # payload=spool: slices to read and select
                 if spooled:
@@ -241,25 +183,15 @@ class StreamWriter:
                         truncated.update(truncated_tables(changes))
                     if self.copies:  # push sinks of a spooled batch are sent after the COPY (write_share)
                         yield from self.payload(with_selections(changes, self.renderings) if spooled else changes)
-            yield COPY_BINARY_TRAILER
 
         started = time.monotonic()
-        self._parked = []
-        if self.copies:  # a sink with nothing parked keeps the vectorized path; what it costs: one round trip
-            # per task and batch (sinks_with_parked: 2.3 ms measured on a 2-core machine at load 15)
-            names = [s.name for s in self.sinks if s.destination.kind.stored]
-            self._held = self.buffer.retrying(lambda conn: sinks_with_parked(conn, self.schema, names))
-            written = self.sink.write(chunks(), binary=True, span=lambda: None if stats["min_lsn"] is None
-                                      else (stats["min_lsn"], stats["max_lsn"]))  # the acked positions to skip
+        if self.copies:  # the COPY, then what was set aside parked: durable before the batch completes
+            written = self.table.write(chunks(), span=lambda: None if stats["min_lsn"] is None
+                                       else (stats["min_lsn"], stats["max_lsn"]))  # the acked positions to skip
         else:  # only push sinks: the slices are read for the counts, nothing is copied
             written = 0
             for _ in chunks():
                 pass
-        if self._parked:  # durable before the batch completes (the slot may then pass them)
-            parked = self._parked
-            self.buffer.retrying(lambda conn: park(conn, self.schema, parked))
-            log.warning("%d messages parked in the buffer (a transform raised, or behind a parked message): %s",
-                        len(parked), parked[0].error)
         seconds = time.monotonic() - started
         delivered = pushed_parked = 0
         for sink in self.sinks if slices else ():
@@ -342,7 +274,7 @@ class PushWriter:
         messages = Outgoing()
         for batch in batches:
             if batch.num_rows:
-                messages.extend(_outgoing(_rendered(batch, self.index, self.rendering), self.sink_config,
+                messages.extend(outgoing(_rendered(batch, self.index, self.rendering), self.sink_config,
                                           self.transform))
         top = max(messages.commit_lsn, default=None)
         delivered, parked = self._deliver(messages)
@@ -379,7 +311,7 @@ class PushWriter:
             for _, offset, count in (s for s in slices if s[0] == path):
                 mine |= (first >= offset) & (first < offset + count)
             ours = render(changes.take(file_rows.filter(mine)), self.rendering)
-            messages.extend(_outgoing(ours, self.sink_config, self.transform))
+            messages.extend(outgoing(ours, self.sink_config, self.transform))
         return self._deliver(messages)
 
     def _deliver(self, messages: Outgoing) -> tuple[int, int]:
@@ -602,7 +534,7 @@ class Pipeline:
                                     rendered.idempotency_key[j].as_py(), None, change_source(change), 1,
                                     positions[key_of(lsn, idx)], backoff_seconds(1)))
         schema = self.config.store.schema
-        self._visibility.retrying(lambda conn: park(conn, schema, rows))
+        self._visibility.retrying(lambda conn: park_messages(conn, schema, rows))
         return len(rows)
 
     def _push_sink(self, projected: DataFrame, i: int, sink: SinkConfig, truncated: list[str]) -> pa.Table:

@@ -211,9 +211,3 @@ def stream_messages(conn: psycopg.Connection[Any], schema: str, sink: str | None
                     " FROM {}.stream_messages m {} ORDER BY m.sink, m.commit_lsn, m.commit_idx").format(
         ident(schema), where)
     return [StoredMessage(*r) for r in conn.execute(query, (sink,) if sink else ()).fetchall()]
-
-
-def count_stream_messages(conn: psycopg.Connection[Any], schema: str) -> dict[str, int]:
-    """Messages per sink."""
-    rows = conn.execute(sql.SQL("SELECT sink, count(*) FROM {}.stream_messages GROUP BY sink").format(ident(schema)))
-    return {sink: int(n) for sink, n in rows.fetchall()}

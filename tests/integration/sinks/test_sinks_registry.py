@@ -1,8 +1,9 @@
 """A new destination is one module plus its test: a pushed kind defined here (its "module") is
 registered, parsed from ``sequin.yaml`` with typed options and key-path errors, delivered through
 the shared push path in group order with failures parked in a real store's buffer, and redelivered
-by ``sequin buffer retry``'s entry point. Its destination is an in-memory list (this tests the
-registry's wiring, not a transport; the webhook's transport is tests/integration/sinks/test_webhook.py's).
+by ``sequin buffer retry``'s entry point, and ``sequin status`` shows its own counts. Its destination
+is an in-memory list (this tests the registry's wiring, not a transport; the webhook's transport is
+tests/integration/sinks/test_webhook.py's).
 
 The last test checks that no module outside ``sinks/`` names a destination: they ask the kind.
 """
@@ -10,6 +11,7 @@ The last test checks that no module outside ``sinks/`` names a destination: they
 from __future__ import annotations
 
 import ast
+import json
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -17,17 +19,21 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pyarrow as pa
 import pytest
 
 from sequin_provider import buffer, store
 from sequin_provider.buffer import DeliveryError, Render, RetryReport
+from sequin_provider.cli import main as cli_main
 from sequin_provider.config import ConfigError, SequinConfig, SinkConfig, parse_config
 from sequin_provider.delivery import Outgoing
+from sequin_provider.message_render import RenderedRows
 from sequin_provider.sinks import kind, kinds, registry
 from sequin_provider.sinks.base import DestinationKind, OptionReader
 from sequin_provider.sinks.push import PushSink
 from sequin_provider.sinks.retry import retry_sinks
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
+from sequin_provider.sinks.stored import StreamTableWriter
 
 PACKAGE = Path(__file__).resolve().parents[3] / "sequin_provider"
 
@@ -79,6 +85,11 @@ class MemoryListKind(DestinationKind):
     def retry(self, config: SequinConfig, sink: SinkConfig, render: Render, workers: int) -> RetryReport:
         pusher = MemoryListSink(sink)
         return buffer.retry_sink(config, sink, lambda m, data: pusher.send([data]), render, workers)
+
+    def counts(self, conn: psycopg.Connection[Any], schema: str, sink: str) -> dict[str, int]:
+        """Requests and messages its list got (a test names the list after its sink)."""
+        requests = DELIVERED.get(sink, [])
+        return {"requests": len(requests), "delivered": sum(len(r) for r in requests)}
 
 
 # --- its test ----------------------------------------------------------------------------------
@@ -160,6 +171,65 @@ def test_a_pushed_kind_is_delivered_in_group_order_parks_failures_and_is_retried
     (report,) = retry_sinks(config, "mem")  # sequin buffer retry: through the kind's retry
     assert (report.delivered, report.still_parked) == (2, 0)
     assert DELIVERED["L"] == [['{"n":4}'], ['{"n":6}']]
+
+
+def _rendered(ids: list[int], groups: str) -> RenderedRows:
+    """Rendered stream messages ``{"record": {"id": n}}`` at positions (n, 0), in ``groups``."""
+    return RenderedRows(pa.array(ids, pa.int64()), pa.array([0] * len(ids), pa.int32()), pa.array(list(groups)),
+                        pa.array([f"{n}:0" for n in ids]), pa.array([f'{{"record": {{"id": {n}}}}}' for n in ids]))
+
+
+def test_a_stored_kinds_writer_copies_holds_parked_groups_and_parks_failed_transforms(dsn: str) -> None:
+    """The stored kinds' write without Spark (the pipeline feeds it the same rendered rows):
+    one COPY for every stored sink; a failed transform is parked with the rest of its group,
+    in this write and the next (its group's head is parked), while other groups go on."""
+    config = parse_config({"databases": [{"name": "app", "dsn": dsn}], "sinks": [
+        {"name": "plain", "tables": ["t"], "destination": {"type": "sequin_stream"}},
+        {"name": "picky", "tables": ["t"], "transform": "tests.transforms:refuse_three",
+         "destination": {"type": "sequin_stream"}}]}, "sequin.yaml")
+    with psycopg.connect(dsn) as conn:
+        store.migrate(conn, "sequin")
+        conn.commit()
+    with pytest.raises(TypeError, match="pushed, not stored"):
+        kind("webhook").writer(config.sinks[0], None)  # type: ignore[arg-type]
+    table = StreamTableWriter(config.sinks, "sequin", SequinStreamSink(dsn, "sequin"), SequinStreamSink(dsn, "sequin"))
+    try:
+        def write(ids: list[int], groups: str) -> int:
+            payload = (chunk for name in ("plain", "picky") for chunk in table.writer(name).tuples(_rendered(ids, groups)))
+            return table.write(payload, span=lambda: (min(ids), max(ids)))
+
+        assert write([1, 2, 3, 4, 5], "ababa") == 5 + 3  # picky: 3 refused, 5 behind it
+        assert write([6, 7], "ab") == 2 + 1  # picky: 6 behind the parked head of group a
+    finally:
+        table.store.close()
+        table.buffer.close()
+    with psycopg.connect(dsn) as conn:
+        assert [m.commit_lsn for m in store.stream_messages(conn, "sequin", "plain")] == [1, 2, 3, 4, 5, 6, 7]
+        assert [(m.commit_lsn, m.data) for m in store.stream_messages(conn, "sequin", "picky")] == [
+            (n, f'{{"record":{{"id":{n}}}}}') for n in (1, 2, 4, 7)]
+        assert [(m.commit_lsn, m.attempts, m.last_error.startswith("transform")) for m in
+                buffer.list_messages(conn, "sequin", "picky")] == [(3, 1, True), (5, 0, False), (6, 0, False)]
+
+
+def test_sequin_status_shows_each_kinds_own_counts(memory_kind: DestinationKind, dsn: str, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "sequin.yaml"
+    config.write_text(json.dumps({"databases": [{"name": "app", "dsn": dsn}], "sinks": [
+        {"name": "changes", "tables": ["kv"], "destination": {"type": "sequin_stream"}},
+        {"name": "mem", "tables": ["kv"], "destination": {"type": "memory_list", "list_name": "mem"}}]}))
+    with psycopg.connect(dsn) as conn:
+        store.migrate(conn, "sequin")
+        store.insert_stream_messages(conn, "sequin", [("changes", lsn, 0, "g", f"{lsn}:0", "{}") for lsn in (1, 2)])
+        conn.commit()
+    DELIVERED["mem"] = [["a", "b"], ["c"]]
+    assert cli_main(["--config", str(config), "status", "--json"]) == 0
+    (entry,) = json.loads(capsys.readouterr().out)
+    assert entry["sinks"] == {"changes": {"total": 2, "visible": 0, "outstanding": 0},
+                              "mem": {"requests": 2, "delivered": 3}}
+    assert entry["messages"] == {"changes": 2}
+    assert cli_main(["--config", str(config), "status"]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == ["  sink changes: 2 messages in the stream",
+                                                         "  sink mem: 2 requests, 3 delivered"]
 
 
 def _names_a_destination(node: ast.AST, names: set[str]) -> bool:

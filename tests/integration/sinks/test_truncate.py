@@ -20,10 +20,11 @@ import pytest
 from devtools.stream_process import wait_for
 from sequin_provider import buffer, store, stream_queue
 from sequin_provider.backfill.watermarks import HIGH_PREFIX, LOW_PREFIX, Watermark, WindowTracker, watermark_content
-from sequin_provider.buffer import DeliveryError, ParkRow
+from sequin_provider.buffer import DeliveryError
 from sequin_provider.config import ConfigError, load_config
 from sequin_provider.delivery import Outgoing, push_in_group_order
 from sequin_provider.spark.pipeline import payload_mode
+from sequin_provider.store import ParkRow
 from tests.support.config import write_config
 from tests.support.postgres import execute, sink_messages
 from tests.support.receiver import Receiver
@@ -229,7 +230,7 @@ def test_truncate_reaches_pull_consumers_and_a_webhook_as_a_barrier_and_skip_sen
         # behind it; retried once the endpoint takes it, in position order through the barrier
         def parked() -> list[Any] | None:
             with psycopg.connect(dsn) as conn:
-                found = buffer.list_messages(conn, "sequin", "hooks", "parked")
+                found = store.list_buffered(conn, "sequin", "hooks", "parked")
             return found if found and max(position_of(m) for m in found) == last_position(dsn) else None
 
         held = wait_for(parked, 120, what="the webhook's messages after k=7's refusal parked")

@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 
 from devtools.stream_process import wait_for
-from sequin_provider import buffer
+from sequin_provider import store
 from sequin_provider.buffer import DeliveryError, backoff_seconds
 from sequin_provider.config import load_config
 from sequin_provider.delivery import Outgoing, push_in_group_order
@@ -126,7 +126,7 @@ def test_poison_pill_is_parked_with_its_group_while_the_rest_flow_and_retry_deli
         # a batch delivers its other groups before it commits what it parks: wait for the park, not just the rest
         def parked_three() -> list[Any] | None:
             with psycopg.connect(dsn) as conn:
-                found = buffer.list_messages(conn, "sequin", "hooks")
+                found = store.list_buffered(conn, "sequin", "hooks")
             return found if len(found) >= 3 else None
         parked = wait_for(parked_three, 60, what="row 13's three versions parked")
         # the slot moves past the parked messages: they are durable in the buffer, no longer needed in the WAL
@@ -210,7 +210,7 @@ def test_flaky_slow_and_down_endpoint_loses_nothing_and_keeps_group_order(
             expected_keys = total
         wait_for(lambda: len({key(m) for m in receiver.messages()}) >= expected_keys, 240,
                  what=f"{expected_keys} distinct messages delivered")
-        wait_for(lambda: not buffer.list_messages(psycopg.connect(dsn), "sequin", "hooks", "parked"), 120,
+        wait_for(lambda: not store.list_buffered(psycopg.connect(dsn), "sequin", "hooks", "parked"), 120,
                  what="the buffer drained")
     finally:
         stop.set()
@@ -231,6 +231,6 @@ def test_flaky_slow_and_down_endpoint_loses_nothing_and_keeps_group_order(
     ambiguous = {key(m) for m in receiver.stalled}
     assert set(duplicates) <= ambiguous  # duplicates only where a timeout made the delivery ambiguous
     with psycopg.connect(dsn) as conn:
-        assert buffer.list_messages(conn, "sequin", "hooks", "discarded") == []
+        assert store.list_buffered(conn, "sequin", "hooks", "discarded") == []
     print(f"flaky webhook: {total} changes, {len(got)} deliveries, {len(duplicates)} duplicates,"
           f" {receiver.refused} requests refused, {len(ambiguous)} ambiguous")

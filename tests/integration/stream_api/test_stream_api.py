@@ -91,7 +91,7 @@ def test_receive_gives_one_message_per_group_in_order_and_ack_releases_the_next(
     legacy = client.get("/api/http_pull_consumers/kv/receive", params={"batch_size": 5})
     assert legacy.status_code == 200 and legacy.json() == {"data": []}  # a's (300,1) waits behind (200,0)
     with psycopg.connect(dsn) as conn:
-        assert stream_queue.stream_counts(conn, "sequin", "kv") == {"total": 3, "visible": 2, "outstanding": 1}
+        assert store.stream_counts(conn, "sequin", "kv") == {"total": 3, "visible": 2, "outstanding": 1}
 
 
 def test_visibility_timeout_returns_unacked_messages_and_nack_is_immediate(
@@ -107,7 +107,7 @@ def test_visibility_timeout_returns_unacked_messages_and_nack_is_immediate(
     assert {m["ack_id"] for m in again}.isdisjoint(m["ack_id"] for m in got)
     settle(client, "quick", "ack", got)  # stale ack ids: accepted, change nothing
     with psycopg.connect(dsn) as conn:
-        assert stream_queue.stream_counts(conn, "sequin", "quick")["total"] == 3
+        assert store.stream_counts(conn, "sequin", "quick")["total"] == 3
     settle(client, "quick", "nack", again[:1])  # nack: visible again at once
     assert positions(receive(client, "quick", batch_size=10)) == [(10, 0)]
     with psycopg.connect(dsn) as conn:
@@ -209,7 +209,7 @@ def test_bad_requests_get_the_documented_error_and_leave_the_stream_alone(
     unauth.close()
     # none of it touched the stream (one message above went to the short-lived token's receive)
     with psycopg.connect(dsn) as conn:
-        assert stream_queue.stream_counts(conn, "sequin", "kv")["total"] == 2
+        assert store.stream_counts(conn, "sequin", "kv")["total"] == 2
         assert secret not in json.dumps(conn.execute("SELECT * FROM sequin.api_tokens").fetchall(), default=str)
 
 
@@ -295,4 +295,4 @@ def test_four_consumers_on_a_stream_fed_by_the_stream_app_each_message_once_in_g
     assert len(by_group) == 30
     assert all(p == sorted(p) for p in by_group.values())  # each group received in commit order
     with psycopg.connect(dsn) as conn:
-        assert stream_queue.stream_counts(conn, "sequin", "kv")["total"] == 0
+        assert store.stream_counts(conn, "sequin", "kv")["total"] == 0
