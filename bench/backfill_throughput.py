@@ -51,8 +51,9 @@ def seed_events(dsn: str, rows: int) -> None:
     """The ``events`` table with ``rows`` rows, vacuumed and analyzed: what a backfill reads."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(TABLE)
-        conn.execute(f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW}"
-                     f" FROM generate_series(1, {rows}) g")
+        conn.execute(
+            f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW} FROM generate_series(1, {rows}) g"
+        )
         conn.execute("VACUUM ANALYZE events")
 
 
@@ -74,16 +75,20 @@ def copy_seconds(dsn: str) -> float:
 
 def reads_in_sink(store_dsn: str, backfill_id: int) -> int:
     with psycopg.connect(store_dsn) as conn:
-        return int(conn.execute("SELECT rows_emitted FROM sequin.backfills WHERE id = %s",
-                                (backfill_id,)).fetchone()[0])  # type: ignore[index]
+        return int(
+            conn.execute("SELECT rows_emitted FROM sequin.backfills WHERE id = %s", (backfill_id,)).fetchone()[0]
+        )  # type: ignore[index]
 
 
 def running_seconds(store_dsn: str, sink: str) -> float:
     """How long the sink's last backfill ran, from ``running`` to ``completed`` (the Spark app's
     start-up excluded): the store's own timestamps."""
     with psycopg.connect(store_dsn) as conn:
-        row = conn.execute("SELECT extract(epoch FROM finished_at - started_at) FROM sequin.backfills WHERE sink = %s"
-                           " ORDER BY id DESC LIMIT 1", (sink,)).fetchone()
+        row = conn.execute(
+            "SELECT extract(epoch FROM finished_at - started_at) FROM sequin.backfills WHERE sink = %s"
+            " ORDER BY id DESC LIMIT 1",
+            (sink,),
+        ).fetchone()
     return float(row[0])  # type: ignore[index]
 
 
@@ -93,8 +98,10 @@ def in_sink_seconds(store_dsn: str, sink: str, started_at: float) -> float:
     waits for the batch that shows them): the issue's "from start to all rows in the sink", without
     the app's own stop after it."""
     with psycopg.connect(store_dsn) as conn:
-        row = conn.execute("SELECT extract(epoch FROM finished_at) FROM sequin.backfills WHERE sink = %s"
-                           " ORDER BY id DESC LIMIT 1", (sink,)).fetchone()
+        row = conn.execute(
+            "SELECT extract(epoch FROM finished_at) FROM sequin.backfills WHERE sink = %s ORDER BY id DESC LIMIT 1",
+            (sink,),
+        ).fetchone()
     return float(row[0]) - started_at  # type: ignore[index]
 
 
@@ -104,8 +111,21 @@ def run_backfill(config_path: Path, rows: int, sink: str = "events") -> tuple[fl
     ``backfill-<sink>-<n>.log`` beside the config (kept with ``--keep``)."""
     started_at = time.time()
     started = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "sequin_provider.cli", "--config", str(config_path), "backfill",
-                          "start", sink, "events"], capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sequin_provider.cli",
+            "--config",
+            str(config_path),
+            "backfill",
+            "start",
+            sink,
+            "events",
+        ],
+        capture_output=True,
+        text=True,
+    )
     seconds = time.monotonic() - started
     runs = len(list(config_path.parent.glob(f"backfill-{sink}-*.log")))
     (config_path.parent / f"backfill-{sink}-{runs + 1}.log").write_text(out.stderr)
@@ -114,14 +134,19 @@ def run_backfill(config_path: Path, rows: int, sink: str = "events") -> tuple[fl
     lines = [line for line in out.stderr.splitlines() if "completed" in line]
     breakdown = page_breakdown(out.stderr)
     if breakdown:
-        print(f"bench:   where a range's time went (summed over its pages, mean of {breakdown['ranges']} ranges):"
-              f" select {breakdown['select_s']:.1f}s, render+stage {breakdown['stage_s']:.1f}s, waiting for the"
-              f" stream app to emit {breakdown['window_s']:.1f}s; {breakdown['pages']} pages", flush=True)
+        print(
+            f"bench:   where a range's time went (summed over its pages, mean of {breakdown['ranges']} ranges):"
+            f" select {breakdown['select_s']:.1f}s, render+stage {breakdown['stage_s']:.1f}s, waiting for the"
+            f" stream app to emit {breakdown['window_s']:.1f}s; {breakdown['pages']} pages",
+            flush=True,
+        )
     return seconds, (lines[-1] if lines else ""), started_at
 
 
-PAGE_LINE = re.compile(r"backfill \d+ range (\d+) page \d+: (\d+) rows; select (\d+) ms, render\+stage (\d+) ms,"
-                       r" window (\d+) ms")
+PAGE_LINE = re.compile(
+    r"backfill \d+ range (\d+) page \d+: (\d+) rows; select (\d+) ms, render\+stage (\d+) ms,"
+    r" window (\d+) ms"
+)
 
 
 def page_breakdown(log: str) -> dict[str, float] | None:
@@ -136,8 +161,13 @@ def page_breakdown(log: str) -> dict[str, float] | None:
     if not per_range:
         return None
     n = len(per_range)
-    return {"ranges": n, "pages": pages, "select_s": sum(t[0] for t in per_range.values()) / n,
-            "stage_s": sum(t[1] for t in per_range.values()) / n, "window_s": sum(t[2] for t in per_range.values()) / n}
+    return {
+        "ranges": n,
+        "pages": pages,
+        "select_s": sum(t[0] for t in per_range.values()) / n,
+        "stage_s": sum(t[1] for t in per_range.values()) / n,
+        "window_s": sum(t[2] for t in per_range.values()) / n,
+    }
 
 
 def backfill_process_class(proc: psutil.Process) -> str | None:
@@ -151,9 +181,10 @@ def backfill_process_class(proc: psutil.Process) -> str | None:
         return None
     if klass is not None and klass.startswith("postgres: other"):
         database = cmd.split()[2] if cmd.startswith("postgres: ") and len(cmd.split()) > 2 else ""
-        return {"bench": "postgres: source backends (page SELECTs, watermarks)",
-                "bench_store": "postgres: store backends (reads COPY, pages, stream writes)"}.get(
-                    database, "postgres: other backends")
+        return {
+            "bench": "postgres: source backends (page SELECTs, watermarks)",
+            "bench_store": "postgres: store backends (reads COPY, pages, stream writes)",
+        }.get(database, "postgres: other backends")
     if any(_is_backfill_server(_cmdline(p)) for p in parents) or _is_backfill_server(proc.cmdline()):
         if cmd.split(" ", 1)[0].endswith("java"):
             return "backfill server: JVM"
@@ -233,8 +264,10 @@ def writer(dsn: str, rows: int, rate: int, stop: threading.Event, counter: list[
             tick = time.monotonic()
             with conn.transaction():
                 for _ in range(max(1, rate // 20)):
-                    conn.execute("UPDATE events SET amount = amount + 1, updated_at = now() WHERE id = %s",
-                                 (rng.randint(1, rows),))
+                    conn.execute(
+                        "UPDATE events SET amount = amount + 1, updated_at = now() WHERE id = %s",
+                        (rng.randint(1, rows),),
+                    )
                     counter[0] += 1
             time.sleep(max(0.0, 0.05 - (time.monotonic() - tick)))
 
@@ -247,8 +280,11 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--write-rate", type=int, default=2_000, help="updates/s during run (c)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (the stream app's log) for a look")
-    parser.add_argument("--only", default="idle,serve,spark,busy",
-                        help="which backfill runs, comma-separated: idle (b), serve (d), spark (b'), busy (c)")
+    parser.add_argument(
+        "--only",
+        default="idle,serve,spark,busy",
+        help="which backfill runs, comma-separated: idle (b), serve (d), spark (b'), busy (c)",
+    )
     parser.add_argument("--idle-runs", type=int, default=3, help="how many times run (b) is measured")
     add_pg_setting_argument(parser)
     add_touch_memory_argument(parser)
@@ -257,8 +293,11 @@ def main() -> int:
     if not runs or not runs <= ALL_RUNS:
         parser.error("--only takes idle, serve, spark and busy, comma-separated")
     work = Path(tempfile.mkdtemp(prefix="sequin-bench-backfill-"))
-    results: dict[str, object] = {"rows": args.rows, "pg_settings": dict(args.pg_setting),
-                                  "memory_touched": touch_memory_for(args)}
+    results: dict[str, object] = {
+        "rows": args.rows,
+        "pg_settings": dict(args.pg_setting),
+        "memory_touched": touch_memory_for(args),
+    }
     with EmbeddedPostgres(use_env_dsn=False, settings=dict(args.pg_setting)) as pg:
         dsn, store_dsn = pg.create_database("bench"), pg.create_database("bench_store")
         seed_events(dsn, args.rows)
@@ -279,7 +318,7 @@ sinks:
     filter: "true"
     actions: [delete]  # the benchmark never deletes: this sink takes its backfill's reads only
     destination: {{type: sequin_stream}}
-stream: {{checkpoint_location: {work / 'ckpt'}}}
+stream: {{checkpoint_location: {work / "ckpt"}}}
 """)
         initialize(load_config(config_path))
         copy_s = min(copy_seconds(dsn) for _ in range(3))
@@ -288,6 +327,7 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
         app = StreamAppProcess(config_path, work / "app.log").start()
         try:
             app.wait_streaming(store_dsn)
+
             def measured(key: str, sink: str, label: str) -> float:
                 """Run one backfill into ``sink``, record it under ``key`` and print it; its seconds."""
                 with CpuSampler() as cpu:
@@ -296,14 +336,28 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
                 in_sink = in_sink_seconds(store_dsn, sink, started_at)
                 per_row = {k: v / args.rows * 1e6 for k, v in sorted(cpu.totals().items(), key=lambda kv: -kv[1])}
                 results[f"{key}_cpu_us_per_row"] = per_row
-                print(f"bench: CPU per row during {key}: {sum(per_row.values()):.1f} us in all; "
-                      + "; ".join(f"{k} {v:.1f}" for k, v in per_row.items()), flush=True)
-                results.update({f"{key}_seconds": seconds, f"{key}_rate": args.rows / seconds, f"{key}_progress": line,
-                                f"{key}_running_seconds": running, f"{key}_running_rate": args.rows / running,
-                                f"{key}_in_sink_seconds": in_sink, f"{key}_in_sink_rate": args.rows / in_sink})
-                print(f"bench: backfill, {label}: {seconds:.1f}s to its exit ({args.rows / seconds:,.0f} rows/s);"
-                      f" all rows in the sink after {in_sink:.1f}s ({args.rows / in_sink:,.0f} rows/s); running"
-                      f" {running:.1f}s, {args.rows / running:,.0f} rows/s -- {line}", flush=True)
+                print(
+                    f"bench: CPU per row during {key}: {sum(per_row.values()):.1f} us in all; "
+                    + "; ".join(f"{k} {v:.1f}" for k, v in per_row.items()),
+                    flush=True,
+                )
+                results.update(
+                    {
+                        f"{key}_seconds": seconds,
+                        f"{key}_rate": args.rows / seconds,
+                        f"{key}_progress": line,
+                        f"{key}_running_seconds": running,
+                        f"{key}_running_rate": args.rows / running,
+                        f"{key}_in_sink_seconds": in_sink,
+                        f"{key}_in_sink_rate": args.rows / in_sink,
+                    }
+                )
+                print(
+                    f"bench: backfill, {label}: {seconds:.1f}s to its exit ({args.rows / seconds:,.0f} rows/s);"
+                    f" all rows in the sink after {in_sink:.1f}s ({args.rows / in_sink:,.0f} rows/s); running"
+                    f" {running:.1f}s, {args.rows / running:,.0f} rows/s -- {line}",
+                    flush=True,
+                )
                 return seconds
 
             if "idle" in runs:
@@ -311,6 +365,7 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
                     if n > 1:
                         empty_stream_table(store_dsn)
                     measured("idle" if n == 1 else f"idle_{n}", "events", f"table idle, run {n} of {args.idle_runs}")
+
             def busy(key: str, label: str) -> None:
                 """``measured`` while a writer updates random rows at ``--write-rate``."""
                 stop, counter = threading.Event(), [0]
@@ -330,8 +385,11 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
                     server.wait_up()
                     for n in range(1, args.idle_runs + 1):
                         empty_stream_table(store_dsn)
-                        measured("serve" if n == 1 else f"serve_{n}", "events",
-                                 f"with a backfill server up, run {n} of {args.idle_runs}")
+                        measured(
+                            "serve" if n == 1 else f"serve_{n}",
+                            "events",
+                            f"with a backfill server up, run {n} of {args.idle_runs}",
+                        )
                     empty_stream_table(store_dsn)
                     busy("serve_busy", f"with a backfill server up, {args.write_rate:,} updates/s requested")
                 finally:
@@ -350,34 +408,51 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
         (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
         (ROOT / "bench" / "results" / "backfill_throughput.json").write_text(json.dumps(results, indent=2))
     print()
-    print("| measure | rows/s, start to all rows in the sink | rows/s, start to the app's exit | seconds (to exit)"
-          " | rows/s while running | vs COPY (running) |")
+    print(
+        "| measure | rows/s, start to all rows in the sink | rows/s, start to the app's exit | seconds (to exit)"
+        " | rows/s while running | vs COPY (running) |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
-    print(f"| (a) COPY (SELECT * FROM events) TO STDOUT, the read limit | | {results['copy_rate']:,.0f} | {copy_s:.2f}"
-          " | | 1.00 |")
+    print(
+        f"| (a) COPY (SELECT * FROM events) TO STDOUT, the read limit | | {results['copy_rate']:,.0f} | {copy_s:.2f}"
+        " | | 1.00 |"
+    )
     later = [f"idle_{n}" for n in range(2, args.idle_runs + 1)] if "idle" in runs else []
-    for key, label in (("idle", "(b) backfill into the Sequin Stream sink, table idle (reads written by the task)"
-                        + (", run 1 (the fresh cluster's first)" if later else "")),
-                       *((k, f"(b) again, run {k.split('_')[1]} (WAL segments recycled, store warm)") for k in later),
-                       *((k, f"(d) (b) with a backfill server up (`sequin backfill serve`), run {n}")
-                         for n, k in enumerate(["serve", *(f"serve_{n}" for n in range(2, args.idle_runs + 1))], 1)),
-                       ("serve_busy", f"(e) (d) while {args.write_rate:,} updates/s hit the table"),
-                       ("spark", "(b') the same into a sink with a filter (reads through the stream app's Spark)"),
-                       ("busy", f"(c) (b) while {args.write_rate:,} updates/s hit the table")):
+    for key, label in (
+        (
+            "idle",
+            "(b) backfill into the Sequin Stream sink, table idle (reads written by the task)"
+            + (", run 1 (the fresh cluster's first)" if later else ""),
+        ),
+        *((k, f"(b) again, run {k.split('_')[1]} (WAL segments recycled, store warm)") for k in later),
+        *(
+            (k, f"(d) (b) with a backfill server up (`sequin backfill serve`), run {n}")
+            for n, k in enumerate(["serve", *(f"serve_{n}" for n in range(2, args.idle_runs + 1))], 1)
+        ),
+        ("serve_busy", f"(e) (d) while {args.write_rate:,} updates/s hit the table"),
+        ("spark", "(b') the same into a sink with a filter (reads through the stream app's Spark)"),
+        ("busy", f"(c) (b) while {args.write_rate:,} updates/s hit the table"),
+    ):
         if key.split("_")[0] not in runs:
             continue
         rate, running = float(results[f"{key}_rate"]), float(results[f"{key}_running_rate"])  # type: ignore[arg-type]
         in_sink = float(results[f"{key}_in_sink_rate"])  # type: ignore[arg-type]
-        print(f"| {label} | {in_sink:,.0f} | {rate:,.0f} | {results[f'{key}_seconds']:.1f} | {running:,.0f} |"
-              f" {running / float(results['copy_rate']):.2f} |")  # type: ignore[arg-type]
+        print(
+            f"| {label} | {in_sink:,.0f} | {rate:,.0f} | {results[f'{key}_seconds']:.1f} | {running:,.0f} |"
+            f" {running / float(results['copy_rate']):.2f} |"
+        )  # type: ignore[arg-type]
     for name, value in args.pg_setting:
         print(f"\nServer setting over the embedded cluster's defaults: `{name}={value}`.")
     touched = results["memory_touched"]
-    print(f"\nThe machine's RAM was written once before the runs ({touched['gib']:.1f} GiB, {touched['us_per_page']:.2f} us"  # type: ignore[index]
-          " per 4 KiB page): bench/machine_memory.py says why.")
-    print("\nStart: `sequin backfill start` run (its own local Spark starts with it); all rows in the sink: the"
-          " backfill's `completed` (its last reads visible); exit: the command's exit, after its Spark stopped;"
-          " while running: from the backfill's `running` to `completed` (the store's timestamps).")
+    print(
+        f"\nThe machine's RAM was written once before the runs ({touched['gib']:.1f} GiB, {touched['us_per_page']:.2f} us"  # type: ignore[index]
+        " per 4 KiB page): bench/machine_memory.py says why."
+    )
+    print(
+        "\nStart: `sequin backfill start` run (its own local Spark starts with it); all rows in the sink: the"
+        " backfill's `completed` (its last reads visible); exit: the command's exit, after its Spark stopped;"
+        " while running: from the backfill's `running` to `completed` (the store's timestamps)."
+    )
     return 0
 
 

@@ -195,17 +195,32 @@ class Debezium(Contender):
 
     def start(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "debezium_sink.py"), "--port", str(self.port),
-                                      "--db", "bench", "--out", str(self.out), "--latency"],
-                                     stdout=open(self.out / "engine.log", "ab"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "bench" / "debezium_sink.py"),
+                "--port",
+                str(self.port),
+                "--db",
+                "bench",
+                "--out",
+                str(self.out),
+                "--latency",
+            ],
+            stdout=open(self.out / "engine.log", "ab"),
+            stderr=subprocess.STDOUT,
+        )
 
         def streaming() -> bool:  # its slot exists and is in use: changes from now on reach it
             assert self.proc is not None
             if self.proc.poll() is not None:
                 raise RuntimeError(f"Debezium exited: {(self.out / 'engine.log').read_text()[-3000:]}")
             with psycopg.connect(self.dsn) as conn:
-                return bool(conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = 'dbz_slot'")
-                            .fetchone() == (True,))
+                return bool(
+                    conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = 'dbz_slot'").fetchone()
+                    == (True,)
+                )
+
         wait_for(streaming, 180, interval=0.5, what="Debezium to stream")
 
     def stop(self) -> None:
@@ -237,10 +252,14 @@ class OurStreamSink(Contender):
 
     def latencies(self, mark: int, first_id: int, last_id: int) -> list[float]:
         with psycopg.connect(self.store_dsn) as conn:
-            return [float(r[0]) for r in conn.execute(
-                "SELECT extract(epoch FROM inserted_at - (data::json->'metadata'->>'commit_timestamp')::timestamptz) * 1000"
-                " FROM sequin.stream_messages WHERE (data::json->'record'->>'id')::bigint BETWEEN %s AND %s",
-                (first_id, last_id))]
+            return [
+                float(r[0])
+                for r in conn.execute(
+                    "SELECT extract(epoch FROM inserted_at - (data::json->'metadata'->>'commit_timestamp')::timestamptz) * 1000"
+                    " FROM sequin.stream_messages WHERE (data::json->'record'->>'id')::bigint BETWEEN %s AND %s",
+                    (first_id, last_id),
+                )
+            ]
 
 
 class OurWebhookSink(Contender):
@@ -273,8 +292,9 @@ class OurWebhookSink(Contender):
         return int(httpx.get(self.url, timeout=10).text)
 
     def start(self) -> None:
-        self.server = mp.get_context("spawn").Process(target=serve_latency, args=(self.port, str(self.latency_file)),
-                                                      daemon=True)
+        self.server = mp.get_context("spawn").Process(
+            target=serve_latency, args=(self.port, str(self.latency_file)), daemon=True
+        )
         self.server.start()
         wait_for(lambda: answers(self.url), 30, what="the webhook server")
         self.app.start()
@@ -317,8 +337,10 @@ def steady_writes(dsn: str, rate: int, seconds: float, first_id: int) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
         while time.monotonic() - started < seconds:
             lo = first_id + tick * txn_rows
-            conn.execute(f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW}"
-                         f" FROM generate_series({lo}, {lo + txn_rows - 1}) g")
+            conn.execute(
+                f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW}"
+                f" FROM generate_series({lo}, {lo + txn_rows - 1}) g"
+            )
             total += txn_rows
             tick += 1
             pause = started + tick / 100.0 - time.monotonic()
@@ -342,8 +364,12 @@ def measure(contender: Contender, dsn: str, ids: Ids, args: argparse.Namespace) 
         for run in range(args.runs):
             base = contender.delivered()
             t0, _ = write_workload(dsn, args.changes, ids.take(args.changes))
-            wait_for(lambda base=base: contender.delivered() >= base + args.changes, 900, interval=0.1,
-                     what=f"{contender.name} to deliver the workload")
+            wait_for(
+                lambda base=base: contender.delivered() >= base + args.changes,
+                900,
+                interval=0.1,
+                what=f"{contender.name} to deliver the workload",
+            )
             rates.append(args.changes / (time.time() - t0))
             print(f"bench:   run {run + 1}: {rates[-1]:,.0f} changes/s", flush=True)
         p50s, p99s = [], []
@@ -351,14 +377,21 @@ def measure(contender: Contender, dsn: str, ids: Ids, args: argparse.Namespace) 
             base, mark = contender.delivered(), contender.mark()
             first = ids.take(args.rate * (args.seconds + 2))
             total = steady_writes(dsn, args.rate, args.seconds, first)
-            wait_for(lambda base=base, total=total: contender.delivered() >= base + total, 300, interval=0.1,
-                     what=f"{contender.name} to deliver the steady run")
+            wait_for(
+                lambda base=base, total=total: contender.delivered() >= base + total,
+                300,
+                interval=0.1,
+                what=f"{contender.name} to deliver the steady run",
+            )
             time.sleep(0.5)
             latencies = contender.latencies(mark, first, first + total - 1)
             p50s.append(percentile(latencies, 0.50))
             p99s.append(percentile(latencies, 0.99))
-            print(f"bench:   latency run {run + 1} at {args.rate}/s: p50 {p50s[-1]:.0f} ms, p99 {p99s[-1]:.0f} ms"
-                  f" ({len(latencies)} changes)", flush=True)
+            print(
+                f"bench:   latency run {run + 1} at {args.rate}/s: p50 {p50s[-1]:.0f} ms, p99 {p99s[-1]:.0f} ms"
+                f" ({len(latencies)} changes)",
+                flush=True,
+            )
     finally:
         contender.stop()
     return {"name": contender.name, "throughput": figure(rates), "p50_ms": figure(p50s), "p99_ms": figure(p99s)}
@@ -391,27 +424,39 @@ sinks:
   - name: events
     tables: [events]
     destination: {sink}
-stream: {{checkpoint_location: {work / ('ckpt-' + slot)}}}
+stream: {{checkpoint_location: {work / ("ckpt-" + slot)}}}
 """
 
 
 def stream_section(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     results = []
-    with EmbeddedPostgres(use_env_dsn=False, settings=dict(args.pg_setting)) as pg, \
-            (EmbeddedPostgres(use_env_dsn=False, settings=dict(args.pg_setting)) if args.store_cluster == "own"
-             else nullcontext(pg)) as store_pg:
+    with (
+        EmbeddedPostgres(use_env_dsn=False, settings=dict(args.pg_setting)) as pg,
+        (
+            EmbeddedPostgres(use_env_dsn=False, settings=dict(args.pg_setting))
+            if args.store_cluster == "own"
+            else nullcontext(pg)
+        ) as store_pg,
+    ):
         dsn = pg.create_database("bench")
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(TABLE)
         ids = Ids()
         stream_config = work / "stream.yaml"
-        stream_config.write_text(config_text(dsn, store_pg.create_database("bench_store"), "stream_slot",
-                                             "{type: sequin_stream}", work))
+        stream_config.write_text(
+            config_text(dsn, store_pg.create_database("bench_store"), "stream_slot", "{type: sequin_stream}", work)
+        )
         hook_port = free_port()
         hook_config = work / "webhook.yaml"
-        hook_config.write_text(config_text(dsn, store_pg.create_database("bench_hook_store"), "hook_slot",
-                                           f'{{type: webhook, url: "http://127.0.0.1:{hook_port}/hook", batch_size: 100,'
-                                           f' concurrency: 8}}', work))
+        hook_config.write_text(
+            config_text(
+                dsn,
+                store_pg.create_database("bench_hook_store"),
+                "hook_slot",
+                f'{{type: webhook, url: "http://127.0.0.1:{hook_port}/hook", batch_size: 100, concurrency: 8}}',
+                work,
+            )
+        )
         initialize(load_config(stream_config))  # the publication, used by every contender
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("SELECT pg_drop_replication_slot('stream_slot')")  # made again when our app starts
@@ -419,8 +464,10 @@ def stream_section(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]
         results.append(measure(Debezium(pg.port, dsn, work), dsn, ids, args))
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("SELECT pg_drop_replication_slot('dbz_slot')")  # retains nothing while the others run
-        for contender in (OurStreamSink(stream_config, load_config(stream_config).store_dsn(), work),
-                          OurWebhookSink(hook_config, load_config(hook_config).store_dsn(), hook_port, work)):
+        for contender in (
+            OurStreamSink(stream_config, load_config(stream_config).store_dsn(), work),
+            OurWebhookSink(hook_config, load_config(hook_config).store_dsn(), hook_port, work),
+        ):
             initialize(load_config(contender.config))
             results.append(measure(contender, dsn, ids, args))
             slot = "stream_slot" if isinstance(contender, OurStreamSink) else "hook_slot"
@@ -453,8 +500,11 @@ def backfill_section(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 backfills.append(rows / seconds)
                 in_sink.append(rows / in_sink_seconds(store_dsn, "events", started_at))
                 running.append(rows / running_seconds(store_dsn, "events"))
-                print(f"bench: backfill run {run + 1}: {in_sink[-1]:,.0f} rows/s from start to all rows in the sink,"
-                      f" {backfills[-1]:,.0f} to the command's exit, {running[-1]:,.0f} while running", flush=True)
+                print(
+                    f"bench: backfill run {run + 1}: {in_sink[-1]:,.0f} rows/s from start to all rows in the sink,"
+                    f" {backfills[-1]:,.0f} to the command's exit, {running[-1]:,.0f} while running",
+                    flush=True,
+                )
             # the same command with a backfill server up: it takes the backfill, no Spark start of its own
             server = BackfillServerProcess(config, work / "backfill-server.log").start()
             try:
@@ -464,14 +514,24 @@ def backfill_section(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     seconds, _, started_at = run_backfill(config, rows)
                     served.append(rows / in_sink_seconds(store_dsn, "events", started_at))
                     served_exit.append(rows / seconds)
-                    print(f"bench: backfill run {run + 1} with a backfill server up: {served[-1]:,.0f} rows/s from"
-                          f" start to all rows in the sink, {served_exit[-1]:,.0f} to the command's exit", flush=True)
+                    print(
+                        f"bench: backfill run {run + 1} with a backfill server up: {served[-1]:,.0f} rows/s from"
+                        f" start to all rows in the sink, {served_exit[-1]:,.0f} to the command's exit",
+                        flush=True,
+                    )
             finally:
                 server.stop()
         finally:
             app.stop()
-    return {"rows": rows, "copy": figure(copies), "in_sink": figure(in_sink), "backfill": figure(backfills),
-            "running": figure(running), "served_in_sink": figure(served), "served_exit": figure(served_exit)}
+    return {
+        "rows": rows,
+        "copy": figure(copies),
+        "in_sink": figure(in_sink),
+        "backfill": figure(backfills),
+        "running": figure(running),
+        "served_in_sink": figure(served),
+        "served_exit": figure(served_exit),
+    }
 
 
 def pull_api_section(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -480,15 +540,20 @@ def pull_api_section(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("CREATE TABLE events (id bigint PRIMARY KEY)")
         config = work / "api.yaml"
-        config.write_text(config_text(dsn, store_dsn, "api_slot", "{type: sequin_stream, max_ack_pending: 1000000}", work)
-                          .replace("name: events\n", "name: bench\n"))
+        config.write_text(
+            config_text(dsn, store_dsn, "api_slot", "{type: sequin_stream, max_ack_pending: 1000000}", work).replace(
+                "name: events\n", "name: bench\n"
+            )
+        )
         initialize(load_config(config))
         with psycopg.connect(store_dsn) as conn:
             token = stream_queue.create_token(conn, "sequin", "bench")
             conn.commit()
         port = free_port()
-        api = subprocess.Popen([sys.executable, "-m", "sequin_provider.cli", "--config", str(config), "api", "--port",
-                                str(port)], stderr=subprocess.DEVNULL)
+        api = subprocess.Popen(
+            [sys.executable, "-m", "sequin_provider.cli", "--config", str(config), "api", "--port", str(port)],
+            stderr=subprocess.DEVNULL,
+        )
         url = f"http://127.0.0.1:{port}"
         rates = []
         try:
@@ -510,43 +575,66 @@ def fmt(f: dict[str, Any], unit: str = "") -> str:
 def _touched_text(touched: dict[str, float] | None) -> str:
     if not touched or not touched.get("gib"):
         return " The machine's RAM was not written before the runs."
-    return (f" {touched['gib']:.1f} GiB of the machine's RAM written once before the"
-            f" {', '.join(touched.get('sections', []))} runs ({touched['us_per_page']:.2f} µs per 4 KiB page;"
-            " bench/machine_memory.py says why).")
+    return (
+        f" {touched['gib']:.1f} GiB of the machine's RAM written once before the"
+        f" {', '.join(touched.get('sections', []))} runs ({touched['us_per_page']:.2f} µs per 4 KiB page;"
+        " bench/machine_memory.py says why)."
+    )
 
 
 def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
     stream = {r["name"]: r for r in results["stream"]}
     debezium = next(r for r in results["stream"] if r["name"].startswith("Debezium"))
-    lines = [f"Workload: {args.changes:,} changes per run (inserts then updates, 500-row transactions) on one table;"
-             f" latency at {args.rate:,} changes/s for {args.seconds}s. Median of {args.runs} runs (min–max)."
-             + ("".join(f" Server setting `{k}={v}`." for k, v in args.pg_setting))
-             + (" The store in a cluster of its own." if args.store_cluster == "own" else "")
-             + _touched_text(results.get("memory_touched")), "",
-             "| pipeline | changes/s | vs Debezium | latency p50 | latency p99 |", "|---|---:|---:|---:|---:|"]
+    lines = [
+        f"Workload: {args.changes:,} changes per run (inserts then updates, 500-row transactions) on one table;"
+        f" latency at {args.rate:,} changes/s for {args.seconds}s. Median of {args.runs} runs (min–max)."
+        + ("".join(f" Server setting `{k}={v}`." for k, v in args.pg_setting))
+        + (" The store in a cluster of its own." if args.store_cluster == "own" else "")
+        + _touched_text(results.get("memory_touched")),
+        "",
+        "| pipeline | changes/s | vs Debezium | latency p50 | latency p99 |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name, r in stream.items():
         ratio = r["throughput"]["median"] / debezium["throughput"]["median"]
         p50 = fmt(r["p50_ms"], " ms") if "p50_ms" in r else "—"
         p99 = fmt(r["p99_ms"], " ms") if "p99_ms" in r else "—"
         lines.append(f"| {name} | {fmt(r['throughput'])} | {ratio:.2f}× | {p50} | {p99} |")
     b = results["backfill"]
-    lines += ["", f"| backfill of {b['rows']:,} rows | rows/s | vs COPY |", "|---|---:|---:|",
-              f"| COPY (SELECT * FROM events) TO STDOUT, the read limit | {fmt(b['copy'])} | 1.00 |",
-              *([f"| backfill into the Sequin Stream sink, from `sequin backfill start` (its Spark start-up included)"
-                 f" to all rows in the sink | {fmt(b['in_sink'])} | {b['in_sink']['median'] / b['copy']['median']:.2f} |"]
-                if "in_sink" in b else []),
-              f"| the same, to the command's exit (after its Spark stopped) | {fmt(b['backfill'])} |"
-              f" {b['backfill']['median'] / b['copy']['median']:.2f} |"]
+    lines += [
+        "",
+        f"| backfill of {b['rows']:,} rows | rows/s | vs COPY |",
+        "|---|---:|---:|",
+        f"| COPY (SELECT * FROM events) TO STDOUT, the read limit | {fmt(b['copy'])} | 1.00 |",
+        *(
+            [
+                f"| backfill into the Sequin Stream sink, from `sequin backfill start` (its Spark start-up included)"
+                f" to all rows in the sink | {fmt(b['in_sink'])} | {b['in_sink']['median'] / b['copy']['median']:.2f} |"
+            ]
+            if "in_sink" in b
+            else []
+        ),
+        f"| the same, to the command's exit (after its Spark stopped) | {fmt(b['backfill'])} |"
+        f" {b['backfill']['median'] / b['copy']['median']:.2f} |",
+    ]
     if "running" in b:
-        lines.append(f"| the same, from `running` to `completed` | {fmt(b['running'])} |"
-                     f" {b['running']['median'] / b['copy']['median']:.2f} |")
+        lines.append(
+            f"| the same, from `running` to `completed` | {fmt(b['running'])} |"
+            f" {b['running']['median'] / b['copy']['median']:.2f} |"
+        )
     if "served_in_sink" in b:
-        lines += [f"| the same command with a backfill server up (`sequin backfill serve`), from start to all rows in"
-                  f" the sink | {fmt(b['served_in_sink'])} | {b['served_in_sink']['median'] / b['copy']['median']:.2f} |",
-                  f"| the same, to the command's exit | {fmt(b['served_exit'])} |"
-                  f" {b['served_exit']['median'] / b['copy']['median']:.2f} |"]
-    lines += ["", "| Sequin Stream pull API | messages/s |", "|---|---:|",
-              f"| 4 consumers, batch_size 100, receive + ack over HTTP | {fmt(results['api']['pull_4x100'])} |"]
+        lines += [
+            f"| the same command with a backfill server up (`sequin backfill serve`), from start to all rows in"
+            f" the sink | {fmt(b['served_in_sink'])} | {b['served_in_sink']['median'] / b['copy']['median']:.2f} |",
+            f"| the same, to the command's exit | {fmt(b['served_exit'])} |"
+            f" {b['served_exit']['median'] / b['copy']['median']:.2f} |",
+        ]
+    lines += [
+        "",
+        "| Sequin Stream pull API | messages/s |",
+        "|---|---:|",
+        f"| 4 consumers, batch_size 100, receive + ack over HTTP | {fmt(results['api']['pull_4x100'])} |",
+    ]
     return "\n".join(lines)
 
 
@@ -558,11 +646,16 @@ def main() -> int:
     parser.add_argument("--seconds", type=int, default=15)
     parser.add_argument("--backfill-rows", type=int, default=1_000_000)
     parser.add_argument("--api-seconds", type=float, default=5.0)
-    parser.add_argument("--only", choices=["stream", "backfill", "api"], action="append",
-                        help="run only these sections (repeatable)")
-    parser.add_argument("--store-cluster", choices=["same", "own"], default="same",
-                        help="the stream section's store: a database of the source's cluster (default), or a"
-                             " cluster of its own, whose WAL the source's walsender then does not read")
+    parser.add_argument(
+        "--only", choices=["stream", "backfill", "api"], action="append", help="run only these sections (repeatable)"
+    )
+    parser.add_argument(
+        "--store-cluster",
+        choices=["same", "own"],
+        default="same",
+        help="the stream section's store: a database of the source's cluster (default), or a"
+        " cluster of its own, whose WAL the source's walsender then does not read",
+    )
     add_pg_setting_argument(parser)
     add_touch_memory_argument(parser)
     args = parser.parse_args()

@@ -77,7 +77,7 @@ def main() -> int:
             if latency is not None:
                 for value in values:  # source.ts_ms (the commit time), without the cost of parsing the event
                     at = value.index('"ts_ms":', value.index('"source":')) + 8
-                    latency.write(f"{value[at:value.index(',', at)]},{received * 1000:.1f}\n")
+                    latency.write(f"{value[at : value.index(',', at)]},{received * 1000:.1f}\n")
                 latency.flush()
             count[0] += len(values)
             tmp = out / "count.tmp"

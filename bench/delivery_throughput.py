@@ -43,8 +43,14 @@ from sequin_provider import store, stream_queue  # noqa: E402
 from sequin_provider.config import load_config  # noqa: E402
 from sequin_provider.provisioning import initialize  # noqa: E402
 
-MESSAGE = json.dumps({"record": {"id": 1, "account": 7, "amount": "12.50", "kind": "kind-3"}, "changes": None,
-                      "action": "insert", "metadata": {"table_schema": "public", "table_name": "events"}})
+MESSAGE = json.dumps(
+    {
+        "record": {"id": 1, "account": 7, "amount": "12.50", "kind": "kind-3"},
+        "changes": None,
+        "action": "insert",
+        "metadata": {"table_schema": "public", "table_name": "events"},
+    }
+)
 
 
 def free_port() -> int:
@@ -67,8 +73,10 @@ def fill(store_dsn: str, messages: int, groups: int) -> None:
         conn.execute("TRUNCATE sequin.stream_messages")
         conn.commit()
         for lo in range(0, messages, 50_000):
-            rows = [("bench", 1000 + i // 10, i % 10, f"g{i % groups}", f"k{i}", MESSAGE)
-                    for i in range(lo, min(lo + 50_000, messages))]
+            rows = [
+                ("bench", 1000 + i // 10, i % 10, f"g{i % groups}", f"k{i}", MESSAGE)
+                for i in range(lo, min(lo + 50_000, messages))
+            ]
             store.insert_stream_messages(conn, "sequin", rows)
         store.advance_visible_lsn(conn, "sequin", ["bench"], 1000 + messages)
     with psycopg.connect(store_dsn, autocommit=True) as conn:
@@ -99,8 +107,9 @@ def http_consumer(args: tuple[str, str, int, float, Any]) -> int:
         got = json.loads(body)["data"]
         if not got:
             continue
-        conn.request("POST", "/api/sequin_streams/bench/ack", json.dumps({"ack_ids": [m["ack_id"] for m in got]}),
-                     headers)
+        conn.request(
+            "POST", "/api/sequin_streams/bench/ack", json.dumps({"ack_ids": [m["ack_id"] for m in got]}), headers
+        )
         response = conn.getresponse()
         response.read()
         if response.status != 200:
@@ -231,7 +240,7 @@ sinks:
   - name: hook
     tables: [events]
     destination: {{type: webhook, url: "http://127.0.0.1:{hook_port}/hook", batch_size: 100, concurrency: 8}}
-stream: {{checkpoint_location: {work / 'ckpt'}}}
+stream: {{checkpoint_location: {work / "ckpt"}}}
 """)
         initialize(load_config(config_path))
         with psycopg.connect(store_dsn) as conn:
@@ -239,8 +248,10 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
             conn.commit()
 
         # (a) pull API ------------------------------------------------------------------------
-        api = subprocess.Popen([sys.executable, "-m", "sequin_provider.cli", "--config", str(config_path), "api",
-                                "--port", str(api_port)], stderr=subprocess.DEVNULL)
+        api = subprocess.Popen(
+            [sys.executable, "-m", "sequin_provider.cli", "--config", str(config_path), "api", "--port", str(api_port)],
+            stderr=subprocess.DEVNULL,
+        )
         url = f"http://127.0.0.1:{api_port}"
         try:
             wait_for(lambda: answers(f"{url}/health"), 60, what="the API")
@@ -249,18 +260,25 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
                     fill(store_dsn, 300_000 if batch == 100 else 100_000, 50_000)
                     rate = run_consumers(http_consumer, url, token, consumers, batch, args.seconds)
                     results["pull"].append({"consumers": consumers, "batch_size": batch, "rate": rate})
-                    print(f"bench: pull API, {consumers} consumers, batch_size {batch}: {rate:,.0f} messages/s",
-                          flush=True)
+                    print(
+                        f"bench: pull API, {consumers} consumers, batch_size {batch}: {rate:,.0f} messages/s",
+                        flush=True,
+                    )
             fill(store_dsn, 300_000, 50_000)
             results["pull_httpx"] = run_consumers(httpx_consumer, url, token, 4, 100, args.seconds)
-            print(f"bench: pull API, 4 httpx consumers, batch_size 100: {results['pull_httpx']:,.0f} messages/s", flush=True)
+            print(
+                f"bench: pull API, 4 httpx consumers, batch_size 100: {results['pull_httpx']:,.0f} messages/s",
+                flush=True,
+            )
         finally:
             api.terminate()
             api.wait(timeout=30)
         fill(store_dsn, 300_000, 50_000)
         results["pull_store_limit"] = run_consumers(sql_consumer, store_dsn, token, 4, 100, args.seconds)
-        print(f"bench: store limit (SQL, 4 processes, batch 100): {results['pull_store_limit']:,.0f} messages/s",
-              flush=True)
+        print(
+            f"bench: store limit (SQL, 4 processes, batch 100): {results['pull_store_limit']:,.0f} messages/s",
+            flush=True,
+        )
 
         # (b) webhook ---------------------------------------------------------------------------
         server = mp.get_context("spawn").Process(target=serve_counter, args=(hook_port,), daemon=True)
@@ -276,10 +294,16 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
             started = time.time()
             with psycopg.connect(dsn, autocommit=True) as conn:
                 for lo in range(1, args.changes + 1, 500):
-                    conn.execute("INSERT INTO events SELECT g, g %% 1000, (g %% 10000) / 100.0 FROM generate_series(%s::bigint, %s::bigint) g",
-                                 (lo, min(lo + 499, args.changes)))
-            wait_for(lambda: int(httpx.get(hook_url).text) >= base + args.changes, 900, interval=0.1,
-                     what="the webhook server to receive every change")
+                    conn.execute(
+                        "INSERT INTO events SELECT g, g %% 1000, (g %% 10000) / 100.0 FROM generate_series(%s::bigint, %s::bigint) g",
+                        (lo, min(lo + 499, args.changes)),
+                    )
+            wait_for(
+                lambda: int(httpx.get(hook_url).text) >= base + args.changes,
+                900,
+                interval=0.1,
+                what="the webhook server to receive every change",
+            )
             results["webhook_e2e"] = args.changes / (time.time() - started)
             print(f"bench: webhook sink end to end: {results['webhook_e2e']:,.0f} changes/s", flush=True)
         finally:
@@ -290,9 +314,13 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
     for row in results["pull"]:
         table.append(f"| pull API, {row['consumers']} consumers, batch_size {row['batch_size']} | {row['rate']:,.0f} |")
     table.append(f"| pull API, 4 consumers using httpx, batch_size 100 | {results['pull_httpx']:,.0f} |")
-    table.append(f"| store limit: the same queries over SQL (4 processes, batch 100) | {results['pull_store_limit']:,.0f} |")
+    table.append(
+        f"| store limit: the same queries over SQL (4 processes, batch 100) | {results['pull_store_limit']:,.0f} |"
+    )
     table.append(f"| webhook sink end to end (stream app -> local server, batch 100) | {results['webhook_e2e']:,.0f} |")
-    table.append(f"| webhook server limit (8 threads posting batches of 100) | {results['webhook_server_limit']:,.0f} |")
+    table.append(
+        f"| webhook server limit (8 threads posting batches of 100) | {results['webhook_server_limit']:,.0f} |"
+    )
     print("\n".join(table))
     out = ROOT / "bench" / "results" / "delivery_throughput.json"
     out.write_text(json.dumps(results, indent=2))

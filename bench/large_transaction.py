@@ -59,7 +59,7 @@ sinks:
     tables: [items]
     destination: {{type: sequin_stream}}
 stream:
-  checkpoint_location: {work / f'ckpt-{rows}'}
+  checkpoint_location: {work / f"ckpt-{rows}"}
   max_batch_rows: {batch_rows}
 """)
         initialize(load_config(config))
@@ -82,15 +82,22 @@ stream:
                 def done() -> bool:
                     app.check_alive()
                     return sink_count(dsn) >= 2 * rows
+
                 wait_for(done, 7200, 0.2, "the transaction in the sink")
             finished = time.monotonic()
         finally:
             app.stop()
         recv_seconds = run_pg_recvlogical(dsn, "recv_slot", end_lsn)
-    return {"rows": rows, "update_seconds": committed - started, "stream_seconds": finished - committed,
-            "stream_rows_per_s": rows / (finished - committed), "pg_recvlogical_seconds": recv_seconds,
-            "pg_recvlogical_rows_per_s": rows / recv_seconds, "idle_rss_mib": idle_rss / 2**20,
-            "peak_rss_mib": max(sampler.peak, idle_rss) / 2**20}
+    return {
+        "rows": rows,
+        "update_seconds": committed - started,
+        "stream_seconds": finished - committed,
+        "stream_rows_per_s": rows / (finished - committed),
+        "pg_recvlogical_seconds": recv_seconds,
+        "pg_recvlogical_rows_per_s": rows / recv_seconds,
+        "idle_rss_mib": idle_rss / 2**20,
+        "peak_rss_mib": max(sampler.peak, idle_rss) / 2**20,
+    }
 
 
 def main() -> None:
@@ -103,12 +110,17 @@ def main() -> None:
         for rows in args.rows:
             results.append(run_one(rows, args.batch_rows, Path(tmp)))
             print(json.dumps(results[-1]), flush=True)
-    lines = ["| rows in one transaction | stream app rows/s (commit -> all durable) | pg_recvlogical rows/s | "
-             "ratio | app RSS idle | app RSS peak |", "|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| rows in one transaction | stream app rows/s (commit -> all durable) | pg_recvlogical rows/s | "
+        "ratio | app RSS idle | app RSS peak |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
-        lines.append(f"| {r['rows']:,} | {r['stream_rows_per_s']:,.0f} | {r['pg_recvlogical_rows_per_s']:,.0f} | "
-                     f"{r['stream_rows_per_s'] / r['pg_recvlogical_rows_per_s']:.2f} | {r['idle_rss_mib']:,.0f} MiB | "
-                     f"{r['peak_rss_mib']:,.0f} MiB |")
+        lines.append(
+            f"| {r['rows']:,} | {r['stream_rows_per_s']:,.0f} | {r['pg_recvlogical_rows_per_s']:,.0f} | "
+            f"{r['stream_rows_per_s'] / r['pg_recvlogical_rows_per_s']:.2f} | {r['idle_rss_mib']:,.0f} MiB | "
+            f"{r['peak_rss_mib']:,.0f} MiB |"
+        )
     print("\n".join(lines))
     out = ROOT / "bench" / "results" / "large_transaction.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -50,20 +50,31 @@ def touch_memory(gib: float | None = None) -> dict[str, float]:
 
 def add_touch_memory_argument(parser: argparse.ArgumentParser) -> None:
     """``--touch-memory GIB`` (default: the free memory less 2 GiB; 0 leaves the memory as it is)."""
-    parser.add_argument("--touch-memory", type=float, default=None, metavar="GIB",
-                        help="GiB of RAM to write once before the runs, so that no run pays a fresh virtual"
-                             " machine's first touch of its memory (default: the free memory less 2 GiB;"
-                             " 0: none)")
+    parser.add_argument(
+        "--touch-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="GiB of RAM to write once before the runs, so that no run pays a fresh virtual"
+        " machine's first touch of its memory (default: the free memory less 2 GiB;"
+        " 0: none)",
+    )
 
 
 def touch_memory_for(args: argparse.Namespace) -> dict[str, float]:
     """``touch_memory`` as ``--touch-memory`` asks, with a line saying what it cost."""
     if args.touch_memory is not None and args.touch_memory <= 0:
-        print("bench: memory not touched beforehand (--touch-memory 0): the first run may pay the machine's"
-              " first touch of its memory", flush=True)
+        print(
+            "bench: memory not touched beforehand (--touch-memory 0): the first run may pay the machine's"
+            " first touch of its memory",
+            flush=True,
+        )
         return {"gib": 0.0, "seconds": 0.0, "us_per_page": 0.0}
     figures = touch_memory(args.touch_memory)
-    print(f"bench: touched {figures['gib']:.1f} GiB of RAM once before the runs: {figures['seconds']:.1f}s,"
-          f" {figures['us_per_page']:.2f} us per 4 KiB page (a fresh VM's first touch: ~9 us; touched before:"
-          " ~2 us)", flush=True)
+    print(
+        f"bench: touched {figures['gib']:.1f} GiB of RAM once before the runs: {figures['seconds']:.1f}s,"
+        f" {figures['us_per_page']:.2f} us per 4 KiB page (a fresh VM's first touch: ~9 us; touched before:"
+        " ~2 us)",
+        flush=True,
+    )
     return figures

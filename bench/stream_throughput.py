@@ -38,8 +38,10 @@ from sequin_provider.pgoutput import int_to_lsn, lsn_to_int  # noqa: E402
 from sequin_provider.provisioning import initialize  # noqa: E402
 from sequin_provider.replication import ChangeReader, create_slot  # noqa: E402
 
-TABLE = ("CREATE TABLE events (id bigint PRIMARY KEY, account int NOT NULL, amount numeric(12,2), kind text,"
-         " payload jsonb, updated_at timestamptz NOT NULL DEFAULT now())")
+TABLE = (
+    "CREATE TABLE events (id bigint PRIMARY KEY, account int NOT NULL, amount numeric(12,2), kind text,"
+    " payload jsonb, updated_at timestamptz NOT NULL DEFAULT now())"
+)
 ROW = "g, g % 1000, (g % 10000) / 100.0, 'kind-' || (g % 7), jsonb_build_object('n', g, 'tag', md5(g::text))"
 
 
@@ -87,7 +89,9 @@ def write_workload(dsn: str, changes: int, first_id: int, txn_rows: int = 500) -
     started = time.time()
     with psycopg.connect(dsn, autocommit=True) as conn:
         for lo in range(first_id, last + 1, txn_rows):
-            conn.execute(f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW} FROM generate_series({lo}, {min(lo + txn_rows - 1, last)}) g")
+            conn.execute(
+                f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW} FROM generate_series({lo}, {min(lo + txn_rows - 1, last)}) g"
+            )
         for lo in range(first_id, first_id + changes - inserts, txn_rows):
             hi = min(lo + txn_rows - 1, first_id + changes - inserts - 1)
             conn.execute(f"UPDATE events SET amount = amount + 1, updated_at = now() WHERE id BETWEEN {lo} AND {hi}")
@@ -99,9 +103,27 @@ def run_pg_recvlogical(dsn: str, slot: str, end_lsn: int) -> float:
     binary = shutil.which("pg_recvlogical") or str(find_server_bindir() / "pg_recvlogical")
     out = Path(tempfile.mkdtemp()) / "recv.out"
     started = time.monotonic()
-    subprocess.run([binary, "-d", dsn, "--slot", slot, "--start", "-o", "proto_version=1", "-o",
-                    "publication_names=bench_pub", "--endpos", int_to_lsn(end_lsn), "-f", str(out), "--no-loop"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            binary,
+            "-d",
+            dsn,
+            "--slot",
+            slot,
+            "--start",
+            "-o",
+            "proto_version=1",
+            "-o",
+            "publication_names=bench_pub",
+            "--endpos",
+            int_to_lsn(end_lsn),
+            "-f",
+            str(out),
+            "--no-loop",
+        ],
+        check=True,
+        capture_output=True,
+    )
     elapsed = time.monotonic() - started
     shutil.rmtree(out.parent, ignore_errors=True)
     return elapsed
@@ -134,7 +156,9 @@ def latency_run(dsn: str, store_dsn: str, rate: int, seconds: int, first_id: int
         tick = 0
         while time.monotonic() - started < seconds:
             lo = first_id + tick * txn_rows
-            conn.execute(f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW} FROM generate_series({lo}, {lo + txn_rows - 1}) g")
+            conn.execute(
+                f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW} FROM generate_series({lo}, {lo + txn_rows - 1}) g"
+            )
             total += txn_rows
             tick += 1
             pause = started + tick / 100.0 - time.monotonic()
@@ -147,7 +171,8 @@ def latency_run(dsn: str, store_dsn: str, rate: int, seconds: int, first_id: int
             "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), percentile_cont(0.99) WITHIN GROUP (ORDER BY ms),"
             " max(ms) FROM (SELECT extract(epoch FROM inserted_at - (data::json->'metadata'->>'commit_timestamp')::timestamptz)"
             " * 1000 AS ms FROM sequin.stream_messages WHERE (data::json->'record'->>'id')::bigint BETWEEN %s AND %s) t",
-            (first_id, first_id + total - 1)).fetchone()
+            (first_id, first_id + total - 1),
+        ).fetchone()
     return {"rate": achieved, "p50_ms": float(row[0]), "p99_ms": float(row[1]), "max_ms": float(row[2])}  # type: ignore[index]
 
 
@@ -159,7 +184,11 @@ def process_class(proc: psutil.Process) -> str | None:
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
     if name == "postgres" or cmd.startswith("postgres"):
-        return "postgres: walsender (logical decoding)" if "walsender" in cmd or "START_REPLICATION" in cmd else "postgres: other backends (COPY, writes)"
+        return (
+            "postgres: walsender (logical decoding)"
+            if "walsender" in cmd or "START_REPLICATION" in cmd
+            else "postgres: other backends (COPY, writes)"
+        )
     if "java" in name:
         return "Spark JVM"
     if "python_streaming_source_runner" in cmd:
@@ -173,8 +202,9 @@ def process_class(proc: psutil.Process) -> str | None:
     return None
 
 
-def cpu_by_class(classify: Callable[[psutil.Process], str | None] = process_class,
-                 exited: bool = True) -> dict[int, tuple[str, float]]:
+def cpu_by_class(
+    classify: Callable[[psutil.Process], str | None] = process_class, exited: bool = True
+) -> dict[int, tuple[str, float]]:
     """CPU seconds so far of every process that belongs to the pipeline (``classify``), and with
     ``exited`` of the servers' exited backends (their postmaster's reaped children)."""
     out: dict[int, tuple[str, float]] = {}
@@ -232,8 +262,14 @@ def batch_breakdown(log_text: str) -> dict[str, float]:
 def add_pg_setting_argument(parser: argparse.ArgumentParser) -> None:
     """``--pg-setting NAME=VALUE`` (repeatable): a server setting of the benchmark's embedded cluster,
     over its defaults (``EmbeddedPostgres``), to measure how the figures depend on the server's tuning."""
-    parser.add_argument("--pg-setting", action="append", default=[], metavar="NAME=VALUE", type=_pg_setting,
-                        help="a setting of the embedded cluster, e.g. shared_buffers=4GB (repeatable)")
+    parser.add_argument(
+        "--pg-setting",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        type=_pg_setting,
+        help="a setting of the embedded cluster, e.g. shared_buffers=4GB (repeatable)",
+    )
 
 
 def _pg_setting(text: str) -> tuple[str, str]:
@@ -271,7 +307,7 @@ sinks:
   - name: events
     tables: [events]
     destination: {{type: sequin_stream}}
-stream: {{checkpoint_location: {work / 'ckpt'}}}
+stream: {{checkpoint_location: {work / "ckpt"}}}
 """)
         initialize(load_config(config_path))
         app = StreamAppProcess(config_path, work / "app.log").start()
@@ -282,7 +318,9 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
                 warm = sink_count(store_dsn)
                 with psycopg.connect(dsn, autocommit=True) as conn:
                     for lo in range(10_000_001, 10_000_001 + args.warmup, 500):
-                        conn.execute(f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW} FROM generate_series({lo}, {min(lo + 499, 10_000_000 + args.warmup)}) g")
+                        conn.execute(
+                            f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW} FROM generate_series({lo}, {min(lo + 499, 10_000_000 + args.warmup)}) g"
+                        )
                 wait_for(lambda: sink_count(store_dsn) >= warm + args.warmup, 600, what="the warm-up")
             with psycopg.connect(dsn, autocommit=True) as conn:  # the reference slots see only the workload
                 start_lsn = create_slot(conn, "recv_slot")
@@ -296,20 +334,31 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
             for run in range(args.runs):
                 before = sink_count(store_dsn)
                 t0, t_written = write_workload(dsn, args.changes, 1 + run * args.changes)
-                wait_for(lambda before=before: sink_count(store_dsn) >= before + args.changes, 900, interval=0.1,
-                         what="the sink to catch up")
+                wait_for(
+                    lambda before=before: sink_count(store_dsn) >= before + args.changes,
+                    900,
+                    interval=0.1,
+                    what="the sink to catch up",
+                )
                 t_done = time.time()
                 check_sink(store_dsn)
                 rates.append(args.changes / (t_done - t0))
                 busy_seconds += t_done - t0
-                print(f"bench: run {run + 1}: end to end {rates[-1]:,.0f} changes/s ({t_done - t0:.1f}s; the writer "
-                      f"alone took {t_written - t0:.1f}s)", flush=True)
+                print(
+                    f"bench: run {run + 1}: end to end {rates[-1]:,.0f} changes/s ({t_done - t0:.1f}s; the writer "
+                    f"alone took {t_written - t0:.1f}s)",
+                    flush=True,
+                )
             end_lsn = current_lsn(dsn)
             cpu = cpu_delta(cpu_before, cpu_by_class())
             machine_after = psutil.cpu_times()
             results["cpu_seconds"] = cpu
-            results["machine_busy_seconds"] = sum(machine_after) - sum(machine_before) - (
-                machine_after.idle - machine_before.idle) - (machine_after.iowait - machine_before.iowait)
+            results["machine_busy_seconds"] = (
+                sum(machine_after)
+                - sum(machine_before)
+                - (machine_after.idle - machine_before.idle)
+                - (machine_after.iowait - machine_before.iowait)
+            )
             e2e = statistics.median(rates)
             results.update(e2e_rates=rates, e2e_rate=e2e, e2e_seconds=busy_seconds)
             throughput_log = app.log_path.read_bytes()[log_mark:].decode(errors="replace")
@@ -318,9 +367,13 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
             latency_log = app.log_path.read_bytes()[log_mark:].decode(errors="replace")
             (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
             (ROOT / "bench" / "results" / "latency_batches.log").write_text(
-                "\n".join(line for line in latency_log.splitlines() if "batch" in line))
+                "\n".join(line for line in latency_log.splitlines() if "batch" in line)
+            )
             results["latency"] = latency
-            print(f"bench: latency at {latency['rate']:,.0f}/s: p50 {latency['p50_ms']:.0f} ms, p99 {latency['p99_ms']:.0f} ms", flush=True)
+            print(
+                f"bench: latency at {latency['rate']:,.0f}/s: p50 {latency['p50_ms']:.0f} ms, p99 {latency['p99_ms']:.0f} ms",
+                flush=True,
+            )
         finally:
             app.stop()
         breakdown = batch_breakdown(throughput_log)
@@ -330,30 +383,45 @@ stream: {{checkpoint_location: {work / 'ckpt'}}}
     shutil.rmtree(work, ignore_errors=True)
     recv_rate = total_changes / recv_seconds
     decoder_rate = total_changes / decoder_seconds
-    results.update(recv_seconds=recv_seconds, recv_rate=recv_rate, decoder_seconds=decoder_seconds,
-                   decoder_rate=decoder_rate, breakdown=breakdown)
+    results.update(
+        recv_seconds=recv_seconds,
+        recv_rate=recv_rate,
+        decoder_seconds=decoder_seconds,
+        decoder_rate=decoder_rate,
+        breakdown=breakdown,
+    )
     lat = results["latency"]  # type: ignore[assignment]
     print()
     print("| measure | changes/s | seconds | vs pg_recvlogical |")
     print("|---|---:|---:|---:|")
     print(f"| (a) pg_recvlogical, pgoutput decode limit | {recv_rate:,.0f} | {recv_seconds:.1f} | 1.00 |")
-    print(f"| (a') our pgoutput decoder alone (ChangeReader) | {decoder_rate:,.0f} | {decoder_seconds:.1f} | {decoder_rate / recv_rate:.2f} |")
-    print(f"| (b) end to end: commit -> durable Sequin Stream row, median of {args.runs} (min {min(rates):,.0f}, "
-          f"max {max(rates):,.0f}) | {e2e:,.0f} | {results['e2e_seconds']:.1f} | {e2e / recv_rate:.2f} |")
-    print(f"| (c) latency at {lat['rate']:,.0f} changes/s | p50 {lat['p50_ms']:.0f} ms, p99 {lat['p99_ms']:.0f} ms, max {lat['max_ms']:.0f} ms | | |")
+    print(
+        f"| (a') our pgoutput decoder alone (ChangeReader) | {decoder_rate:,.0f} | {decoder_seconds:.1f} | {decoder_rate / recv_rate:.2f} |"
+    )
+    print(
+        f"| (b) end to end: commit -> durable Sequin Stream row, median of {args.runs} (min {min(rates):,.0f}, "
+        f"max {max(rates):,.0f}) | {e2e:,.0f} | {results['e2e_seconds']:.1f} | {e2e / recv_rate:.2f} |"
+    )
+    print(
+        f"| (c) latency at {lat['rate']:,.0f} changes/s | p50 {lat['p50_ms']:.0f} ms, p99 {lat['p99_ms']:.0f} ms, max {lat['max_ms']:.0f} ms | | |"
+    )
     if breakdown["batches"]:
         phases = ", ".join(f"{k[6:-2]} {v:.1f}s" for k, v in sorted(breakdown.items()) if k.startswith("spark_"))
-        print(f"\nwhere the time goes in (b): {breakdown['batches']:.0f} micro-batches, {breakdown['rows']:,.0f} rows; "
-              f"Spark phases (summed): {phases}; inside addBatch, the store COPYs took {breakdown['store_copy']:.1f}s "
-              f"(summed over partitions, which run in parallel)")
+        print(
+            f"\nwhere the time goes in (b): {breakdown['batches']:.0f} micro-batches, {breakdown['rows']:,.0f} rows; "
+            f"Spark phases (summed): {phases}; inside addBatch, the store COPYs took {breakdown['store_copy']:.1f}s "
+            f"(summed over partitions, which run in parallel)"
+        )
     cpu = results.get("cpu_seconds") or {}
     if cpu:
         total_cpu = sum(cpu.values())
         busy = results["machine_busy_seconds"]
-        print(f"\nCPU during (b): the machine was busy {busy:.1f} of {psutil.cpu_count() * results['e2e_seconds']:.1f} "
-              f"core-seconds ({100 * busy / (psutil.cpu_count() * results['e2e_seconds']):.0f}%, "
-              f"{1e6 * busy / total_changes:.0f} us of CPU per change); by process (long-lived ones, "
-              f"{total_cpu:.1f}s of it):")
+        print(
+            f"\nCPU during (b): the machine was busy {busy:.1f} of {psutil.cpu_count() * results['e2e_seconds']:.1f} "
+            f"core-seconds ({100 * busy / (psutil.cpu_count() * results['e2e_seconds']):.0f}%, "
+            f"{1e6 * busy / total_changes:.0f} us of CPU per change); by process (long-lived ones, "
+            f"{total_cpu:.1f}s of it):"
+        )
         for klass, seconds in sorted(cpu.items(), key=lambda kv: -kv[1]):
             print(f"  {klass:<42} {seconds:6.1f}s  {1e6 * seconds / total_changes:5.1f} us/change")
     out = ROOT / "bench" / "results"

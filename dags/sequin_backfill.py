@@ -27,17 +27,40 @@ from sequin_provider.operators.backfill import SequinBackfillOperator
     render_template_as_native_obj=True,  # unset fields stay None, max_query_ms stays an integer
     params={
         "sink": Param(type="string", minLength=1, title="Sink", description="A sink of sequin.yaml."),
-        "table": Param(type="string", minLength=1, title="Table",
-                       description="One of the sink's tables: schema.table (public. if no schema)."),
-        "kind": Param("full", type="string", enum=["full", "partial"], title="Kind",
-                      values_display={"full": "full: every row", "partial": "partial: from a start position"}),
-        "sort_column": Param(None, type=["null", "string"], title="Sort column",
-                             description="partial only: the column to order and start by, e.g. updated_at."),
-        "start_position": Param(None, type=["null", "string"], title="Start position",
-                                description="partial only: the first value of the sort column, "
-                                            "e.g. 2025-01-01 00:00:00+00 (cast by Postgres to the column's type)."),
-        "max_query_ms": Param(5000, type="integer", minimum=1, maximum=600000, title="Query timeout (ms)",
-                              description="Time budget of one page query; pages shrink when they hit it."),
+        "table": Param(
+            type="string",
+            minLength=1,
+            title="Table",
+            description="One of the sink's tables: schema.table (public. if no schema).",
+        ),
+        "kind": Param(
+            "full",
+            type="string",
+            enum=["full", "partial"],
+            title="Kind",
+            values_display={"full": "full: every row", "partial": "partial: from a start position"},
+        ),
+        "sort_column": Param(
+            None,
+            type=["null", "string"],
+            title="Sort column",
+            description="partial only: the column to order and start by, e.g. updated_at.",
+        ),
+        "start_position": Param(
+            None,
+            type=["null", "string"],
+            title="Start position",
+            description="partial only: the first value of the sort column, "
+            "e.g. 2025-01-01 00:00:00+00 (cast by Postgres to the column's type).",
+        ),
+        "max_query_ms": Param(
+            5000,
+            type="integer",
+            minimum=1,
+            maximum=600000,
+            title="Query timeout (ms)",
+            description="Time budget of one page query; pages shrink when they hit it.",
+        ),
     },
 )
 def sequin_backfill() -> None:

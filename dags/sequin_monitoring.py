@@ -27,9 +27,13 @@ from airflow.sdk import Param, dag
 from sequin_provider.notifications.sequin import alert_from_environment
 from sequin_provider.sensors.sequin import ParkedMessagesSensor, ReplicationSlotLagSensor, StreamHeartbeatSensor
 
-CHECK = {"deferrable": True, "fire_when": "within", "retries": 0,
-         "poke_interval": float(os.environ.get("SEQUIN_CHECK_POKE_INTERVAL", "30")),
-         "timeout": float(os.environ.get("SEQUIN_CHECK_TIMEOUT", "240"))}
+CHECK = {
+    "deferrable": True,
+    "fire_when": "within",
+    "retries": 0,
+    "poke_interval": float(os.environ.get("SEQUIN_CHECK_POKE_INTERVAL", "30")),
+    "timeout": float(os.environ.get("SEQUIN_CHECK_TIMEOUT", "240")),
+}
 
 
 @dag(
@@ -45,8 +49,7 @@ CHECK = {"deferrable": True, "fire_when": "within", "retries": 0,
         "slot": Param(os.environ.get("SEQUIN_SLOT", "sequin_slot"), type="string"),
         "database": Param(os.environ.get("SEQUIN_DATABASE", "app"), type="string"),
         "max_lag_bytes": Param(int(os.environ.get("SEQUIN_MAX_LAG_BYTES", str(1 << 30))), type="integer", minimum=0),
-        "max_heartbeat_age": Param(float(os.environ.get("SEQUIN_MAX_HEARTBEAT_AGE", "120")), type="number",
-                                   minimum=0),
+        "max_heartbeat_age": Param(float(os.environ.get("SEQUIN_MAX_HEARTBEAT_AGE", "120")), type="number", minimum=0),
         "max_parked": Param(int(os.environ.get("SEQUIN_MAX_PARKED", "0")), type="integer", minimum=0),
     },
 )

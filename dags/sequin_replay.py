@@ -38,8 +38,9 @@ from sequin_provider.operators.backfill import SequinBackfillOperator
         "sink": Param(os.environ.get("SEQUIN_REPLAY_SINK", "orders"), type="string"),
         "table": Param(os.environ.get("SEQUIN_REPLAY_TABLE", "public.orders"), type="string"),
         "sort_column": Param(os.environ.get("SEQUIN_REPLAY_SORT_COLUMN", "updated_at"), type="string"),
-        "start_position": Param(None, type=["null", "string"],
-                                description="Overrides data_interval_start (manual runs have none)."),
+        "start_position": Param(
+            None, type=["null", "string"], description="Overrides data_interval_start (manual runs have none)."
+        ),
     },
 )
 def sequin_replay() -> None:
@@ -50,7 +51,7 @@ def sequin_replay() -> None:
         kind="partial",
         sort_column="{{ var.value.get('sequin_replay_sort_column', params.sort_column) }}",
         start_position="{{ params.start_position"
-                       " or (data_interval_start.isoformat() if data_interval_start else '') }}",
+        " or (data_interval_start.isoformat() if data_interval_start else '') }}",
     )
 
 

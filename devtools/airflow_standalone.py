@@ -26,8 +26,9 @@ from devtools.stream_process import ROOT, wait_for
 TERMINAL_RUN_STATES = frozenset({"success", "failed"})
 
 
-def airflow_env(home: Path, dsn: str, config_path: Path, *, port: int = 8080, database: str | None = None,
-                slot: str | None = None) -> dict[str, str]:
+def airflow_env(
+    home: Path, dsn: str, config_path: Path, *, port: int = 8080, database: str | None = None, slot: str | None = None
+) -> dict[str, str]:
     """The environment of ``airflow standalone`` and of every process it starts (tasks included)."""
     params = psycopg.conninfo.conninfo_to_dict(dsn)
     venv_bin = os.path.dirname(sys.executable)
@@ -46,10 +47,17 @@ def airflow_env(home: Path, dsn: str, config_path: Path, *, port: int = 8080, da
         "AIRFLOW__API__BASE_URL": f"http://localhost:{port}",
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://localhost:{port}/execution/",
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "30",
-        "AIRFLOW_CONN_SEQUIN_DEFAULT": json.dumps({
-            "conn_type": "sequin", "host": params.get("host"), "port": int(params.get("port") or 5432),
-            "login": params.get("user"), "password": params.get("password"), "schema": params.get("dbname"),
-            "extra": {"config_path": str(config_path)}}),
+        "AIRFLOW_CONN_SEQUIN_DEFAULT": json.dumps(
+            {
+                "conn_type": "sequin",
+                "host": params.get("host"),
+                "port": int(params.get("port") or 5432),
+                "login": params.get("user"),
+                "password": params.get("password"),
+                "schema": params.get("dbname"),
+                "extra": {"config_path": str(config_path)},
+            }
+        ),
         "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark", "host": "local[2]"}),
         "SEQUIN_CONFIG": str(config_path),
     }
@@ -89,8 +97,13 @@ class AirflowStandalone:
         """Start ``airflow standalone`` (it migrates its database on first use)."""
         self.home.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(["airflow", "standalone"], env=self.env, start_new_session=True,
-                                     stdout=self._log, stderr=subprocess.STDOUT if self._log else None)
+        self.proc = subprocess.Popen(
+            ["airflow", "standalone"],
+            env=self.env,
+            start_new_session=True,
+            stdout=self._log,
+            stderr=subprocess.STDOUT if self._log else None,
+        )
         return self
 
     def check_alive(self) -> None:
@@ -168,8 +181,9 @@ class AirflowStandalone:
 
     def login(self) -> None:
         """Get an API token for ``admin`` (``POST /auth/token``)."""
-        response = httpx.post(f"{self.base_url}/auth/token", json={"username": "admin",
-                                                                  "password": self.admin_password()}, timeout=30)
+        response = httpx.post(
+            f"{self.base_url}/auth/token", json={"username": "admin", "password": self.admin_password()}, timeout=30
+        )
         if not response.is_success:
             raise AirflowApiError(f"login failed: HTTP {response.status_code}: {response.text[:500]}")
         self._token = response.json()["access_token"]
@@ -178,14 +192,20 @@ class AirflowStandalone:
         """Call ``/api/v2{path}`` as admin; the JSON answer, or ``AirflowApiError`` with Airflow's detail."""
         if self._token is None:
             self.login()
-        response = httpx.request(method, f"{self.base_url}/api/v2{path}", timeout=60,
-                                 headers={"Authorization": f"Bearer {self._token}"}, **kwargs)
+        response = httpx.request(
+            method,
+            f"{self.base_url}/api/v2{path}",
+            timeout=60,
+            headers={"Authorization": f"Bearer {self._token}"},
+            **kwargs,
+        )
         if not response.is_success:
             raise AirflowApiError(f"{method} {path}: HTTP {response.status_code}: {response.text[:1000]}")
         return response.json() if response.content else None
 
     def wait_dag(self, dag_id: str, timeout: float = 300.0) -> dict[str, Any]:
         """Wait until the DAG processor has parsed ``dag_id``; its details."""
+
         def parsed() -> dict[str, Any] | None:
             self.check_alive()
             try:
@@ -231,29 +251,30 @@ class AirflowStandalone:
         answer = self.request("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances")
         return {ti["task_id"]: ti for ti in answer["task_instances"]}
 
-    def wait_run(self, dag_id: str, run_id: str, timeout: float = 900.0,
-                 states: frozenset[str] = TERMINAL_RUN_STATES) -> dict[str, Any]:
+    def wait_run(
+        self, dag_id: str, run_id: str, timeout: float = 900.0, states: frozenset[str] = TERMINAL_RUN_STATES
+    ) -> dict[str, Any]:
         """Wait until the run reaches one of ``states``; the run."""
+
         def reached() -> dict[str, Any] | None:
             self.check_alive()
             run = self.run(dag_id, run_id)
             return run if run["state"] in states else None
 
-        return wait_for(reached, timeout, interval=2,
-                        what=f"run {run_id} of {dag_id} to reach {sorted(states)}")
+        return wait_for(reached, timeout, interval=2, what=f"run {run_id} of {dag_id} to reach {sorted(states)}")
 
-    def wait_task(self, dag_id: str, run_id: str, task_id: str, states: frozenset[str],
-                  timeout: float = 600.0) -> dict[str, Any]:
+    def wait_task(
+        self, dag_id: str, run_id: str, task_id: str, states: frozenset[str], timeout: float = 600.0
+    ) -> dict[str, Any]:
         """Wait until a task instance reaches one of ``states``; the task instance."""
+
         def reached() -> dict[str, Any] | None:
             self.check_alive()
             ti = self.task_instances(dag_id, run_id).get(task_id)
             return ti if ti and ti["state"] in states else None
 
-        return wait_for(reached, timeout, interval=2,
-                        what=f"task {task_id} of {dag_id} to reach {sorted(states)}")
+        return wait_for(reached, timeout, interval=2, what=f"task {task_id} of {dag_id} to reach {sorted(states)}")
 
     def set_run_state(self, dag_id: str, run_id: str, state: str) -> dict[str, Any]:
         """Mark the run ``success`` / ``failed`` / ``queued``; running tasks of an ended run are stopped."""
         return self.request("PATCH", f"/dags/{dag_id}/dagRuns/{run_id}", json={"state": state})  # type: ignore[no-any-return]
-

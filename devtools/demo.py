@@ -57,14 +57,20 @@ stream:
 def burst(dsn: str) -> int:
     """Commit a mix of transactions; return how many row changes were committed."""
     statements = [
-        ["INSERT INTO customers (name, email) VALUES ('Ada', 'ada@example.com'), ('Grace', 'grace@example.com'),"
-         " ('Linus', NULL)"],
-        ["INSERT INTO orders (customer_id, status, total, tags) VALUES (1, 'open', 42.00, '{gift}'),"
-         " (2, 'open', 250.00, NULL), (3, 'open', 99.99, '{}')",
-         "INSERT INTO order_items VALUES (1, 1, 'book', 2), (2, 1, 'laptop', 1), (2, 2, 'mouse', 1), (3, 1, 'pen', 30)"],
+        [
+            "INSERT INTO customers (name, email) VALUES ('Ada', 'ada@example.com'), ('Grace', 'grace@example.com'),"
+            " ('Linus', NULL)"
+        ],
+        [
+            "INSERT INTO orders (customer_id, status, total, tags) VALUES (1, 'open', 42.00, '{gift}'),"
+            " (2, 'open', 250.00, NULL), (3, 'open', 99.99, '{}')",
+            "INSERT INTO order_items VALUES (1, 1, 'book', 2), (2, 1, 'laptop', 1), (2, 2, 'mouse', 1), (3, 1, 'pen', 30)",
+        ],
         ["UPDATE orders SET status = 'paid' WHERE id IN (1, 2)", "UPDATE order_items SET qty = 3 WHERE order_id = 1"],
-        ["UPDATE orders SET total = 120.00, status = 'paid' WHERE id = 3",
-         "UPDATE customers SET email = 'linus@example.com' WHERE id = 3"],
+        [
+            "UPDATE orders SET total = 120.00, status = 'paid' WHERE id = 3",
+            "UPDATE customers SET email = 'linus@example.com' WHERE id = 3",
+        ],
         ["DELETE FROM order_items WHERE order_id = 2 AND line = 2", "DELETE FROM orders WHERE id = 1"],
     ]
     changes = 0
@@ -116,8 +122,9 @@ def pull_over_http(config_path: object, dsn: str, sink: str) -> list[dict[str, o
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(load_config(config_path)), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(load_config(config_path)), host="127.0.0.1", port=port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     got: list[dict[str, object]] = []
@@ -161,12 +168,13 @@ def stream_demo(dsn: str, config_path: Path, app: StreamAppProcess) -> bool:
         print(describe(message))
     pulled = pull_over_http(config_path, dsn, "big_orders")
     summary = ", ".join(f"{m['action']} #{m['record']['id']}" for m in pulled)  # type: ignore[index]
-    print(f"\ndemo: a consumer pulled {len(pulled)} big_orders messages over the HTTP API (receive + ack):"
-          f" {summary}")
+    print(f"\ndemo: a consumer pulled {len(pulled)} big_orders messages over the HTTP API (receive + ack): {summary}")
     ok = len(messages) == committed and len(pulled) == len(big)
-    print(f"\ndemo: {committed} changes committed -> {len(messages)} messages in shop_changes, {len(big)} in "
-          f"big_orders; first burst to last message {elapsed:.2f}s; slot lag "
-          f"{lag.lag_bytes if lag else '?'} bytes; {'OK' if ok else 'MISMATCH'}")
+    print(
+        f"\ndemo: {committed} changes committed -> {len(messages)} messages in shop_changes, {len(big)} in "
+        f"big_orders; first burst to last message {elapsed:.2f}s; slot lag "
+        f"{lag.lag_bytes if lag else '?'} bytes; {'OK' if ok else 'MISMATCH'}"
+    )
     return ok
 
 

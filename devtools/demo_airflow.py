@@ -48,8 +48,11 @@ def run_airflow_demo(var: Path, dsn: str, config_path: Path, database: str, slot
     log = var / "airflow-demo.log"
     log.unlink(missing_ok=True)
     started = time.monotonic()
-    print(f"\ndemo (Airflow): starting airflow standalone on http://localhost:{port} (home var/airflow-demo,"
-          f" log var/airflow-demo.log) ...", flush=True)
+    print(
+        f"\ndemo (Airflow): starting airflow standalone on http://localhost:{port} (home var/airflow-demo,"
+        f" log var/airflow-demo.log) ...",
+        flush=True,
+    )
     with AirflowStandalone(home, env, port=port, log_path=log) as airflow:
         airflow.wait_ready()
         print(f"demo (Airflow): healthy after {time.monotonic() - started:.0f}s; logged in to the REST API as admin")
@@ -57,40 +60,66 @@ def run_airflow_demo(var: Path, dsn: str, config_path: Path, database: str, slot
             before = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
 
         replication = airflow.start_continuous(REPLICATION)
-        print(f"demo (Airflow): PATCH /api/v2/dags/{REPLICATION} is_paused=false -> the scheduler started"
-              f" {replication}; waiting for the supervised stream app ...", flush=True)
+        print(
+            f"demo (Airflow): PATCH /api/v2/dags/{REPLICATION} is_paused=false -> the scheduler started"
+            f" {replication}; waiting for the supervised stream app ...",
+            flush=True,
+        )
         airflow.wait_task(REPLICATION, replication, "supervise_stream", frozenset({"running"}))
-        status = wait_for(lambda: airflow.check_alive() or streaming_status(dsn, database=database, after=before), 600, interval=1,
-                          what="the stream app started by sequin_replication to stream")
+        status = wait_for(
+            lambda: airflow.check_alive() or streaming_status(dsn, database=database, after=before),
+            600,
+            interval=1,
+            what="the stream app started by sequin_replication to stream",
+        )
         with psycopg.connect(dsn) as conn:
-            customer = conn.execute("INSERT INTO customers (name, email) VALUES ('Airflow', 'af@example.com')"
-                                    " RETURNING id").fetchone()[0]  # type: ignore[index]
-        arrived = wait_for(lambda: [m for m in sink_messages(dsn, "shop_changes")
-                                    if m["metadata"]["table_name"] == "customers"  # type: ignore[index]
-                                    and m["record"]["id"] == customer], 180, interval=0.5,
-                           what="the new customer to reach shop_changes")
-        print(f"demo (Airflow): {REPLICATION} is running; its stream app (started {status['app_started_at']:%H:%M:%S})"
-              f" delivered the new customer #{customer} as {arrived[0]['action']}")
+            customer = conn.execute(
+                "INSERT INTO customers (name, email) VALUES ('Airflow', 'af@example.com') RETURNING id"
+            ).fetchone()[0]  # type: ignore[index]
+        arrived = wait_for(
+            lambda: [
+                m
+                for m in sink_messages(dsn, "shop_changes")
+                if m["metadata"]["table_name"] == "customers"  # type: ignore[index]
+                and m["record"]["id"] == customer
+            ],
+            180,
+            interval=0.5,
+            what="the new customer to reach shop_changes",
+        )
+        print(
+            f"demo (Airflow): {REPLICATION} is running; its stream app (started {status['app_started_at']:%H:%M:%S})"
+            f" delivered the new customer #{customer} as {arrived[0]['action']}"
+        )
 
         with psycopg.connect(dsn) as conn:
             source_version = conn.info.server_version
         backfills_run = source_version >= MIN_SERVER_VERSION
         if not backfills_run:  # PostgreSQL 12/13: no logical messages in pgoutput, so no watermarks
-            print(f"demo (Airflow): skipping {BACKFILL}: backfills need PostgreSQL 14 or later; this source is"
-                  f" {source_version // 10000} (docs/postgres-versions.md)")
+            print(
+                f"demo (Airflow): skipping {BACKFILL}: backfills need PostgreSQL 14 or later; this source is"
+                f" {source_version // 10000} (docs/postgres-versions.md)"
+            )
         else:
             conf = {"sink": "shop_changes", "table": "orders"}
             backfill = airflow.trigger(BACKFILL, conf)
-            print(f"demo (Airflow): POST /api/v2/dags/{BACKFILL}/dagRuns conf={conf} -> {backfill}; waiting ...",
-                  flush=True)
+            print(
+                f"demo (Airflow): POST /api/v2/dags/{BACKFILL}/dagRuns conf={conf} -> {backfill}; waiting ...",
+                flush=True,
+            )
             run = airflow.wait_run(BACKFILL, backfill)
             with psycopg.connect(dsn) as conn:
                 record = store.list_backfills(conn, "sequin", "shop_changes")[0]
                 order_count = conn.execute("SELECT count(*) FROM orders").fetchone()[0]  # type: ignore[index]
-            reads = [m for m in sink_messages(dsn, "shop_changes") if m["action"] == "read"
-                     and m["metadata"]["idempotency_key"].startswith(f"backfill:{record.id}:")]  # type: ignore[index]
-            print(f"demo (Airflow): {BACKFILL} run {run['state']}; backfill #{record.id} {record.state},"
-                  f" {record.rows_processed} rows read, {len(reads)} read messages for {order_count} orders")
+            reads = [
+                m
+                for m in sink_messages(dsn, "shop_changes")
+                if m["action"] == "read" and m["metadata"]["idempotency_key"].startswith(f"backfill:{record.id}:")
+            ]  # type: ignore[index]
+            print(
+                f"demo (Airflow): {BACKFILL} run {run['state']}; backfill #{record.id} {record.state},"
+                f" {record.rows_processed} rows read, {len(reads)} read messages for {order_count} orders"
+            )
 
         airflow.set_paused(REPLICATION, True)  # no new continuous run after this one
         airflow.set_run_state(REPLICATION, replication, "success")

@@ -161,8 +161,20 @@ class EmbeddedPostgres:
             run_kwargs = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}
         self._check_data_version(pgdata)
         if not (pgdata / "PG_VERSION").exists():
-            self._run([str(bindir / "initdb"), "-D", str(pgdata), "-U", "postgres", "--auth=trust",
-                       "--encoding=UTF8", "--locale=C", "--no-sync"], run_kwargs)
+            self._run(
+                [
+                    str(bindir / "initdb"),
+                    "-D",
+                    str(pgdata),
+                    "-U",
+                    "postgres",
+                    "--auth=trust",
+                    "--encoding=UTF8",
+                    "--locale=C",
+                    "--no-sync",
+                ],
+                run_kwargs,
+            )
         self.port = self.port or free_port()
         options = {
             "wal_level": self.wal_level,
@@ -181,8 +193,22 @@ class EmbeddedPostgres:
             **self.settings,
         }
         opt_string = " ".join(f"-c {k}={v}" for k, v in options.items())
-        self._run([str(bindir / "pg_ctl"), "-D", str(pgdata), "-l", str(self.data_dir / "server.log"),
-                   "-o", opt_string, "-w", "-t", "60", "start"], run_kwargs)
+        self._run(
+            [
+                str(bindir / "pg_ctl"),
+                "-D",
+                str(pgdata),
+                "-l",
+                str(self.data_dir / "server.log"),
+                "-o",
+                opt_string,
+                "-w",
+                "-t",
+                "60",
+                "start",
+            ],
+            run_kwargs,
+        )
         self._started = True
         self._wait_ready()
 
@@ -192,7 +218,8 @@ class EmbeddedPostgres:
         if marker.exists() and int(marker.read_text().strip().split(".")[0]) != self.major:
             raise EmbeddedPostgresError(
                 f"{pgdata} was created by PostgreSQL {marker.read_text().strip()}, but this server is "
-                f"PostgreSQL {self.major}: remove {self.data_dir} or set SEQUIN_PG_VERSION to its major")
+                f"PostgreSQL {self.major}: remove {self.data_dir} or set SEQUIN_PG_VERSION to its major"
+            )
 
     def _run(self, argv: list[str], run_kwargs: dict[str, object]) -> None:
         result = subprocess.run(argv, capture_output=True, text=True, cwd=str(self.data_dir), **run_kwargs)  # type: ignore[call-overload]
@@ -228,8 +255,10 @@ class EmbeddedPostgres:
                 "SELECT slot_name FROM pg_replication_slots WHERE database = %s", (name,)
             ).fetchall():
                 conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
-            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s "
-                         "AND pid <> pg_backend_pid()", (name,))  # DROP ... WITH (FORCE) is 13+
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+                (name,),
+            )  # DROP ... WITH (FORCE) is 13+
             conn.execute(psycopg.sql.SQL("DROP DATABASE IF EXISTS {}").format(psycopg.sql.Identifier(name)))
             conn.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(name)))
         return self.dsn(name)
@@ -249,8 +278,10 @@ class EmbeddedPostgres:
             if user is not None:
                 run_kwargs = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}
             try:
-                self._run([str(self.bindir / "pg_ctl"), "-D", str(self.data_dir / "data"),
-                           "-m", mode, "-w", "stop"], run_kwargs)
+                self._run(
+                    [str(self.bindir / "pg_ctl"), "-D", str(self.data_dir / "data"), "-m", mode, "-w", "stop"],
+                    run_kwargs,
+                )
             except EmbeddedPostgresError:
                 pass
             self._started = False

@@ -19,10 +19,14 @@ DOCUMENT = Path(__file__).resolve().parent.parent / "docs" / "openapi.json"
 
 def example_config() -> SequinConfig:
     """A config with one Sequin Stream sink: enough to build the app (nothing is connected)."""
-    return parse_config({
-        "databases": [{"name": "shop", "dsn": "postgresql://127.0.0.1/shop"}],
-        "sinks": [{"name": "orders", "tables": ["public.orders"], "destination": {"type": "sequin_stream"}}],
-    }, "openapi", environ={})
+    return parse_config(
+        {
+            "databases": [{"name": "shop", "dsn": "postgresql://127.0.0.1/shop"}],
+            "sinks": [{"name": "orders", "tables": ["public.orders"], "destination": {"type": "sequin_stream"}}],
+        },
+        "openapi",
+        environ={},
+    )
 
 
 def openapi_document() -> dict[str, Any]:

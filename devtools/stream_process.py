@@ -28,7 +28,9 @@ APP = app_path("replication_stream.py")
 BACKFILL_APP = app_path("backfill.py")
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 120.0, interval: float = 0.25, what: str = "condition") -> Any:
+def wait_for(
+    predicate: Callable[[], Any], timeout: float = 120.0, interval: float = 0.25, what: str = "condition"
+) -> Any:
     """Poll ``predicate`` until it returns something truthy; ``TimeoutError`` naming ``what`` otherwise."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -42,14 +44,23 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 120.0, interval: flo
 def app_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for a Spark app run as a child of this interpreter: its venv, this checkout on the path."""
     venv_bin = str(Path(sys.executable).parent)
-    return dict(os.environ, PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable,
-                PATH=f"{venv_bin}:{os.environ.get('PATH', '')}",
-                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
-                **(extra or {}))
+    return dict(
+        os.environ,
+        PYSPARK_PYTHON=sys.executable,
+        PYSPARK_DRIVER_PYTHON=sys.executable,
+        PATH=f"{venv_bin}:{os.environ.get('PATH', '')}",
+        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+        **(extra or {}),
+    )
 
 
-def streaming_status(store_dsn: str, schema: str = "sequin", database: str | None = None,
-                     after: datetime | None = None, batch_after: datetime | None = None) -> dict[str, Any] | None:
+def streaming_status(
+    store_dsn: str,
+    schema: str = "sequin",
+    database: str | None = None,
+    after: datetime | None = None,
+    batch_after: datetime | None = None,
+) -> dict[str, Any] | None:
     """The stream status row of an app (of ``database``, if given) that started after ``after`` and has
     completed a micro-batch since it started (and since ``batch_after``, if given); None while there is
     none (or the store is unreachable)."""
@@ -60,8 +71,14 @@ def streaming_status(store_dsn: str, schema: str = "sequin", database: str | Non
         return None
     for row in rows:
         started, last = row["app_started_at"], row["last_batch_at"]
-        if (database is None or row["database"] == database) and started and last and last > started \
-                and (after is None or started > after) and (batch_after is None or last > batch_after):
+        if (
+            (database is None or row["database"] == database)
+            and started
+            and last
+            and last > started
+            and (after is None or started > after)
+            and (batch_after is None or last > batch_after)
+        ):
             return row
     return None
 
@@ -71,8 +88,9 @@ class StreamAppProcess:
 
     name = "stream app"
 
-    def __init__(self, config: Path, log_path: Path, extra_env: dict[str, str] | None = None,
-                 schema: str = "sequin") -> None:
+    def __init__(
+        self, config: Path, log_path: Path, extra_env: dict[str, str] | None = None, schema: str = "sequin"
+    ) -> None:
         self.config = config
         self.log_path = log_path
         self.extra_env = extra_env or {}
@@ -84,8 +102,9 @@ class StreamAppProcess:
         env = app_env(self.extra_env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.command(), env=env, stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True, cwd=str(ROOT))
+        self.proc = subprocess.Popen(
+            self.command(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=str(ROOT)
+        )
         log.close()
         return self
 
@@ -95,9 +114,11 @@ class StreamAppProcess:
 
     def wait_streaming(self, store_dsn: str, timeout: float = 180.0) -> None:
         """Wait until the app has completed a micro-batch since it started."""
+
         def ready() -> bool:
             self.check_alive()
             return streaming_status(store_dsn, self.schema) is not None
+
         wait_for(ready, timeout, what="the stream app to run its first micro-batch")
 
     def check_alive(self) -> None:
@@ -143,8 +164,9 @@ class BackfillServerProcess(StreamAppProcess):
     name = "backfill server"
     UP_LINE = "backfill server up"
 
-    def __init__(self, config: Path, log_path: Path, *args: str, extra_env: dict[str, str] | None = None,
-                 schema: str = "sequin") -> None:
+    def __init__(
+        self, config: Path, log_path: Path, *args: str, extra_env: dict[str, str] | None = None, schema: str = "sequin"
+    ) -> None:
         super().__init__(config, log_path, extra_env, schema)
         self.args = args
 
@@ -154,7 +176,9 @@ class BackfillServerProcess(StreamAppProcess):
 
     def wait_up(self, timeout: float = 180.0) -> None:
         """Wait until the server has its Spark and Python workers up and takes backfills."""
+
         def up() -> bool:
             self.check_alive()
             return self.UP_LINE in self.log_tail(1_000_000)
+
         wait_for(up, timeout, what="the backfill server to start")

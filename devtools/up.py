@@ -37,8 +37,11 @@ def main() -> int:
         config_path.write_text(CONFIG.format(dsn=dsn, checkpoint=VAR / "checkpoints-up"))
         report = initialize(load_config(config_path))
         print(f"up: Postgres at {dsn}; sequin init: {'; '.join(report.created) or 'already initialised'}")
-        print("up: starting airflow standalone (var/airflow) - http://localhost:8080, user admin, password in"
-              " var/airflow/simple_auth_manager_passwords.json.generated; Ctrl-C stops everything", flush=True)
+        print(
+            "up: starting airflow standalone (var/airflow) - http://localhost:8080, user admin, password in"
+            " var/airflow/simple_auth_manager_passwords.json.generated; Ctrl-C stops everything",
+            flush=True,
+        )
         env = airflow_env(VAR / "airflow", dsn, config_path, database="shop", slot="sequin_demo_slot")
         airflow = AirflowStandalone(VAR / "airflow", env).start()
         try:

@@ -44,14 +44,17 @@ def get_provider_info() -> dict[str, object]:
                     "store_dsn": {
                         "label": "Store DSN",
                         "description": "Postgres DSN of the store database (stream messages, buffer, backfills)."
-                                       " Empty: the source database above.",
+                        " Empty: the source database above.",
                         "schema": {"type": ["string", "null"], "format": "password"},
                     },
                     "store_schema": {
                         "label": "Store schema",
                         "description": "Schema of the store tables in the store database.",
-                        "schema": {"type": ["string", "null"], "default": "sequin",
-                                   "pattern": "^[A-Za-z_][A-Za-z0-9_$]*$"},
+                        "schema": {
+                            "type": ["string", "null"],
+                            "default": "sequin",
+                            "pattern": "^[A-Za-z_][A-Za-z0-9_$]*$",
+                        },
                     },
                     "config_path": {
                         "label": "Config path",

@@ -64,14 +64,12 @@ def parked_change(source: str | None) -> dict[str, Any] | None:
     message was parked after its filter (its ``source``, if any, is the message before its transform)."""
     if source is None or not source.startswith(CHANGE_SOURCE_PREFIX):
         return None
-    return json.loads(source[len(CHANGE_SOURCE_PREFIX):])  # type: ignore[no-any-return]
+    return json.loads(source[len(CHANGE_SOURCE_PREFIX) :])  # type: ignore[no-any-return]
 
 
 def backoff_seconds(attempts: int, rng: random.Random | None = None) -> float:
     """Delay before attempt ``attempts + 1``: 1 s x 2^(attempts-1), +/-15 % jitter, capped."""
     return exponential_backoff(attempts, BACKOFF_BASE, BACKOFF_CAP, JITTER, rng)
-
-
 
 
 def parked_groups(conn: psycopg.Connection[Any], schema: str, sink: str, groups: Iterable[str]) -> set[str]:
@@ -121,12 +119,15 @@ class RetryReport:
         """One line for logs and the CLI."""
         if self.skipped:
             return f"{self.sink}: skipped ({self.skipped})"
-        return (f"{self.sink}: delivered {self.delivered}, filtered {self.filtered}, failed again {self.failed},"
-                f" discarded {self.discarded}, still parked {self.still_parked}")
+        return (
+            f"{self.sink}: delivered {self.delivered}, filtered {self.filtered}, failed again {self.failed},"
+            f" discarded {self.discarded}, still parked {self.still_parked}"
+        )
 
 
-def retry_sink(config: SequinConfig, sink: SinkConfig, deliver: Deliver,
-               render: Render | None = None, workers: int = 8) -> RetryReport:
+def retry_sink(
+    config: SequinConfig, sink: SinkConfig, deliver: Deliver, render: Render | None = None, workers: int = 8
+) -> RetryReport:
     """Redeliver ``sink``'s due parked messages group by group, in order (one retry run per sink at a
     time); a message dropped by the sink's filter (``Filtered``) lets its group move on."""
     report = RetryReport(sink.name)
@@ -160,17 +161,26 @@ def retry_sink(config: SequinConfig, sink: SinkConfig, deliver: Deliver,
                 deliver(message, data)
             except Filtered:
                 remove_parked(conn, schema, message)
-                log.info("sink %s: parked change %s:%s dropped, the sink's filter no longer takes it", sink.name,
-                         message.commit_lsn, message.commit_idx)
+                log.info(
+                    "sink %s: parked change %s:%s dropped, the sink's filter no longer takes it",
+                    sink.name,
+                    message.commit_lsn,
+                    message.commit_idx,
+                )
                 with lock:
                     report.filtered += 1
                 continue
             except Exception as exc:  # noqa: BLE001 - DeliveryError, FilterFailed, a transform's error
                 attempts = message.attempts + 1
                 give_up = sink.max_retry_count is not None and attempts >= sink.max_retry_count
-                record_parked_failure(conn, schema, message,
-                                      str(exc) if isinstance(exc, (DeliveryError, FilterFailed))
-                                      else f"{type(exc).__name__}: {exc}", give_up, backoff_seconds(attempts))
+                record_parked_failure(
+                    conn,
+                    schema,
+                    message,
+                    str(exc) if isinstance(exc, (DeliveryError, FilterFailed)) else f"{type(exc).__name__}: {exc}",
+                    give_up,
+                    backoff_seconds(attempts),
+                )
                 with lock:
                     if give_up:
                         report.discarded += 1
@@ -186,8 +196,9 @@ def retry_sink(config: SequinConfig, sink: SinkConfig, deliver: Deliver,
                 report.delivered += 1
 
     with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as guard:
-        got = guard.execute("SELECT pg_try_advisory_lock(hashtext('sequin-retry:' || %s || ':' || %s))",
-                            (schema, sink.name)).fetchone()
+        got = guard.execute(
+            "SELECT pg_try_advisory_lock(hashtext('sequin-retry:' || %s || ':' || %s))", (schema, sink.name)
+        ).fetchone()
         if not got or not got[0]:
             report.skipped = "another retry of this sink is running"
             return report
@@ -203,11 +214,16 @@ def retry_sink(config: SequinConfig, sink: SinkConfig, deliver: Deliver,
                     before = report.delivered + report.discarded
                     list(pool.map(retry_group, groups))
                     progressed = report.delivered + report.discarded > before
-                    groups = [g for g in due_parked_groups(guard, schema, sink.name) if g in held] if held and progressed else []
+                    groups = (
+                        [g for g in due_parked_groups(guard, schema, sink.name) if g in held]
+                        if held and progressed
+                        else []
+                    )
             report.still_parked = count_parked(guard, schema, sink.name)
         finally:
-            guard.execute("SELECT pg_advisory_unlock(hashtext('sequin-retry:' || %s || ':' || %s))",
-                          (schema, sink.name))
+            guard.execute(
+                "SELECT pg_advisory_unlock(hashtext('sequin-retry:' || %s || ':' || %s))", (schema, sink.name)
+            )
             for conn in connections:
                 conn.close()
     return report

@@ -45,8 +45,12 @@ def _status(config: SequinConfig) -> list[dict[str, Any]]:
                 info = slot_info(conn, db.slot.name)
             entry.update(slot_exists=info is not None)
             if info:
-                entry.update(active=info.active, lag_bytes=info.lag_bytes, retained_bytes=info.retained_bytes,
-                             confirmed_flush_lsn=int_to_lsn(info.confirmed_flush_lsn or 0))
+                entry.update(
+                    active=info.active,
+                    lag_bytes=info.lag_bytes,
+                    retained_bytes=info.retained_bytes,
+                    confirmed_flush_lsn=int_to_lsn(info.confirmed_flush_lsn or 0),
+                )
         except psycopg.Error as exc:
             entry["error"] = str(exc).strip()
         try:
@@ -54,12 +58,18 @@ def _status(config: SequinConfig) -> list[dict[str, Any]]:
                 if store.schema_version(conn, config.store.schema):
                     rows = [r for r in store.read_status(conn, config.store.schema) if r["database"] == db.name]
                     if rows:
-                        entry["stream"] = {k: (v.isoformat() if hasattr(v, "isoformat") else v) for k, v in rows[0].items()
-                                           if k != "database"}
-                    entry["sinks"] = {sink.name: sink.destination.kind.counts(conn, config.store.schema, sink.name)
-                                      for sink in config.sinks_of(db.name)}  # each kind reports its own
-                    entry["messages"] = {name: counts["total"] for name, counts in entry["sinks"].items()
-                                         if "total" in counts}
+                        entry["stream"] = {
+                            k: (v.isoformat() if hasattr(v, "isoformat") else v)
+                            for k, v in rows[0].items()
+                            if k != "database"
+                        }
+                    entry["sinks"] = {
+                        sink.name: sink.destination.kind.counts(conn, config.store.schema, sink.name)
+                        for sink in config.sinks_of(db.name)
+                    }  # each kind reports its own
+                    entry["messages"] = {
+                        name: counts["total"] for name, counts in entry["sinks"].items() if "total" in counts
+                    }
         except psycopg.Error as exc:
             entry["store_error"] = str(exc).strip()
         out.append(entry)
@@ -82,10 +92,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     for entry in status:
         stream = entry.get("stream") or {}
-        print(f"{entry['database']}: slot {entry['slot']} "
-              f"{'active' if entry.get('active') else 'inactive'}, lag {entry.get('lag_bytes', '?')} bytes, "
-              f"last batch {stream.get('last_batch_id', '-')} at {stream.get('last_batch_at', '-')}, "
-              f"{stream.get('total_rows', 0)} changes processed")
+        print(
+            f"{entry['database']}: slot {entry['slot']} "
+            f"{'active' if entry.get('active') else 'inactive'}, lag {entry.get('lag_bytes', '?')} bytes, "
+            f"last batch {stream.get('last_batch_id', '-')} at {stream.get('last_batch_at', '-')}, "
+            f"{stream.get('total_rows', 0)} changes processed"
+        )
         for sink, counts in sorted((entry.get("sinks") or {}).items()):
             if counts:
                 print(f"  sink {sink}: {_counts_line(counts)}")
@@ -106,7 +118,7 @@ def cmd_messages(args: argparse.Namespace) -> int:
     """Print a sink's stream messages in position order (JSON lines)."""
     config = _config(args)
     with psycopg.connect(config.store_dsn(args.database), connect_timeout=5) as conn:
-        for message in store.stream_messages(conn, config.store.schema, args.sink, visible_only=True)[-args.limit:]:
+        for message in store.stream_messages(conn, config.store.schema, args.sink, visible_only=True)[-args.limit :]:
             print(message.data)
     return 0
 
@@ -122,8 +134,7 @@ def _database_of_sink(config: SequinConfig, sink: str) -> str:
 def _run_backfill(args: argparse.Namespace, backfill_id: int) -> int:
     from sequin_provider.spark.backfill_app import run_backfill_app
 
-    return run_backfill_app(args.config, backfill_id, args.master, args.ranges, args.max_page_rows,
-                            args.window_timeout)
+    return run_backfill_app(args.config, backfill_id, args.master, args.ranges, args.max_page_rows, args.window_timeout)
 
 
 def cmd_backfill_start(args: argparse.Namespace) -> int:
@@ -132,25 +143,45 @@ def cmd_backfill_start(args: argparse.Namespace) -> int:
 
     config = _config(args)
     database = config.database(_database_of_sink(config, args.sink))
-    with psycopg.connect(database.dsn, autocommit=True, connect_timeout=5) as source, \
-            _store_conn(config, database.name) as conn:
+    with (
+        psycopg.connect(database.dsn, autocommit=True, connect_timeout=5) as source,
+        _store_conn(config, database.name) as conn,
+    ):
         store.migrate(conn, config.store.schema)
         conn.commit()
-        backfill = create_backfill(source, conn, config, args.sink, args.table, args.sort_column, args.start_position,
-                                   args.max_query_ms)
-    print(f"backfill {backfill.id}: {backfill.kind} backfill of {backfill.table_schema}.{backfill.table_name} for sink "
-          f"{backfill.sink!r}, about {backfill.rows_initial if backfill.rows_initial is not None else '?'} rows")
+        backfill = create_backfill(
+            source, conn, config, args.sink, args.table, args.sort_column, args.start_position, args.max_query_ms
+        )
+    print(
+        f"backfill {backfill.id}: {backfill.kind} backfill of {backfill.table_schema}.{backfill.table_name} for sink "
+        f"{backfill.sink!r}, about {backfill.rows_initial if backfill.rows_initial is not None else '?'} rows"
+    )
     if args.no_run:
-        print(f"recorded as pending; run it with: sequin backfill run {backfill.id} (or a `sequin backfill serve`"
-              " running for the database takes it)")
+        print(
+            f"recorded as pending; run it with: sequin backfill run {backfill.id} (or a `sequin backfill serve`"
+            " running for the database takes it)"
+        )
         return 0
-    placement = place_backfill(config.store_dsn(database.name), config.store.schema, database.name, backfill.id,
-                               application_name="sequin-backfill-server")
+    placement = place_backfill(
+        config.store_dsn(database.name),
+        config.store.schema,
+        database.name,
+        backfill.id,
+        application_name="sequin-backfill-server",
+    )
     if placement.where == "server" and placement.server is not None:
-        print(f"the backfill server ({placement.holder}) runs it; following it (Ctrl-C stops following, not the"
-              " backfill)", flush=True)
-        final = follow_backfill(config.store_dsn(database.name), config.store.schema, backfill.id, placement.server,
-                                lambda line: print(line, flush=True))
+        print(
+            f"the backfill server ({placement.holder}) runs it; following it (Ctrl-C stops following, not the"
+            " backfill)",
+            flush=True,
+        )
+        final = follow_backfill(
+            config.store_dsn(database.name),
+            config.store.schema,
+            backfill.id,
+            placement.server,
+            lambda line: print(line, flush=True),
+        )
         if final is not None:
             print(f"backfill {final.id}: {progress_line(final)}")
             return 0 if final.state == "completed" else 1
@@ -162,8 +193,15 @@ def cmd_backfill_serve(args: argparse.Namespace) -> int:
     """Keep a backfill server up: each backfill of the database(s) runs as it is recorded, in one Spark app."""
     from sequin_provider.spark.backfill_app import run_backfill_server_app
 
-    return run_backfill_server_app(args.config, args.database, args.master, args.poll_interval, args.ranges,
-                                   args.max_page_rows, args.window_timeout)
+    return run_backfill_server_app(
+        args.config,
+        args.database,
+        args.master,
+        args.poll_interval,
+        args.ranges,
+        args.max_page_rows,
+        args.window_timeout,
+    )
 
 
 def cmd_backfill_run(args: argparse.Namespace) -> int:
@@ -174,8 +212,11 @@ def cmd_backfill_run(args: argparse.Namespace) -> int:
     code = 0
     for db in config.databases:
         with _store_conn(config, db.name) as conn:
-            ids = [b.id for b in store.list_backfills(conn, config.store.schema)
-                   if b.state in store.ACTIVE_BACKFILL_STATES and _database_of_sink(config, b.sink) == db.name]
+            ids = [
+                b.id
+                for b in store.list_backfills(conn, config.store.schema)
+                if b.state in store.ACTIVE_BACKFILL_STATES and _database_of_sink(config, b.sink) == db.name
+            ]
         for backfill_id in sorted(ids):
             code = max(code, _run_backfill(args, backfill_id))
     return code
@@ -206,9 +247,11 @@ def cmd_backfill_status(args: argparse.Namespace) -> int:
         print(json.dumps([b.__dict__ for b in out], indent=2, default=str))
         return 0
     for b in out:
-        print(f"backfill {b.id} [{b.sink} {b.table_schema}.{b.table_name} {b.kind}"
-              f"{' from ' + b.sort_column + ' >= ' + repr(b.start_position) if b.sort_column else ''}]: {progress_line(b)}"
-              f"{'; requested by ' + b.requested_by if b.requested_by else ''}")
+        print(
+            f"backfill {b.id} [{b.sink} {b.table_schema}.{b.table_name} {b.kind}"
+            f"{' from ' + b.sort_column + ' >= ' + repr(b.start_position) if b.sort_column else ''}]: {progress_line(b)}"
+            f"{'; requested by ' + b.requested_by if b.requested_by else ''}"
+        )
     return 0
 
 
@@ -278,8 +321,11 @@ def cmd_api(args: argparse.Namespace) -> int:
         with psycopg.connect(config.store_dsn(db.name), connect_timeout=5) as conn:
             store.migrate(conn, config.store.schema)
     streams = [s.name for s in config.sinks if s.destination.kind.stored]
-    print(f"serving Sequin Streams {', '.join(streams) or '(none configured)'} on http://{args.host}:{args.port}"
-          f" (OpenAPI: /docs)", file=sys.stderr)
+    print(
+        f"serving Sequin Streams {', '.join(streams) or '(none configured)'} on http://{args.host}:{args.port}"
+        f" (OpenAPI: /docs)",
+        file=sys.stderr,
+    )
     serve(config, args.host, args.port, args.log_level)
     return 0
 
@@ -307,15 +353,26 @@ def cmd_buffer_list(args: argparse.Namespace) -> int:
                 continue
             for m in store.list_buffered(conn, config.store.schema, args.sink, args.state):
                 if _database_of_sink_or_none(config, m.sink) in (db.name, None):
-                    out.append({"sink": m.sink, "commit_lsn": m.commit_lsn, "commit_idx": m.commit_idx,
-                                "group": m.group_id, "state": m.state, "attempts": m.attempts,
-                                "next_attempt_at": m.next_attempt_at.isoformat(), "error": m.last_error})
+                    out.append(
+                        {
+                            "sink": m.sink,
+                            "commit_lsn": m.commit_lsn,
+                            "commit_idx": m.commit_idx,
+                            "group": m.group_id,
+                            "state": m.state,
+                            "attempts": m.attempts,
+                            "next_attempt_at": m.next_attempt_at.isoformat(),
+                            "error": m.last_error,
+                        }
+                    )
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         for m in out:
-            print(f"{m['sink']}\t{int_to_lsn(m['commit_lsn'])}:{m['commit_idx']}\t{m['group']}\t{m['state']}"
-                  f"\tattempts {m['attempts']}\tnext {m['next_attempt_at']}\t{m['error']}")
+            print(
+                f"{m['sink']}\t{int_to_lsn(m['commit_lsn'])}:{m['commit_idx']}\t{m['group']}\t{m['state']}"
+                f"\tattempts {m['attempts']}\tnext {m['next_attempt_at']}\t{m['error']}"
+            )
         print(f"{len(out)} buffered messages", file=sys.stderr)
     return 0
 
@@ -351,10 +408,16 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     from sequin_provider.backfill.reader import DEFAULT_MAX_PAGE_ROWS, DEFAULT_WINDOW_TIMEOUT
 
     p.add_argument("--master", default=None, help="Spark master (default: local[2], or SEQUIN_SPARK_MASTER)")
-    p.add_argument("--ranges", type=int, default=None, help="key ranges read in parallel (default: Spark's parallelism)")
+    p.add_argument(
+        "--ranges", type=int, default=None, help="key ranges read in parallel (default: Spark's parallelism)"
+    )
     p.add_argument("--max-page-rows", type=int, default=DEFAULT_MAX_PAGE_ROWS)
-    p.add_argument("--window-timeout", type=float, default=DEFAULT_WINDOW_TIMEOUT,
-                   help="seconds to wait for the stream app to take a page before failing")
+    p.add_argument(
+        "--window-timeout",
+        type=float,
+        default=DEFAULT_WINDOW_TIMEOUT,
+        help="seconds to wait for the stream app to take a page before failing",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -384,7 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=cmd_api)
     buf = sub.add_parser("buffer", help="retry, list, discard and requeue parked messages").add_subparsers(
-        dest="buffer_command", required=True)
+        dest="buffer_command", required=True
+    )
     p = buf.add_parser("retry", help="redeliver due parked messages, group by group in order")
     p.add_argument("--sink", default=None)
     p.set_defaults(func=cmd_buffer_retry)
@@ -393,14 +457,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state", choices=["parked", "discarded"], default=None)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_buffer_list)
-    for name, func, what in (("discard", cmd_buffer_discard, "give up a sink's parked messages (kept as discarded)"),
-                             ("requeue", cmd_buffer_requeue, "put a sink's discarded messages back in line")):
+    for name, func, what in (
+        ("discard", cmd_buffer_discard, "give up a sink's parked messages (kept as discarded)"),
+        ("requeue", cmd_buffer_requeue, "put a sink's discarded messages back in line"),
+    ):
         p = buf.add_parser(name, help=what)
         p.add_argument("sink")
         p.add_argument("--group", default=None, help="only this group")
         p.set_defaults(func=func)
     token = sub.add_parser("token", help="create, revoke and list API tokens").add_subparsers(
-        dest="token_command", required=True)
+        dest="token_command", required=True
+    )
     p = token.add_parser("create", help="create a token and print it (shown once)")
     p.add_argument("name")
     p.set_defaults(func=cmd_token_create)
@@ -410,7 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = token.add_parser("list", help="list tokens")
     p.set_defaults(func=cmd_token_list)
     backfill = sub.add_parser("backfill", help="start, run, watch and cancel backfills").add_subparsers(
-        dest="backfill_command", required=True)
+        dest="backfill_command", required=True
+    )
     p = backfill.add_parser("start", help="record a backfill of a sink's table and run it (Spark)")
     p.add_argument("sink")
     p.add_argument("table")
@@ -428,8 +496,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = backfill.add_parser("serve", help="stay up and run each backfill as it is recorded (one Spark app for all)")
     p.add_argument("--database", default=None, help="only this database's backfills (default: every database)")
-    p.add_argument("--poll-interval", type=float, default=SERVE_POLL_INTERVAL,
-                   help="seconds between looks for new backfills")
+    p.add_argument(
+        "--poll-interval", type=float, default=SERVE_POLL_INTERVAL, help="seconds between looks for new backfills"
+    )
     _add_run_options(p)
     p.set_defaults(func=cmd_backfill_serve)
     p = backfill.add_parser("status", help="progress of backfills")

@@ -279,14 +279,16 @@ def dsn_from_airflow_conn(conn_id: str, environ: dict[str, str] | None = None) -
         return f"postgresql://{auth}{host}{port}/{data.get('schema') or 'postgres'}"
     for prefix in ("postgres://", "postgresql://", "sequin://"):
         if raw.startswith(prefix):
-            return "postgresql://" + raw[len(prefix):]
+            return "postgresql://" + raw[len(prefix) :]
     return raw
 
 
 class _Reader:
     """Walks the YAML tree, producing typed values or a ConfigError with the key path."""
 
-    def __init__(self, source: str, environ: dict[str, str] | None, resolve_conn_id: ConnResolver | None = None) -> None:
+    def __init__(
+        self, source: str, environ: dict[str, str] | None, resolve_conn_id: ConnResolver | None = None
+    ) -> None:
         self.source = source
         self.environ = environ
         self.resolve_conn_id = resolve_conn_id or (lambda conn_id: dsn_from_airflow_conn(conn_id, environ))
@@ -352,7 +354,9 @@ class _Reader:
             try:
                 return self.resolve_conn_id(conn_id), conn_id
             except KeyError as exc:
-                raise self.fail(f"{path}.conn_id", f"connection {conn_id!r} not found: set {exc.args[0]} or use dsn") from None
+                raise self.fail(
+                    f"{path}.conn_id", f"connection {conn_id!r} not found: set {exc.args[0]} or use dsn"
+                ) from None
             except LookupError as exc:
                 raise self.fail(f"{path}.conn_id", f"connection {conn_id!r} not found: {exc}") from None
             except json.JSONDecodeError as exc:
@@ -380,8 +384,9 @@ def _parse_table(r: _Reader, value: Any, path: str) -> TableConfig:
 def _parse_destination(r: _Reader, value: Any, path: str) -> DestinationConfig:
     """``destination:``: its ``type`` picks a registered kind, which validates the other keys."""
     if not isinstance(value, dict) or "type" not in value:
-        raise r.fail(f"{path}.type" if isinstance(value, dict) else path,
-                     f"is required ({' | '.join(registry.names())})")
+        raise r.fail(
+            f"{path}.type" if isinstance(value, dict) else path, f"is required ({' | '.join(registry.names())})"
+        )
     name = r.string(value["type"], f"{path}.type")
     try:
         kind = registry.kind(name)
@@ -391,8 +396,21 @@ def _parse_destination(r: _Reader, value: Any, path: str) -> DestinationConfig:
 
 
 def _parse_sink(r: _Reader, value: Any, path: str, databases: set[str]) -> SinkConfig:
-    allowed = {"name", "database", "tables", "table", "actions", "filter", "transform", "message_grouping",
-               "message_kind", "max_retry_count", "initial_backfill", "destination", "truncate"}
+    allowed = {
+        "name",
+        "database",
+        "tables",
+        "table",
+        "actions",
+        "filter",
+        "transform",
+        "message_grouping",
+        "message_kind",
+        "max_retry_count",
+        "initial_backfill",
+        "destination",
+        "truncate",
+    }
     item = r.mapping(value, path, allowed, {"name", "destination"})
     name = r.identifier(item["name"], f"{path}.name")
     database = r.string(item["database"], f"{path}.database") if item.get("database") is not None else None
@@ -437,13 +455,16 @@ def _parse_sink(r: _Reader, value: Any, path: str, databases: set[str]) -> SinkC
         message_grouping=r.boolean(item.get("message_grouping", True), f"{path}.message_grouping"),
         message_kind=kind,
         max_retry_count=None if retry is None else r.integer(retry, f"{path}.max_retry_count", 0),
-        initial_backfill=_parse_initial_backfill(r, item.get("initial_backfill", False), f"{path}.initial_backfill",
-                                                 tables),
+        initial_backfill=_parse_initial_backfill(
+            r, item.get("initial_backfill", False), f"{path}.initial_backfill", tables
+        ),
         truncate=truncate,
     )
 
 
-def _parse_initial_backfill(r: _Reader, value: Any, path: str, tables: tuple[TableConfig, ...]) -> tuple[InitialBackfill, ...]:
+def _parse_initial_backfill(
+    r: _Reader, value: Any, path: str, tables: tuple[TableConfig, ...]
+) -> tuple[InitialBackfill, ...]:
     """``true`` (every table, whole), or one or a list of ``{table, sort_column, start_position, max_query_ms}``."""
     if value is None or value is False:
         return ()
@@ -466,13 +487,23 @@ def _parse_initial_backfill(r: _Reader, value: Any, path: str, tables: tuple[Tab
             raise r.fail(where, "a partial backfill needs both sort_column and start_position")
         if start is not None and not isinstance(start, (str, int, float)) or isinstance(start, bool):
             raise r.fail(f"{where}.start_position", "expected a value of the sort column (string or number)")
-        out.append(InitialBackfill(qualified, sort_column, None if start is None else str(start),
-                                   r.integer(item.get("max_query_ms", 5000), f"{where}.max_query_ms", 1, 600_000)))
+        out.append(
+            InitialBackfill(
+                qualified,
+                sort_column,
+                None if start is None else str(start),
+                r.integer(item.get("max_query_ms", 5000), f"{where}.max_query_ms", 1, 600_000),
+            )
+        )
     return tuple(out)
 
 
-def parse_config(data: Any, source: str = DEFAULT_CONFIG_PATH, environ: dict[str, str] | None = None,
-                 resolve_conn_id: ConnResolver | None = None) -> SequinConfig:
+def parse_config(
+    data: Any,
+    source: str = DEFAULT_CONFIG_PATH,
+    environ: dict[str, str] | None = None,
+    resolve_conn_id: ConnResolver | None = None,
+) -> SequinConfig:
     """Validate a parsed YAML document and return the typed config; ``conn_id``s are resolved by
     ``resolve_conn_id`` (default: ``AIRFLOW_CONN_<ID>`` of ``environ``)."""
     r = _Reader(source, environ, resolve_conn_id)
@@ -489,24 +520,30 @@ def parse_config(data: Any, source: str = DEFAULT_CONFIG_PATH, environ: dict[str
             raise r.fail(p, "needs dsn or conn_id")
         slot = r.mapping(item.get("slot") or {}, f"{p}.slot", {"name", "create_if_not_exists"})
         pub = r.mapping(item.get("publication") or {}, f"{p}.publication", {"name", "create_if_not_exists"})
-        databases.append(DatabaseConfig(
-            name=r.identifier(item["name"], f"{p}.name"),
-            dsn=dsn,
-            slot=SlotConfig(r.identifier(slot.get("name", "sequin_slot"), f"{p}.slot.name"),
-                            r.boolean(slot.get("create_if_not_exists", True), f"{p}.slot.create_if_not_exists")),
-            publication=PublicationConfig(
-                r.identifier(pub.get("name", "sequin_pub"), f"{p}.publication.name"),
-                r.boolean(pub.get("create_if_not_exists", True), f"{p}.publication.create_if_not_exists")),
-            heartbeat_interval=r.duration(item.get("heartbeat_interval", "15s"), f"{p}.heartbeat_interval"),
-            conn_id=conn_id,
-        ))
+        databases.append(
+            DatabaseConfig(
+                name=r.identifier(item["name"], f"{p}.name"),
+                dsn=dsn,
+                slot=SlotConfig(
+                    r.identifier(slot.get("name", "sequin_slot"), f"{p}.slot.name"),
+                    r.boolean(slot.get("create_if_not_exists", True), f"{p}.slot.create_if_not_exists"),
+                ),
+                publication=PublicationConfig(
+                    r.identifier(pub.get("name", "sequin_pub"), f"{p}.publication.name"),
+                    r.boolean(pub.get("create_if_not_exists", True), f"{p}.publication.create_if_not_exists"),
+                ),
+                heartbeat_interval=r.duration(item.get("heartbeat_interval", "15s"), f"{p}.heartbeat_interval"),
+                conn_id=conn_id,
+            )
+        )
     names = [d.name for d in databases]
     if len(set(names)) != len(names):
         raise r.fail("databases", "database names must be unique")
     store_raw = r.mapping(top.get("store") or {}, "store", {"dsn", "conn_id", "schema"})
     store_dsn, store_conn_id = r.connection(store_raw, "store")
-    store = StoreConfig(dsn=store_dsn, schema=r.identifier(store_raw.get("schema", "sequin"), "store.schema"),
-                        conn_id=store_conn_id)
+    store = StoreConfig(
+        dsn=store_dsn, schema=r.identifier(store_raw.get("schema", "sequin"), "store.schema"), conn_id=store_conn_id
+    )
     raw_sinks = top.get("sinks") or []
     if not isinstance(raw_sinks, list):
         raise r.fail("sinks", "expected a list")
@@ -514,26 +551,45 @@ def parse_config(data: Any, source: str = DEFAULT_CONFIG_PATH, environ: dict[str
     sink_names = [s.name for s in sinks]
     if len(set(sink_names)) != len(sink_names):
         raise r.fail("sinks", "sink names must be unique")
-    stream_raw = r.mapping(top.get("stream") or {}, "stream",
-                           {"checkpoint_location", "spool_location", "max_batch_rows", "max_batch_bytes",
-                            "max_batch_wait", "store_retry_timeout"})
+    stream_raw = r.mapping(
+        top.get("stream") or {},
+        "stream",
+        {
+            "checkpoint_location",
+            "spool_location",
+            "max_batch_rows",
+            "max_batch_bytes",
+            "max_batch_wait",
+            "store_retry_timeout",
+        },
+    )
     defaults = StreamConfig()
     stream = StreamConfig(
-        checkpoint_location=r.string(stream_raw.get("checkpoint_location", defaults.checkpoint_location),
-                                     "stream.checkpoint_location"),
-        spool_location=(r.string(stream_raw["spool_location"], "stream.spool_location")
-                        if stream_raw.get("spool_location") is not None else None),
+        checkpoint_location=r.string(
+            stream_raw.get("checkpoint_location", defaults.checkpoint_location), "stream.checkpoint_location"
+        ),
+        spool_location=(
+            r.string(stream_raw["spool_location"], "stream.spool_location")
+            if stream_raw.get("spool_location") is not None
+            else None
+        ),
         max_batch_rows=r.integer(stream_raw.get("max_batch_rows", defaults.max_batch_rows), "stream.max_batch_rows", 1),
-        max_batch_bytes=r.integer(stream_raw.get("max_batch_bytes", defaults.max_batch_bytes), "stream.max_batch_bytes", 1024),
+        max_batch_bytes=r.integer(
+            stream_raw.get("max_batch_bytes", defaults.max_batch_bytes), "stream.max_batch_bytes", 1024
+        ),
         max_batch_wait=r.duration(stream_raw.get("max_batch_wait", defaults.max_batch_wait), "stream.max_batch_wait"),
-        store_retry_timeout=r.duration(stream_raw.get("store_retry_timeout", defaults.store_retry_timeout),
-                                       "stream.store_retry_timeout"),
+        store_retry_timeout=r.duration(
+            stream_raw.get("store_retry_timeout", defaults.store_retry_timeout), "stream.store_retry_timeout"
+        ),
     )
     return SequinConfig(databases=tuple(databases), sinks=sinks, store=store, stream=stream, source=source)
 
 
-def load_config(path: str | os.PathLike[str] | None = None, environ: dict[str, str] | None = None,
-                resolve_conn_id: ConnResolver | None = None) -> SequinConfig:
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    environ: dict[str, str] | None = None,
+    resolve_conn_id: ConnResolver | None = None,
+) -> SequinConfig:
     """Read and validate the config file (``SEQUIN_CONFIG`` or ``./sequin.yaml`` by default);
     ``conn_id``s are resolved by ``resolve_conn_id`` (default: ``AIRFLOW_CONN_<ID>`` of ``environ``)."""
     env = os.environ if environ is None else environ
@@ -550,4 +606,3 @@ def load_config(path: str | os.PathLike[str] | None = None, environ: dict[str, s
     if data is None:
         raise ConfigError(source, "", "the file is empty")
     return parse_config(data, source, environ, resolve_conn_id)
-

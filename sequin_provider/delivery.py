@@ -54,8 +54,10 @@ def selection_predicate(sink: SinkConfig, with_filter: bool = True) -> str:
     over Arrow columns."""
     actions = selected_actions(sink)
     tables = " OR ".join(_table_match(t.schema, t.name) for t in sink.tables)
-    predicate = (f"({tables}) AND (action IN ({', '.join(sql_string(a) for a in actions) or 'NULL'})"
-                 f" OR (action = 'read' AND backfill_sink = {sql_string(sink.name)}))")
+    predicate = (
+        f"({tables}) AND (action IN ({', '.join(sql_string(a) for a in actions) or 'NULL'})"
+        f" OR (action = 'read' AND backfill_sink = {sql_string(sink.name)}))"
+    )
     if sink.filter and with_filter:
         predicate += f" AND coalesce(({sink.filter}), false)"
     return predicate
@@ -75,8 +77,10 @@ def group_expression(sink: SinkConfig) -> str:
         return default_group_sql()
     cases = " ".join(
         f"WHEN {_table_match(t.schema, t.name)} THEN concat({sql_string(t.qualified + ':')}, to_json(array("
-        + ", ".join(f"record[{sql_string(c)}]" for c in t.group_column_names) + ")))"
-        for t in custom)
+        + ", ".join(f"record[{sql_string(c)}]" for c in t.group_column_names)
+        + ")))"
+        for t in custom
+    )
     return f"CASE {cases} ELSE {default_group_sql()} END"
 
 
@@ -162,8 +166,9 @@ def apply_transform(sink: SinkConfig, transform: Transform, message: str) -> str
     try:
         return exact_dumps(transform(json.loads(message, parse_float=Decimal)))
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code (sys.exit in a transform must not kill the worker)
-        raise TransformError(f"transform {sink.transform!r} of sink {sink.name!r} failed: "
-                             f"{type(exc).__name__}: {exc}") from exc
+        raise TransformError(
+            f"transform {sink.transform!r} of sink {sink.name!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,9 +204,19 @@ class Outgoing:
     def park_row(self, sink: str, i: int, attempts: int, error: str) -> ParkRow:
         """Message ``i`` as a row of the buffer."""
         source = self.failed[i][0] if i in self.failed else None
-        return ParkRow(sink, self.commit_lsn[i], self.commit_idx[i], self.group_id[i], self.idempotency_key[i],
-                       self.data[i], source, attempts, error, backoff_seconds(attempts) if attempts else 0.0,
-                       self.barriers.get(i))
+        return ParkRow(
+            sink,
+            self.commit_lsn[i],
+            self.commit_idx[i],
+            self.group_id[i],
+            self.idempotency_key[i],
+            self.data[i],
+            source,
+            attempts,
+            error,
+            backoff_seconds(attempts) if attempts else 0.0,
+            self.barriers.get(i),
+        )
 
 
 @dataclass
@@ -212,9 +227,16 @@ class PushResult:
     parked: list[ParkRow] = field(default_factory=list)
 
 
-def push_in_group_order(sink: str, messages: Outgoing, send: Callable[[list[str]], None], batch_size: int,
-                        lanes: int, parked_groups: set[str] | Mapping[str, tuple[int, int]],
-                        barred: Collection[str] = (), held: Collection[str] = ()) -> PushResult:
+def push_in_group_order(
+    sink: str,
+    messages: Outgoing,
+    send: Callable[[list[str]], None],
+    batch_size: int,
+    lanes: int,
+    parked_groups: set[str] | Mapping[str, tuple[int, int]],
+    barred: Collection[str] = (),
+    held: Collection[str] = (),
+) -> PushResult:
     """Deliver ``messages`` (in position order) through ``send``, in order within each group.
 
     Groups are spread over ``lanes`` that send concurrently; each lane sends its messages in
@@ -246,8 +268,16 @@ HELD_WHOLE = (-1, -1)
 """The head of a group held whole: every message of it is after this position."""
 
 
-def _send_lanes(sink: str, messages: Outgoing, indices: Iterable[int], send: Callable[[list[str]], None],
-                batch_size: int, lanes: int, heads: Mapping[str, tuple[int, int]], result: PushResult) -> None:
+def _send_lanes(
+    sink: str,
+    messages: Outgoing,
+    indices: Iterable[int],
+    send: Callable[[list[str]], None],
+    batch_size: int,
+    lanes: int,
+    heads: Mapping[str, tuple[int, int]],
+    result: PushResult,
+) -> None:
     """``push_in_group_order`` for the messages at ``indices`` (in position order), none of them a truncate."""
     lock = threading.Lock()
     groups, data, failed = messages.group_id, messages.data, messages.failed
@@ -313,9 +343,17 @@ def _send_lanes(sink: str, messages: Outgoing, indices: Iterable[int], send: Cal
             list(pool.map(run_lane, by_lane.values()))
 
 
-def _send_through_barriers(sink: str, messages: Outgoing, send: Callable[[list[str]], None], batch_size: int,
-                           lanes: int, heads: dict[str, tuple[int, int]], barred: set[str], held: set[str],
-                           result: PushResult) -> None:
+def _send_through_barriers(
+    sink: str,
+    messages: Outgoing,
+    send: Callable[[list[str]], None],
+    batch_size: int,
+    lanes: int,
+    heads: dict[str, tuple[int, int]],
+    barred: set[str],
+    held: set[str],
+    result: PushResult,
+) -> None:
     """``push_in_group_order`` of a batch with truncates, or behind a parked one: the messages
     between two truncates go as usual (``_send_lanes``), each truncate alone in between. Rare, so
     plain: a group id names its table by its prefix (``schema.table:``; "" for a sink that does
@@ -338,8 +376,9 @@ def _send_through_barriers(sink: str, messages: Outgoing, send: Callable[[list[s
                 segment.append(i)
             continue
         flush_segment()  # everything before the truncate is delivered or parked
-        if (barrier in barred or barrier in held or groups[i] in heads
-                or any(g.startswith(barrier) for g in heads)):  # a message of its table parked: wait behind it
+        if (
+            barrier in barred or barrier in held or groups[i] in heads or any(g.startswith(barrier) for g in heads)
+        ):  # a message of its table parked: wait behind it
             result.parked.append(messages.park_row(sink, i, 0, BARRIER_ERROR))
         elif i in messages.failed:
             result.parked.append(messages.park_row(sink, i, 1, messages.failed[i][1]))

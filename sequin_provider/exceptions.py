@@ -40,7 +40,9 @@ class UnknownSinkError(ConfigError):
 
     def __init__(self, source: str, name: str, configured: Sequence[str]) -> None:
         self.name, self.configured = name, tuple(configured)
-        super().__init__(source, "sinks", f"unknown sink {name!r} (configured sinks: {', '.join(configured) or 'none'})")
+        super().__init__(
+            source, "sinks", f"unknown sink {name!r} (configured sinks: {', '.join(configured) or 'none'})"
+        )
 
 
 class StoreError(SequinError):

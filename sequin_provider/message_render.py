@@ -75,18 +75,25 @@ class SinkRendering:
     @classmethod
     def of(cls, sink: SinkConfig, database_name: str) -> SinkRendering:
         """The rendering of ``sink`` (kind before any Python transform), for changes of ``database_name``."""
-        return cls(sink.name, message_kind(sink), sink.message_grouping,
-                   tuple(f"{t.schema}\0{t.name}" for t in sink.tables),
-                   tuple(metadata_head(t.schema, t.name) for t in sink.tables),
-                   metadata_tail(sink.consumer_id, sink.name, database_name), tuple(selected_actions(sink)))
+        return cls(
+            sink.name,
+            message_kind(sink),
+            sink.message_grouping,
+            tuple(f"{t.schema}\0{t.name}" for t in sink.tables),
+            tuple(metadata_head(t.schema, t.name) for t in sink.tables),
+            metadata_tail(sink.consumer_id, sink.name, database_name),
+            tuple(selected_actions(sink)),
+        )
 
 
 def selection(batch: pa.RecordBatch, sink: SinkRendering) -> pa.BooleanArray:
     """Which change rows of ``batch`` the sink takes: its tables, its actions and its own backfills'
     reads, as ``delivery.selection_predicate`` says for a sink without a filter (a sink with one is
     selected by Spark SQL). Never null."""
-    tables = pc.is_in(pc.binary_join_element_wise(batch.column("table_schema"), batch.column("table_name"), "\0"),
-                      value_set=pa.array(sink.tables, pa.string()))
+    tables = pc.is_in(
+        pc.binary_join_element_wise(batch.column("table_schema"), batch.column("table_name"), "\0"),
+        value_set=pa.array(sink.tables, pa.string()),
+    )
     action = batch.column("action")
     taken = pc.is_in(action, value_set=pa.array(sink.actions, pa.string()))
     own_read = pc.and_kleene(pc.equal(action, "read"), pc.equal(batch.column("backfill_sink"), sink.name))
@@ -108,15 +115,17 @@ class RenderedRows:
         return len(self.commit_lsn)
 
 
-def group_ids(batch: pa.RecordBatch, sink: SinkRendering, position: pa.Array | None = None,
-              pks: pa.Array | None = None) -> pa.Array:
+def group_ids(
+    batch: pa.RecordBatch, sink: SinkRendering, position: pa.Array | None = None, pks: pa.Array | None = None
+) -> pa.Array:
     """The default group id of each change row (``delivery.default_group_sql``): its table and
     primary key, or its position ("lsn:idx") when the sink does not group. ``position`` and
     ``pks`` (the JSON arrays of ``record_pks``) are reused when the caller has them."""
     if not sink.grouped:
         if position is None:
-            position = pc.binary_join_element_wise(pc.cast(batch.column("commit_lsn"), pa.string()),
-                                                   pc.cast(batch.column("commit_idx"), pa.string()), ":")
+            position = pc.binary_join_element_wise(
+                pc.cast(batch.column("commit_lsn"), pa.string()), pc.cast(batch.column("commit_idx"), pa.string()), ":"
+            )
         return position
     if pks is None:
         pks = json_string_arrays(batch.column("record_pks"))
@@ -133,8 +142,11 @@ def truncate_barriers(batch: pa.RecordBatch, sink: SinkRendering) -> pa.Array | 
     truncate = pc.fill_null(pc.equal(batch.column("action"), "truncate"), False)
     if not pc.any(truncate).as_py():
         return None
-    prefix = (pc.binary_join_element_wise(batch.column("table_schema"), ".", batch.column("table_name"), ":", "")
-              if sink.grouped else pa.array([""] * len(batch), pa.string()))
+    prefix = (
+        pc.binary_join_element_wise(batch.column("table_schema"), ".", batch.column("table_name"), ":", "")
+        if sink.grouped
+        else pa.array([""] * len(batch), pa.string())
+    )
     return pc.if_else(truncate, prefix, pa.scalar(None, pa.string()))
 
 
@@ -163,20 +175,45 @@ def render(batch: pa.RecordBatch, sink: SinkRendering, group: pa.Array | None = 
     if sink.kind == "record_only":
         data = record
     else:
-        which = pc.index_in(pc.binary_join_element_wise(schema_, table, "\0"), value_set=pa.array(sink.tables, pa.string()))
+        which = pc.index_in(
+            pc.binary_join_element_wise(schema_, table, "\0"), value_set=pa.array(sink.tables, pa.string())
+        )
         head = pc.take(pa.array(sink.heads, pa.string()), which)
         toast = batch.column("unchanged_toast")
         has_toast = pc.fill_null(pc.greater(pc.list_value_length(toast), 0), False)
-        toast_part = pc.if_else(has_toast, pc.binary_join_element_wise(',"unchanged_toast_columns":',
-                                                                         json_string_arrays(toast), ""), "")
-        metadata = [head, ',"commit_timestamp":"', batch.column("commit_timestamp"), '","commit_lsn":', lsn_text,
-                    ',"commit_idx":', idx_text, ',"idempotency_key":', key_json, ',"record_pks":', pks, sink.tail,
-                    toast_part, "}"]
+        toast_part = pc.if_else(
+            has_toast, pc.binary_join_element_wise(',"unchanged_toast_columns":', json_string_arrays(toast), ""), ""
+        )
+        metadata = [
+            head,
+            ',"commit_timestamp":"',
+            batch.column("commit_timestamp"),
+            '","commit_lsn":',
+            lsn_text,
+            ',"commit_idx":',
+            idx_text,
+            ',"idempotency_key":',
+            key_json,
+            ',"record_pks":',
+            pks,
+            sink.tail,
+            toast_part,
+            "}",
+        ]
         if sink.kind == "record":
             parts = ['{"record":', record, ',"metadata":', *metadata, "}"]
         else:
-            parts = ['{"record":', record, ',"changes":', pc.fill_null(batch.column("changes"), "null"),
-                     ',"action":"', batch.column("action"), '","metadata":', *metadata, "}"]
+            parts = [
+                '{"record":',
+                record,
+                ',"changes":',
+                pc.fill_null(batch.column("changes"), "null"),
+                ',"action":"',
+                batch.column("action"),
+                '","metadata":',
+                *metadata,
+                "}",
+            ]
         data = pc.binary_join_element_wise(*parts, "")
     return RenderedRows(lsn, idx, group, key, data, truncate_barriers(batch, sink))
 
@@ -185,11 +222,20 @@ def outgoing(rows: RenderedRows, sink: SinkConfig, transform: Transform | None) 
     """A sink's rendered messages as ``delivery.Outgoing``, transformed (the path of a push sink,
     and of a stored sink with a transform or parked groups); a transform that raises marks its
     message instead of failing the batch."""
-    out = Outgoing(rows.commit_lsn.to_pylist(), rows.commit_idx.to_pylist(), rows.group_id.to_pylist(),
-                   rows.idempotency_key.to_pylist(), rows.data.to_pylist())
+    out = Outgoing(
+        rows.commit_lsn.to_pylist(),
+        rows.commit_idx.to_pylist(),
+        rows.group_id.to_pylist(),
+        rows.idempotency_key.to_pylist(),
+        rows.data.to_pylist(),
+    )
     if rows.barrier is not None:  # truncates
-        out.barriers.update((int(i), b) for i, b in zip(pc.indices_nonzero(pc.is_valid(rows.barrier)).to_pylist(),
-                                                         pc.drop_null(rows.barrier).to_pylist()))
+        out.barriers.update(
+            (int(i), b)
+            for i, b in zip(
+                pc.indices_nonzero(pc.is_valid(rows.barrier)).to_pylist(), pc.drop_null(rows.barrier).to_pylist()
+            )
+        )
     if transform is not None:
         for i, data in enumerate(out.data):
             try:
@@ -220,8 +266,10 @@ def _fixed(values: pa.Array, dtype: str, size: int) -> pa.Array:
     fields = np.empty((len(values), 4 + size), dtype=np.uint8)
     fields[:, :4] = header
     fields[:, 4:] = numbers.view(np.uint8).reshape(len(values), size)
-    return pc.cast(pa.FixedSizeBinaryArray.from_buffers(pa.binary(4 + size), len(values),
-                                                        [None, pa.py_buffer(fields.tobytes())]), pa.binary())
+    return pc.cast(
+        pa.FixedSizeBinaryArray.from_buffers(pa.binary(4 + size), len(values), [None, pa.py_buffer(fields.tobytes())]),
+        pa.binary(),
+    )
 
 
 def _copy_field(field: bytes | pa.Array | pa.ChunkedArray) -> bytes | pa.Array:
@@ -232,8 +280,12 @@ def _copy_field(field: bytes | pa.Array | pa.ChunkedArray) -> bytes | pa.Array:
     array = field.combine_chunks() if isinstance(field, pa.ChunkedArray) else field
     if pa.types.is_large_string(array.type) or pa.types.is_large_binary(array.type):
         return array.cast(pa.binary())
-    if not (pa.types.is_int64(array.type) or pa.types.is_int32(array.type) or pa.types.is_string(array.type)
-            or pa.types.is_binary(array.type)):
+    if not (
+        pa.types.is_int64(array.type)
+        or pa.types.is_int32(array.type)
+        or pa.types.is_string(array.type)
+        or pa.types.is_binary(array.type)
+    ):
         raise TypeError(f"a COPY binary column of type {array.type}: int64, int32, string or binary")
     return array
 
@@ -266,8 +318,16 @@ def copy_binary_rows(fields: Sequence[bytes | pa.Array], compiled: bool = COMPIL
                 buffers = a.buffers()
                 specs.append((3, buffers[1], buffers[2] or b"", a.offset))
         return pa.py_buffer(hot_path.copy_binary_rows(n, specs))
-    parts = [a if isinstance(a, bytes) else _fixed(a, ">i8", 8) if pa.types.is_int64(a.type)
-             else _fixed(a, ">i4", 4) if pa.types.is_int32(a.type) else _length_prefixed(a) for a in arrays]
+    parts = [
+        a
+        if isinstance(a, bytes)
+        else _fixed(a, ">i8", 8)
+        if pa.types.is_int64(a.type)
+        else _fixed(a, ">i4", 4)
+        if pa.types.is_int32(a.type)
+        else _length_prefixed(a)
+        for a in arrays
+    ]
     tuples = pc.binary_join_element_wise(*parts, b"")
     joined = pc.binary_join(pa.ListArray.from_arrays(pa.array([0, len(tuples)], pa.int32()), tuples), b"")
     return joined[0].as_buffer()
@@ -292,23 +352,50 @@ def stream_rows_copy_binary(sink_name: str, rows: RenderedRows) -> pa.Buffer:
     truncates = b""
     if rows.barrier is not None and rows.barrier.null_count < len(rows.barrier):
         is_truncate = pc.is_valid(rows.barrier)
-        truncates = b"".join(copy_binary_tuple((sink_name, *row)) for row in zip(
-            *(pc.filter(c, is_truncate).to_pylist() for c in (*_columns(rows), rows.barrier))))
+        truncates = b"".join(
+            copy_binary_tuple((sink_name, *row))
+            for row in zip(*(pc.filter(c, is_truncate).to_pylist() for c in (*_columns(rows), rows.barrier)))
+        )
         rows = RenderedRows(*(pc.filter(c, pc.invert(is_truncate)) for c in _columns(rows)))
-    tuples = copy_binary_rows([_FIELDS_7 + struct.pack("!i", len(name)) + name, rows.commit_lsn, rows.commit_idx,
-                               rows.group_id, rows.idempotency_key, rows.data, _NULL_FIELD])
+    tuples = copy_binary_rows(
+        [
+            _FIELDS_7 + struct.pack("!i", len(name)) + name,
+            rows.commit_lsn,
+            rows.commit_idx,
+            rows.group_id,
+            rows.idempotency_key,
+            rows.data,
+            _NULL_FIELD,
+        ]
+    )
     return pa.py_buffer(tuples.to_pybytes() + truncates) if truncates else tuples
 
 
 def copy_binary_tuple(row: Sequence[object]) -> bytes:
     """One stream row (``store.StreamRow``: sink, lsn, idx, group, key, data[, barrier]) as a COPY binary tuple."""
-    sink, lsn, idx, group, key, data = (str(row[0]).encode(), int(row[1]), int(row[2]), str(row[3]).encode(),
-                                        str(row[4]).encode(), str(row[5]).encode())
+    sink, lsn, idx, group, key, data = (
+        str(row[0]).encode(),
+        int(row[1]),
+        int(row[2]),
+        str(row[3]).encode(),
+        str(row[4]).encode(),
+        str(row[5]).encode(),
+    )
     barrier = row[6] if len(row) > 6 else None
     tail = _NULL_FIELD if barrier is None else struct.pack("!i", len(str(barrier).encode())) + str(barrier).encode()
-    return (_FIELDS_7 + struct.pack("!i", len(sink)) + sink + struct.pack("!iqii", 8, lsn, 4, idx)
-            + struct.pack("!i", len(group)) + group + struct.pack("!i", len(key)) + key
-            + struct.pack("!i", len(data)) + data + tail)
+    return (
+        _FIELDS_7
+        + struct.pack("!i", len(sink))
+        + sink
+        + struct.pack("!iqii", 8, lsn, 4, idx)
+        + struct.pack("!i", len(group))
+        + group
+        + struct.pack("!i", len(key))
+        + key
+        + struct.pack("!i", len(data))
+        + data
+        + tail
+    )
 
 
 def read_rows_copy_binary(reads: StoreReads, page_id: int, records: pa.Array, record_pks: pa.Array) -> pa.Buffer:
@@ -323,17 +410,31 @@ def read_rows_copy_binary(reads: StoreReads, page_id: int, records: pa.Array, re
     idx = pa.array(np.arange(reads.commit_idx + 1, reads.commit_idx + 1 + n, dtype=np.int64))
     idx_text = pc.cast(idx, pa.string())
     key = pc.binary_join_element_wise(f"backfill:{reads.backfill_id}:", record_pks, "")
-    group = (pc.binary_join_element_wise(reads.group_prefix, record_pks, "") if reads.group_prefix is not None
-             else pc.binary_join_element_wise(f"{reads.commit_lsn}:", idx_text, ""))
+    group = (
+        pc.binary_join_element_wise(reads.group_prefix, record_pks, "")
+        if reads.group_prefix is not None
+        else pc.binary_join_element_wise(f"{reads.commit_lsn}:", idx_text, "")
+    )
     t = reads.template
     if t.record_only:
         data = records
     else:
         # the key as a JSON string: it holds a JSON text, whose only characters JSON escapes are '"' and '\'
-        key_json = pc.binary_join_element_wise('"', pc.replace_substring(pc.replace_substring(key, "\\", "\\\\"),
-                                                                         '"', '\\"'), '"', "")
-        data = pc.binary_join_element_wise(t.before_record, records, t.before_idx, idx_text, ',"idempotency_key":',
-                                           key_json, ',"record_pks":', record_pks, t.after_pks, "")
+        key_json = pc.binary_join_element_wise(
+            '"', pc.replace_substring(pc.replace_substring(key, "\\", "\\\\"), '"', '\\"'), '"', ""
+        )
+        data = pc.binary_join_element_wise(
+            t.before_record,
+            records,
+            t.before_idx,
+            idx_text,
+            ',"idempotency_key":',
+            key_json,
+            ',"record_pks":',
+            record_pks,
+            t.after_pks,
+            "",
+        )
     name = reads.sink.encode()
     start = _FIELDS_7 + struct.pack("!i", len(name)) + name + struct.pack("!iq", 8, reads.commit_lsn)
     return copy_binary_rows([start, pc.cast(idx, pa.int32()), group, key, data, struct.pack("!iq", 8, page_id)])

@@ -64,13 +64,15 @@ def open_transaction_row(row: tuple, taken: int) -> tuple:
 
 def open_transaction_lsn(changes: pa.RecordBatch) -> int | None:
     """The commit LSN of the transaction a batch of change rows ends inside, if its marker is among them."""
-    marked = pc.and_(pc.equal(changes.column("action"), "message"),
-                     pc.equal(changes.column("table_name"), OPEN_TRANSACTION_PREFIX))
+    marked = pc.and_(
+        pc.equal(changes.column("action"), "message"), pc.equal(changes.column("table_name"), OPEN_TRANSACTION_PREFIX)
+    )
     return pc.min(changes.column("commit_lsn").filter(marked)).as_py()
 
 
-def idempotency_key(commit_lsn: int, commit_idx: int, backfill_id: int | None = None,
-                    record_pks: Sequence[str] | None = None) -> str:
+def idempotency_key(
+    commit_lsn: int, commit_idx: int, backfill_id: int | None = None, record_pks: Sequence[str] | None = None
+) -> str:
     """Stable key of a message: a change's position, or (backfill, primary key) for a backfill read.
 
     Unique per sink and identical across replays (a read re-read after a restart keeps its key).
@@ -96,7 +98,12 @@ def metadata_head(table_schema: str, table_name: str) -> str:
 
 def metadata_tail(consumer_id: str, consumer_name: str, database_name: str) -> str:
     """The per-sink part of ``metadata`` after ``record_pks``: database and consumer (JSON text, unclosed)."""
-    return ',"database_name":' + json_text(database_name) + ',"consumer":' + json_text({"id": consumer_id, "name": consumer_name})
+    return (
+        ',"database_name":'
+        + json_text(database_name)
+        + ',"consumer":'
+        + json_text({"id": consumer_id, "name": consumer_name})
+    )
 
 
 @dataclass(frozen=True)
@@ -114,16 +121,24 @@ class ReadMessageTemplate:
     after_pks: str
 
 
-def read_message_template(kind: str, table_schema: str, table_name: str, commit_timestamp: str, commit_lsn: int,
-                          tail: str) -> ReadMessageTemplate:
+def read_message_template(
+    kind: str, table_schema: str, table_name: str, commit_timestamp: str, commit_lsn: int, tail: str
+) -> ReadMessageTemplate:
     """The template of the reads of one table emitted at one position (``kind`` as in ``message_render``,
     ``tail`` from ``metadata_tail``)."""
-    metadata = (metadata_head(table_schema, table_name) + ',"commit_timestamp":"' + commit_timestamp
-                + '","commit_lsn":' + str(commit_lsn) + ',"commit_idx":')
+    metadata = (
+        metadata_head(table_schema, table_name)
+        + ',"commit_timestamp":"'
+        + commit_timestamp
+        + '","commit_lsn":'
+        + str(commit_lsn)
+        + ',"commit_idx":'
+    )
     if kind == "record":
         return ReadMessageTemplate(False, '{"record":', ',"metadata":' + metadata, tail + "}}")
-    return ReadMessageTemplate(kind == "record_only", '{"record":',
-                               ',"changes":null,"action":"read","metadata":' + metadata, tail + "}}")
+    return ReadMessageTemplate(
+        kind == "record_only", '{"record":', ',"changes":null,"action":"read","metadata":' + metadata, tail + "}}"
+    )
 
 
 def parse_message(text: str) -> dict[str, Any]:

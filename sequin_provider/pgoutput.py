@@ -70,7 +70,9 @@ def pg_timestamp_to_iso(micros: int) -> str:
 # Value converters: Postgres text output -> JSON text
 
 
-_json_string = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # a string, or a list of them (record_pks)
+_json_string = json.JSONEncoder(
+    ensure_ascii=False, separators=(",", ":")
+).encode  # a string, or a list of them (record_pks)
 
 
 def as_string(text: str) -> str:
@@ -88,8 +90,14 @@ def as_bool(text: str) -> str:
     return "true" if text == "t" else "false"
 
 
-NON_FINITE = {"NaN": '"NaN"', "Infinity": '"Infinity"', "-Infinity": '"-Infinity"',
-              "inf": '"Infinity"', "-inf": '"-Infinity"', "nan": '"NaN"'}
+NON_FINITE = {
+    "NaN": '"NaN"',
+    "Infinity": '"Infinity"',
+    "-Infinity": '"-Infinity"',
+    "inf": '"Infinity"',
+    "-inf": '"-Infinity"',
+    "nan": '"NaN"',
+}
 """Non-finite numeric/float texts -> their JSON (a string: JSON has no such numbers)."""
 
 
@@ -129,10 +137,17 @@ def _iso_offset(text: str, time_start: int) -> str:
     return text
 
 
-RULE_CONVERTERS: Mapping[Rule, Converter] = MappingProxyType({
-    Rule.RAW: as_raw, Rule.NUMBER: as_number, Rule.BOOL: as_bool, Rule.STRING: as_string,
-    Rule.TIMESTAMPTZ: as_timestamptz, Rule.TIMESTAMP: as_timestamp, Rule.TIMETZ: as_timetz,
-})
+RULE_CONVERTERS: Mapping[Rule, Converter] = MappingProxyType(
+    {
+        Rule.RAW: as_raw,
+        Rule.NUMBER: as_number,
+        Rule.BOOL: as_bool,
+        Rule.STRING: as_string,
+        Rule.TIMESTAMPTZ: as_timestamptz,
+        Rule.TIMESTAMP: as_timestamp,
+        Rule.TIMETZ: as_timetz,
+    }
+)
 """The converter of each scalar rule of ``pgtypes.PG_TYPES`` (``Rule.ARRAY``: ``array_converter``)."""
 
 CONVERTER_RULES: Mapping[Converter, Rule] = MappingProxyType({conv: rule for rule, conv in RULE_CONVERTERS.items()})
@@ -142,7 +157,7 @@ CONVERTER_RULES: Mapping[Converter, Rule] = MappingProxyType({conv: rule for rul
 def parse_array_literal(text: str, delimiter: str = ",") -> list[object]:
     """Parse Postgres array output (``{1,NULL,"a b",{2,3}}``) into nested lists of str/None."""
     if text.startswith("["):  # explicit bounds: [0:2]={...}
-        text = text[text.index("=") + 1:]
+        text = text[text.index("=") + 1 :]
     pos = 0
     length = len(text)
 
@@ -214,10 +229,10 @@ class TypeInfo:
 
     oid: int
     name: str
-    typtype: str          # b base, d domain, e enum, c composite, r range, m multirange, p pseudo
-    category: str         # A array, ...
-    element: int          # typelem for arrays
-    base: int             # typbasetype for domains
+    typtype: str  # b base, d domain, e enum, c composite, r range, m multirange, p pseudo
+    category: str  # A array, ...
+    element: int  # typelem for arrays
+    base: int  # typbasetype for domains
     delimiter: str = ","
 
 
@@ -237,8 +252,11 @@ class TypeRegistry:
         builtin = PG_TYPES.get(oid)
         conv: Converter | None = None
         if builtin is not None:  # the table decides, without the catalog
-            conv = (array_converter(self.converter(builtin.element, _depth + 1)) if builtin.rule is Rule.ARRAY
-                    else RULE_CONVERTERS[builtin.rule])
+            conv = (
+                array_converter(self.converter(builtin.element, _depth + 1))
+                if builtin.rule is Rule.ARRAY
+                else RULE_CONVERTERS[builtin.rule]
+            )
         elif self._lookup is not None and _depth < 8:
             info = self._lookup(oid)
             if info is not None:
@@ -275,8 +293,13 @@ class Relation:
     old_key_positions: list[int] = field(default_factory=list)  # pk_positions when a key tuple ('K') carries them all
 
 
-def relation_key(qualified: str, replica_identity: str, columns: list[str], key_flags: list[bool],
-                 catalog_key: Callable[[], list[str]] | None) -> list[str]:
+def relation_key(
+    qualified: str,
+    replica_identity: str,
+    columns: list[str],
+    key_flags: list[bool],
+    catalog_key: Callable[[], list[str]] | None,
+) -> list[str]:
     """The columns whose values are a change's ``record_pks``, in key order (DESIGN §6).
 
     REPLICA IDENTITY DEFAULT: the Relation message flags exactly the primary key as it was at this
@@ -296,21 +319,32 @@ def relation_key(qualified: str, replica_identity: str, columns: list[str], key_
         today = catalog_key()
         if sorted(today) == sorted(flagged):
             return today
-        log.info("%s: rows of this point of the WAL have the primary key (%s), today's is (%s): record_pks in"
-                 " column order", qualified, ", ".join(flagged), ", ".join(today) or "none")
+        log.info(
+            "%s: rows of this point of the WAL have the primary key (%s), today's is (%s): record_pks in column order",
+            qualified,
+            ", ".join(flagged),
+            ", ".join(today) or "none",
+        )
         return flagged
     today = catalog_key()
     if not today:
-        log.warning("%s (REPLICA IDENTITY %s): no primary key in today's catalog (the table or its key was dropped"
-                    " since), and the WAL does not record it: record_pks = [] for the rows of this point of the WAL",
-                    qualified, _IDENTITY_NAMES.get(replica_identity, replica_identity))
+        log.warning(
+            "%s (REPLICA IDENTITY %s): no primary key in today's catalog (the table or its key was dropped"
+            " since), and the WAL does not record it: record_pks = [] for the rows of this point of the WAL",
+            qualified,
+            _IDENTITY_NAMES.get(replica_identity, replica_identity),
+        )
         return []
     absent = [c for c in today if c not in columns]
     if absent:
-        log.warning("%s (REPLICA IDENTITY %s): primary key column(s) %s of today's catalog are not in the rows of"
-                    " this point of the WAL (%s), which does not record the key: record_pks = [] for them",
-                    qualified, _IDENTITY_NAMES.get(replica_identity, replica_identity), ", ".join(absent),
-                    ", ".join(columns))
+        log.warning(
+            "%s (REPLICA IDENTITY %s): primary key column(s) %s of today's catalog are not in the rows of"
+            " this point of the WAL (%s), which does not record the key: record_pks = [] for them",
+            qualified,
+            _IDENTITY_NAMES.get(replica_identity, replica_identity),
+            ", ".join(absent),
+            ", ".join(columns),
+        )
         return []
     return today
 
@@ -389,7 +423,7 @@ def parse_tuple(buf: bytes, pos: int) -> tuple[list[object], int]:
             pos += 4
             if length < 0 or length > size - pos:
                 raise DecodeError(f"truncated pgoutput tuple: value bytes ({length} at {pos} of {size})")
-            append(buf[pos:pos + length].decode("utf-8"))
+            append(buf[pos : pos + length].decode("utf-8"))
             pos += length
         elif kind == 110:  # 'n' null
             append(None)
@@ -400,14 +434,21 @@ def parse_tuple(buf: bytes, pos: int) -> tuple[list[object], int]:
     return values, pos
 
 
-def render_record(values: list[object], kinds: bytes, prefixes: list[str], converters: list[Converter],
-                  columns: list[str], only: Iterable[int] | None, fill: list[object] | None) -> tuple[str, list[str]]:
+def render_record(
+    values: list[object],
+    kinds: bytes,
+    prefixes: list[str],
+    converters: list[Converter],
+    columns: list[str],
+    only: Iterable[int] | None,
+    fill: list[object] | None,
+) -> tuple[str, list[str]]:
     """Record JSON of a row's ``values`` (of ``only`` those positions); an unchanged TOAST value is
     taken from ``fill`` or its column is reported in the returned list. ``kinds`` is unused here:
     it tells the compiled counterpart which converters it may apply itself."""
     parts: list[str] = []
     missing: list[str] = []
-    for i in (range(len(values)) if only is None else only):
+    for i in range(len(values)) if only is None else only:
         if i < 0:
             raise IndexError(f"negative column position {i}")
         v = values[i]
@@ -422,8 +463,15 @@ def render_record(values: list[object], kinds: bytes, prefixes: list[str], conve
     return "{" + ",".join(parts) + "}", missing
 
 
-def render_tuple(buf: bytes, pos: int, kinds: bytes, prefixes: list[str], converters: list[Converter],
-                 columns: list[str], pk_positions: list[int]) -> tuple[str, list[str], list[str]]:
+def render_tuple(
+    buf: bytes,
+    pos: int,
+    kinds: bytes,
+    prefixes: list[str],
+    converters: list[Converter],
+    columns: list[str],
+    pk_positions: list[int],
+) -> tuple[str, list[str], list[str]]:
     """A whole TupleData at ``pos`` rendered: record JSON, ``record_pks``, unchanged TOAST columns
     (inserts, updates without old values, deletes with the full old row)."""
     values, _ = parse_tuple(buf, pos)
@@ -453,8 +501,14 @@ def parse_copy_line(line: str) -> list[str | None]:
     return out
 
 
-def render_copy(data: bytes, kinds: bytes, prefixes: list[str], converters: list[Converter], columns: list[str],
-                pk_positions: list[int]) -> tuple[bytes, bytes, bytes, bytes, int]:
+def render_copy(
+    data: bytes,
+    kinds: bytes,
+    prefixes: list[str],
+    converters: list[Converter],
+    columns: list[str],
+    pk_positions: list[int],
+) -> tuple[bytes, bytes, bytes, bytes, int]:
     """A backfill page's ``COPY … TO STDOUT`` text lines (every column of the table, in order)
     rendered as each row's record JSON and ``record_pks`` JSON: what a change of the same row
     carries. Returned as Arrow string buffers (UTF-8 data, int32 offsets) of the records, then of
@@ -503,8 +557,12 @@ class PgOutputDecoder:
     Python references, which define what both do.
     """
 
-    def __init__(self, types: TypeRegistry, primary_key: Callable[[int, str, str], list[str]] | None = None,
-                 compiled: bool = COMPILED) -> None:
+    def __init__(
+        self,
+        types: TypeRegistry,
+        primary_key: Callable[[int, str, str], list[str]] | None = None,
+        compiled: bool = COMPILED,
+    ) -> None:
         if compiled and not COMPILED:
             raise RuntimeError("the compiled pgoutput decoder (sequin_provider._pgoutput_c) is not built")
         self._parse_tuple = hot_path.parse_tuple if compiled else parse_tuple
@@ -571,12 +629,26 @@ class PgOutputDecoder:
             columns.append(col)
             keys.append(bool(flags & 1))
         lookup = self._primary_key
-        pk = relation_key(f"{schema}.{name}", replident, columns, keys,
-                          None if lookup is None else lambda: lookup(relid, schema, name))
+        pk = relation_key(
+            f"{schema}.{name}",
+            replident,
+            columns,
+            keys,
+            None if lookup is None else lambda: lookup(relid, schema, name),
+        )
         self.relations[relid] = self.make_relation(relid, schema, name, replident, columns, oids, keys, pk)
 
-    def make_relation(self, relid: int, schema: str, name: str, replica_identity: str, columns: list[str],
-                      type_oids: list[int], key_flags: list[bool], primary_key: list[str]) -> Relation:
+    def make_relation(
+        self,
+        relid: int,
+        schema: str,
+        name: str,
+        replica_identity: str,
+        columns: list[str],
+        type_oids: list[int],
+        key_flags: list[bool],
+        primary_key: list[str],
+    ) -> Relation:
         """A ``Relation`` with its renderers; also used by backfills to render rows read by SELECT."""
         rel = Relation(relid, schema, name, replica_identity, columns, type_oids, key_flags, primary_key)
         rel.converters = [self.types.converter(o) for o in type_oids]
@@ -597,7 +669,9 @@ class PgOutputDecoder:
         except ValueError as exc:  # UnicodeDecodeError, a converter's, DecodeError itself
             if isinstance(exc, DecodeError):
                 raise
-            raise DecodeError(f"a backfill page of {rel.schema}.{rel.name} that the decoder cannot render: {exc}") from exc
+            raise DecodeError(
+                f"a backfill page of {rel.schema}.{rel.name} that the decoder cannot render: {exc}"
+            ) from exc
 
     def render_values(self, rel: Relation, values: list[object]) -> tuple[str, list[str]]:
         """Record JSON and ``record_pks`` of a full row of text values (as a change would carry them)."""
@@ -612,25 +686,41 @@ class PgOutputDecoder:
         return rel
 
     # -- tuples -----------------------------------------------------------------------------
-    def _render(self, rel: Relation, values: list[object], only: Iterable[int] | None = None,
-                fill: list[object] | None = None) -> tuple[str, list[str]]:
+    def _render(
+        self, rel: Relation, values: list[object], only: Iterable[int] | None = None, fill: list[object] | None = None
+    ) -> tuple[str, list[str]]:
         """Record JSON of ``values``; unchanged TOAST filled from ``fill`` or reported."""
         return self._render_record(values, rel.kinds, rel.prefixes, rel.converters, rel.columns, only, fill)
 
     def _pks(self, rel: Relation, values: list[object]) -> list[str]:
         return pk_texts(values, rel.pk_positions)
 
-    def _row(self, rel: Relation, action: str, record: str, changes: str | None, pks: list[str],
-             missing: list[str]) -> ChangeRow:
+    def _row(
+        self, rel: Relation, action: str, record: str, changes: str | None, pks: list[str], missing: list[str]
+    ) -> ChangeRow:
         idx = self.idx
         self.idx += 1
-        return (self.commit_lsn, idx, self.commit_ts_iso, self.xid, rel.schema, rel.name, action,
-                record, changes, pks, missing, None, None)
+        return (
+            self.commit_lsn,
+            idx,
+            self.commit_ts_iso,
+            self.xid,
+            rel.schema,
+            rel.name,
+            action,
+            record,
+            changes,
+            pks,
+            missing,
+            None,
+            None,
+        )
 
     def _insert(self, buf: bytes) -> ChangeRow:
         rel = self._rel(buf)
-        record, pks, missing = self._render_tuple(buf, 6, rel.kinds, rel.prefixes, rel.converters, rel.columns,
-                                                  rel.pk_positions)  # 'N' at 5
+        record, pks, missing = self._render_tuple(
+            buf, 6, rel.kinds, rel.prefixes, rel.converters, rel.columns, rel.pk_positions
+        )  # 'N' at 5
         return self._row(rel, "insert", record, None, pks, missing)
 
     def _update(self, buf: bytes) -> ChangeRow:
@@ -638,8 +728,9 @@ class PgOutputDecoder:
         pos = 5
         old_kind = buf[pos]
         if old_kind not in (75, 79):  # no old values: the new tuple ('N') at 5
-            record, pks, missing = self._render_tuple(buf, 6, rel.kinds, rel.prefixes, rel.converters, rel.columns,
-                                                      rel.pk_positions)
+            record, pks, missing = self._render_tuple(
+                buf, 6, rel.kinds, rel.prefixes, rel.converters, rel.columns, rel.pk_positions
+            )
             return self._row(rel, "update", record, "{}", pks, missing)
         old, pos = self._parse_tuple(buf, pos + 1)  # 'K' key / 'O' old
         new, _ = self._parse_tuple(buf, pos + 1)  # 'N'
@@ -663,8 +754,9 @@ class PgOutputDecoder:
     def _delete(self, buf: bytes) -> ChangeRow:
         rel = self._rel(buf)
         if buf[5] != 75:  # the full old row ('O')
-            record, pks, missing = self._render_tuple(buf, 6, rel.kinds, rel.prefixes, rel.converters, rel.columns,
-                                                      rel.pk_positions)
+            record, pks, missing = self._render_tuple(
+                buf, 6, rel.kinds, rel.prefixes, rel.converters, rel.columns, rel.pk_positions
+            )
             return self._row(rel, "delete", record, None, pks, missing)
         old, _ = self._parse_tuple(buf, 6)  # key only: the record carries the replica identity columns
         record, missing = self._render(rel, old, only=[i for i, k in enumerate(rel.key_flags) if k])
@@ -675,15 +767,28 @@ class PgOutputDecoder:
         """A change row carrying a ``sequin:`` logical message at its place in the transaction."""
         idx = self.idx
         self.idx += 1
-        return (self.commit_lsn, idx, self.commit_ts_iso, self.xid, "", event.prefix, "message",
-                event.content.decode("utf-8", "replace"), None, [], [], None, None)
+        return (
+            self.commit_lsn,
+            idx,
+            self.commit_ts_iso,
+            self.xid,
+            "",
+            event.prefix,
+            "message",
+            event.content.decode("utf-8", "replace"),
+            None,
+            [],
+            [],
+            None,
+            None,
+        )
 
     def _message(self, buf: bytes) -> LogicalMessage:
         transactional = bool(buf[1])
         lsn = _UNPACK_I64(buf, 2)[0]
         prefix, pos = _cstring(buf, 10)
         length = _UNPACK_I32(buf, pos)[0]
-        return LogicalMessage(transactional, lsn, prefix, bytes(buf[pos + 4:pos + 4 + length]))
+        return LogicalMessage(transactional, lsn, prefix, bytes(buf[pos + 4 : pos + 4 + length]))
 
     def _truncate(self, buf: bytes) -> Truncate:
         count = _UNPACK_I32(buf, 1)[0]  # then one byte of options (CASCADE, RESTART IDENTITY)

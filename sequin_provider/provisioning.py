@@ -64,8 +64,10 @@ def initialize(config: SequinConfig, database: str | None = None) -> InitReport:
         if applied:
             report.created.append(f"store schema {config.store.schema!r} (migrations {applied})")
         for b in backfills:
-            report.created.append(f"initial backfill {b.id} of {b.table_schema}.{b.table_name} for sink {b.sink!r}"
-                                  f" (pending: `sequin backfill run` or the Airflow operator runs it)")
+            report.created.append(
+                f"initial backfill {b.id} of {b.table_schema}.{b.table_name} for sink {b.sink!r}"
+                f" (pending: `sequin backfill run` or the Airflow operator runs it)"
+            )
         if version < 140000:
             conn.execute("CREATE TABLE IF NOT EXISTS public.sequin_heartbeat (id int PRIMARY KEY, beat_at timestamptz)")
         pub_tables = list(tables)
@@ -98,10 +100,14 @@ def _delete_warnings(config: SequinConfig, database: str, infos: dict[str, Any])
             if info is None or info.replica_identity == "f" or "delete" not in sink.actions:
                 continue
             if sink.filter:
-                out.append(f"sink {sink.name!r}: deletes of {table.qualified} carry only its key, so the filter sees "
-                           f"NULL for other columns and may drop them; use REPLICA IDENTITY FULL")
+                out.append(
+                    f"sink {sink.name!r}: deletes of {table.qualified} carry only its key, so the filter sees "
+                    f"NULL for other columns and may drop them; use REPLICA IDENTITY FULL"
+                )
             if sink.message_grouping and set(table.group_column_names) - set(info.primary_key):
-                out.append(f"sink {sink.name!r}: deletes of {table.qualified} carry only its key, so group columns "
-                           f"{list(table.group_column_names)} are NULL and deletes are not ordered with the row's "
-                           f"earlier changes; use REPLICA IDENTITY FULL")
+                out.append(
+                    f"sink {sink.name!r}: deletes of {table.qualified} carry only its key, so group columns "
+                    f"{list(table.group_column_names)} are NULL and deletes are not ordered with the row's "
+                    f"earlier changes; use REPLICA IDENTITY FULL"
+                )
     return out

@@ -33,8 +33,10 @@ _DURATION_TEXT = re.compile(DURATION_TEXT[1:-1])
 _UNIT_MS = {None: 1, "ms": 1, "s": 1000, "m": 60_000}
 
 BAD_DURATION = "Invalid `wait_for`. When using duration strings, format must be like '60s', '5m', or '1000ms'."
-BAD_WAIT_FOR = ("Invalid `wait_for`. Must be between 500 and 300,000 milliseconds, or use duration format"
-                " like '60s', '5m', '1000ms'.")
+BAD_WAIT_FOR = (
+    "Invalid `wait_for`. Must be between 500 and 300,000 milliseconds, or use duration format"
+    " like '60s', '5m', '1000ms'."
+)
 
 
 class InvalidReceiveParameter(ValueError):
@@ -59,11 +61,14 @@ class ReceiveParams(BaseModel):
     """``receive`` parameters as the OpenAPI document describes them (``parse_receive`` reads them)."""
 
     batch_size: BatchSize | IntegerText | None = Field(
-        None, description="messages to return at most (1-1000, default 1); an integer or its text")
+        None, description="messages to return at most (1-1000, default 1); an integer or its text"
+    )
     max_batch_size: BatchSize | IntegerText | None = Field(None, description="alias of batch_size")
     wait_for: WaitFor | DurationText | None = Field(
-        None, description="long poll: wait up to this long for a message: milliseconds (500-300000) or a duration"
-                          " text like '60s', '5m', '1000ms'")
+        None,
+        description="long poll: wait up to this long for a message: milliseconds (500-300000) or a duration"
+        " text like '60s', '5m', '1000ms'",
+    )
 
 
 def parse_receive(query: Mapping[str, str], body: bytes) -> ReceiveRequest:

@@ -38,7 +38,9 @@ log = logging.getLogger(__name__)
 HEARTBEAT_PREFIX = "sequin:heartbeat"
 MESSAGE_PREFIX = "sequin:"
 # DateStyle/TimeZone/IntervalStyle of the walsender decide the text pgoutput sends (pgoutput.py).
-REPLICATION_SESSION_OPTIONS = "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=iso_8601 -c extra_float_digits=1 -c bytea_output=hex"
+REPLICATION_SESSION_OPTIONS = (
+    "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=iso_8601 -c extra_float_digits=1 -c bytea_output=hex"
+)
 
 
 PAUSED_STATUS_INTERVAL = 2.0
@@ -90,10 +92,20 @@ def source_is_stopping(dsn: str) -> bool:
 def _is_unavailable(exc: BaseException) -> bool:
     """A connection error that means the server is down, starting, stopping or unreachable."""
     text = str(exc).lower()
-    return any(marker in text for marker in (
-        "shutting down", "starting up", "not yet accepting", "connection refused", "terminating connection",
-        "server closed the connection", "no connection to the server", "could not receive data",
-        "could not send data"))  # not "could not connect" alone: a bad host or password must fail at once
+    return any(
+        marker in text
+        for marker in (
+            "shutting down",
+            "starting up",
+            "not yet accepting",
+            "connection refused",
+            "terminating connection",
+            "server closed the connection",
+            "no connection to the server",
+            "could not receive data",
+            "could not send data",
+        )
+    )  # not "could not connect" alone: a bad host or password must fail at once
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,14 +132,26 @@ def table_info(conn: psycopg.Connection[Any], table: TableConfig) -> TableInfo |
     """Catalog facts of ``table`` or None when it does not exist."""
     row = conn.execute(
         "SELECT c.oid, c.relreplident, c.relkind FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
-        " WHERE n.nspname = %s AND c.relname = %s", (table.schema, table.name)).fetchone()
+        " WHERE n.nspname = %s AND c.relname = %s",
+        (table.schema, table.name),
+    ).fetchone()
     if row is None or row[2] not in ("r", "p"):
         return None
     oid = int(row[0])
-    return TableInfo(table.qualified, oid, tuple(primary_key_columns(conn, oid)), str(row[1]),
-                     tuple(r[0] for r in conn.execute(
-                         "SELECT attname FROM pg_attribute WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped"
-                         " ORDER BY attnum", (oid,)).fetchall()))
+    return TableInfo(
+        table.qualified,
+        oid,
+        tuple(primary_key_columns(conn, oid)),
+        str(row[1]),
+        tuple(
+            r[0]
+            for r in conn.execute(
+                "SELECT attname FROM pg_attribute WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped"
+                " ORDER BY attnum",
+                (oid,),
+            ).fetchall()
+        ),
+    )
 
 
 def primary_key_columns(conn: psycopg.Connection[Any], relid: int) -> list[str]:
@@ -135,11 +159,15 @@ def primary_key_columns(conn: psycopg.Connection[Any], relid: int) -> list[str]:
     rows = conn.execute(
         "SELECT a.attname FROM pg_index i CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)"
         " JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum"
-        " WHERE i.indrelid = %s AND i.indisprimary ORDER BY k.ord", (relid,)).fetchall()
+        " WHERE i.indrelid = %s AND i.indisprimary ORDER BY k.ord",
+        (relid,),
+    ).fetchall()
     return [r[0] for r in rows]
 
 
-def check_prerequisites(conn: psycopg.Connection[Any], tables: Iterable[TableConfig]) -> tuple[list[str], list[str], dict[str, TableInfo]]:
+def check_prerequisites(
+    conn: psycopg.Connection[Any], tables: Iterable[TableConfig]
+) -> tuple[list[str], list[str], dict[str, TableInfo]]:
     """(errors, warnings, table infos): everything that must hold before a slot is created."""
     errors: list[str] = []
     warnings: list[str] = []
@@ -149,8 +177,10 @@ def check_prerequisites(conn: psycopg.Connection[Any], tables: Iterable[TableCon
         errors.append(f"PostgreSQL {version // 10000} is not supported: 12 or newer is required")
     wal_level = conn.execute("SHOW wal_level").fetchone()[0]  # type: ignore[index]
     if wal_level != "logical":
-        errors.append(f"wal_level is '{wal_level}', must be 'logical': run ALTER SYSTEM SET wal_level = logical; "
-                      "then restart PostgreSQL")
+        errors.append(
+            f"wal_level is '{wal_level}', must be 'logical': run ALTER SYSTEM SET wal_level = logical; "
+            "then restart PostgreSQL"
+        )
     encoding = conn.execute("SHOW server_encoding").fetchone()[0]  # type: ignore[index]
     if encoding != "UTF8":
         errors.append(f"server_encoding is {encoding}: only UTF8 databases are supported")
@@ -161,18 +191,24 @@ def check_prerequisites(conn: psycopg.Connection[Any], tables: Iterable[TableCon
             continue
         infos[table.qualified] = info
         if not info.primary_key:
-            errors.append(f"table {table.qualified} has no primary key: add one (ALTER TABLE {table.qualified} "
-                          "ADD PRIMARY KEY (...)); messages are grouped and identified by it")
+            errors.append(
+                f"table {table.qualified} has no primary key: add one (ALTER TABLE {table.qualified} "
+                "ADD PRIMARY KEY (...)); messages are grouped and identified by it"
+            )
         for col in table.group_column_names:
             if col not in info.columns:
                 errors.append(f"table {table.qualified} has no column {col!r} (group_column_names)")
         if info.replica_identity == "n":
-            errors.append(f"table {table.qualified} has REPLICA IDENTITY NOTHING: updates and deletes cannot be "
-                          f"captured; run ALTER TABLE {table.qualified} REPLICA IDENTITY DEFAULT (or FULL)")
+            errors.append(
+                f"table {table.qualified} has REPLICA IDENTITY NOTHING: updates and deletes cannot be "
+                f"captured; run ALTER TABLE {table.qualified} REPLICA IDENTITY DEFAULT (or FULL)"
+            )
         elif info.replica_identity != "f":
-            warnings.append(f"table {table.qualified} has REPLICA IDENTITY {'DEFAULT' if info.replica_identity == 'd' else 'USING INDEX'}: "
-                            "updates carry changes = {} and deletes carry only the key; run ALTER TABLE "
-                            f"{table.qualified} REPLICA IDENTITY FULL for old values")
+            warnings.append(
+                f"table {table.qualified} has REPLICA IDENTITY {'DEFAULT' if info.replica_identity == 'd' else 'USING INDEX'}: "
+                "updates carry changes = {} and deletes carry only the key; run ALTER TABLE "
+                f"{table.qualified} REPLICA IDENTITY FULL for old values"
+            )
     return errors, warnings, infos
 
 
@@ -197,12 +233,22 @@ def slot_info(conn: psycopg.Connection[Any], name: str) -> SlotInfo | None:
         "SELECT slot_name, plugin, database, active, active_pid, confirmed_flush_lsn::text, restart_lsn::text,"
         " pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint,"
         " pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint"
-        " FROM pg_replication_slots WHERE slot_name = %s", (name,)).fetchone()
+        " FROM pg_replication_slots WHERE slot_name = %s",
+        (name,),
+    ).fetchone()
     if row is None:
         return None
-    return SlotInfo(row[0], row[1] or "", row[2] or "", bool(row[3]), row[4],
-                    lsn_to_int(row[5]) if row[5] else None, lsn_to_int(row[6]) if row[6] else None,
-                    None if row[7] is None else int(row[7]), None if row[8] is None else int(row[8]))
+    return SlotInfo(
+        row[0],
+        row[1] or "",
+        row[2] or "",
+        bool(row[3]),
+        row[4],
+        lsn_to_int(row[5]) if row[5] else None,
+        lsn_to_int(row[6]) if row[6] else None,
+        None if row[7] is None else int(row[7]),
+        None if row[8] is None else int(row[8]),
+    )
 
 
 def check_slot_usable(conn: psycopg.Connection[Any], name: str) -> SlotInfo | None:
@@ -216,8 +262,10 @@ def check_slot_usable(conn: psycopg.Connection[Any], name: str) -> SlotInfo | No
     if info.database != dbname:
         raise ReplicationError(f"slot {name!r} belongs to database {info.database!r}, not {dbname!r}")
     if info.active:
-        raise ReplicationError(f"slot {name!r} is in use by another consumer (walsender pid {info.active_pid}); "
-                               "stop it, or configure another slot name")
+        raise ReplicationError(
+            f"slot {name!r} is in use by another consumer (walsender pid {info.active_pid}); "
+            "stop it, or configure another slot name"
+        )
     return info
 
 
@@ -226,21 +274,33 @@ def ensure_publication(conn: psycopg.Connection[Any], name: str, tables: list[Ta
     exists = conn.execute("SELECT puballtables FROM pg_publication WHERE pubname = %s", (name,)).fetchone()
     if exists is None:
         if not create:
-            raise ReplicationError(f"publication {name!r} does not exist and create_if_not_exists is false: "
-                                   f"CREATE PUBLICATION {name} FOR TABLE ...")
-        conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
-            sql.Identifier(name), sql.SQL(", ").join(sql.Identifier(t.schema, t.name) for t in tables)))
+            raise ReplicationError(
+                f"publication {name!r} does not exist and create_if_not_exists is false: "
+                f"CREATE PUBLICATION {name} FOR TABLE ..."
+            )
+        conn.execute(
+            sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
+                sql.Identifier(name), sql.SQL(", ").join(sql.Identifier(t.schema, t.name) for t in tables)
+            )
+        )
         return True
     if exists[0]:
         return False
-    present = {f"{s}.{t}" for s, t in conn.execute(
-        "SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s", (name,)).fetchall()}
+    present = {
+        f"{s}.{t}"
+        for s, t in conn.execute(
+            "SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s", (name,)
+        ).fetchall()
+    }
     missing = [t for t in tables if t.qualified not in present]
     if missing:
         if not create:
             raise ReplicationError(f"publication {name!r} lacks {', '.join(t.qualified for t in missing)}")
-        conn.execute(sql.SQL("ALTER PUBLICATION {} ADD TABLE {}").format(
-            sql.Identifier(name), sql.SQL(", ").join(sql.Identifier(t.schema, t.name) for t in missing)))
+        conn.execute(
+            sql.SQL("ALTER PUBLICATION {} ADD TABLE {}").format(
+                sql.Identifier(name), sql.SQL(", ").join(sql.Identifier(t.schema, t.name) for t in missing)
+            )
+        )
     return False
 
 
@@ -258,8 +318,10 @@ def emit_heartbeat(conn: psycopg.Connection[Any], version: int, content: str = "
     if version >= 140000:
         emit_message(conn, HEARTBEAT_PREFIX, content or "{}")
         return
-    conn.execute("INSERT INTO public.sequin_heartbeat (id, beat_at) VALUES (1, now())"
-                 " ON CONFLICT (id) DO UPDATE SET beat_at = now()")
+    conn.execute(
+        "INSERT INTO public.sequin_heartbeat (id, beat_at) VALUES (1, now())"
+        " ON CONFLICT (id) DO UPDATE SET beat_at = now()"
+    )
     conn.commit()
 
 
@@ -284,7 +346,8 @@ class Catalog:
     def type_info(self, oid: int) -> TypeInfo | None:
         row = self.conn.execute(
             "SELECT oid, typname, typtype, typcategory, typelem, typbasetype, typdelim FROM pg_type WHERE oid = %s",
-            (oid,)).fetchone()
+            (oid,),
+        ).fetchone()
         if row is None:
             return None
         return TypeInfo(int(row[0]), row[1], row[2], row[3], int(row[4]), int(row[5]), row[6])
@@ -369,9 +432,16 @@ class ChangeReader:
     exactly there. The slot moves only through ``acknowledge``, and only to commit boundaries.
     """
 
-    def __init__(self, dsn: str, slot: str, publication: str, buffer_rows: int = 400_000,
-                 buffer_bytes: int = 512 * 1024 * 1024, chunk_rows: int = CHUNK_ROWS,
-                 chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        slot: str,
+        publication: str,
+        buffer_rows: int = 400_000,
+        buffer_bytes: int = 512 * 1024 * 1024,
+        chunk_rows: int = CHUNK_ROWS,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
         self.dsn = dsn
         self.slot = slot
         self.publication = publication
@@ -396,7 +466,9 @@ class ChangeReader:
         self.test_stall = float(os.environ.get(TEST_STALL_ENV) or 0)
 
     # -- connection -------------------------------------------------------------------------
-    def open(self, start: int | Position, attempts: int = 30, unavailable_timeout: float = SOURCE_RETURN_TIMEOUT) -> None:
+    def open(
+        self, start: int | Position, attempts: int = 30, unavailable_timeout: float = SOURCE_RETURN_TIMEOUT
+    ) -> None:
         """(Re)start replication at ``start`` (an end LSN, or a ``Position`` inside a transaction),
         retrying while a previous walsender lets go of the slot and, for up to
         ``unavailable_timeout`` seconds, while the source is down or restarting."""
@@ -408,8 +480,11 @@ class ChangeReader:
             except (psycopg.OperationalError, ReplicationError) as exc:
                 if not _is_unavailable(exc) or time.monotonic() >= deadline:
                     raise
-                log.warning("source unavailable (%s); retrying replication at %s", str(exc).strip().splitlines()[0],
-                            int_to_lsn(position[0]))
+                log.warning(
+                    "source unavailable (%s); retrying replication at %s",
+                    str(exc).strip().splitlines()[0],
+                    int_to_lsn(position[0]),
+                )
                 self.close()
                 time.sleep(1.0)
 
@@ -448,8 +523,9 @@ class ChangeReader:
         self._ready_rows = self._ready_bytes = 0
         self._error, self._stop = None, False
         self._ack_wanted = self._ack_sent = 0
-        self._thread = threading.Thread(target=self._stream, args=(decoder, position), daemon=True,
-                                        name=f"sequin-reader-{self.slot}")
+        self._thread = threading.Thread(
+            target=self._stream, args=(decoder, position), daemon=True, name=f"sequin-reader-{self.slot}"
+        )
         self._thread.start()
 
     def _close_replication(self) -> None:
@@ -556,7 +632,11 @@ class ChangeReader:
                         received = boundary = event.end_lsn
                         skip = 0
                     elif isinstance(event, LogicalMessage):
-                        if event.transactional and event.prefix.startswith(MESSAGE_PREFIX) and event.prefix != HEARTBEAT_PREFIX:
+                        if (
+                            event.transactional
+                            and event.prefix.startswith(MESSAGE_PREFIX)
+                            and event.prefix != HEARTBEAT_PREFIX
+                        ):
                             row = decoder.message_row(event)  # numbered even when skipped
                             if skip:
                                 skip -= 1
@@ -584,8 +664,14 @@ class ChangeReader:
             raise ReplicationError(f"replication stream of slot {self.slot!r} failed: {error}") from error
 
     # -- consuming --------------------------------------------------------------------------
-    def read(self, max_rows: int, max_bytes: int, max_wait: float, stop_at: int | Position | None = None,
-             timeout: float = 600.0) -> ReadResult:
+    def read(
+        self,
+        max_rows: int,
+        max_bytes: int,
+        max_wait: float,
+        stop_at: int | Position | None = None,
+        timeout: float = 600.0,
+    ) -> ReadResult:
         """Take chunks (whole small transactions, or parts of a large one) from the buffer.
 
         Without ``stop_at``: return as soon as at least one chunk is ready, taking every ready one
@@ -607,13 +693,18 @@ class ChangeReader:
                 self._raise_if_failed()
                 while self._ready:
                     chunk = self._ready[0]
-                    if target is None and taken and (
-                            len(result.rows) + len(chunk.rows) > max_rows or result.bytes + chunk.bytes > max_bytes):
+                    if (
+                        target is None
+                        and taken
+                        and (len(result.rows) + len(chunk.rows) > max_rows or result.bytes + chunk.bytes > max_bytes)
+                    ):
                         return result
                     if target is not None and chunk.end > target:
                         if chunk.base_lsn != target[0] or target[1] < chunk.first_idx:
-                            raise ReplicationError(f"re-read passed the recorded offset {_describe(target)} "
-                                                   f"(chunk ending at {_describe(chunk.end)})")
+                            raise ReplicationError(
+                                f"re-read passed the recorded offset {_describe(target)} "
+                                f"(chunk ending at {_describe(chunk.end)})"
+                            )
                         self._ready[0] = chunk.split(target[1] - chunk.first_idx)
                         self._ready_rows -= len(chunk.rows)
                         self._ready_bytes -= chunk.bytes
@@ -668,7 +759,6 @@ class ChangeReader:
 
 def _describe(position: Position) -> str:
     return int_to_lsn(position[0]) + (f" + {position[1]} rows" if position[1] else "")
-
 
 
 def confirmed_flush_lsn(dsn: str, slot: str) -> int:

@@ -30,8 +30,16 @@ class SessionLock:
     def acquire(self) -> bool:
         """Take the lock on a new connection; False (and no connection kept) if another session holds it."""
         self.release()
-        conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=10, application_name=self.application_name,
-                               keepalives=1, keepalives_idle=30, keepalives_interval=10, keepalives_count=3)
+        conn = psycopg.connect(
+            self.dsn,
+            autocommit=True,
+            connect_timeout=10,
+            application_name=self.application_name,
+            keepalives=1,
+            keepalives_idle=30,
+            keepalives_interval=10,
+            keepalives_count=3,
+        )
         try:
             got = conn.execute("SELECT pg_try_advisory_lock(hashtext(%s))", (self.name,)).fetchone()[0]  # type: ignore[index]
         except BaseException:
@@ -71,14 +79,17 @@ class SessionLock:
                     " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
                     " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
                     " AND ((l.classid::bigint << 32) | l.objid::bigint) = hashtext(%s)::bigint",
-                    (self.name,)).fetchone()
+                    (self.name,),
+                ).fetchone()
         except psycopg.Error as exc:
             return f"unknown holder ({str(exc).strip()})"
         if row is None:
             return "a session that has released it since"
         pid, app, client, since = row
-        return (f"server pid {pid}, {app or 'no application name'!r}, from {client or 'local socket'},"
-                f" since {since:%Y-%m-%d %H:%M:%S%z}")
+        return (
+            f"server pid {pid}, {app or 'no application name'!r}, from {client or 'local socket'},"
+            f" since {since:%Y-%m-%d %H:%M:%S%z}"
+        )
 
     def release(self) -> None:
         """Close the connection: the session ends and the lock with it."""

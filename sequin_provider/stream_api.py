@@ -98,10 +98,17 @@ class SuccessResponse(BaseModel):
 
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorBody, "description": what} for status, what in (
-        (400, "invalid parameters or body"), (401, "missing or unknown bearer token"), (403, "revoked token"),
-        (404, "no Sequin Stream sink of that name"), (413, "body larger than 1 MiB"),
-        (429, "max_waiting long-polling receivers already waiting"), (503, "the message store is unavailable"))}
+    status: {"model": ErrorBody, "description": what}
+    for status, what in (
+        (400, "invalid parameters or body"),
+        (401, "missing or unknown bearer token"),
+        (403, "revoked token"),
+        (404, "no Sequin Stream sink of that name"),
+        (413, "body larger than 1 MiB"),
+        (429, "max_waiting long-polling receivers already waiting"),
+        (503, "the message store is unavailable"),
+    )
+}
 
 
 BEARER_SCHEME = {"type": "http", "scheme": "bearer", "description": "an API token from `sequin token create`"}
@@ -125,6 +132,7 @@ class ClientConnection:
     @asynccontextmanager
     async def watching(self, wake: asyncio.Event) -> AsyncIterator[None]:
         """While inside, a disconnect sets ``wake``."""
+
         async def watch() -> None:
             while (await self._request.receive())["type"] != "http.disconnect":
                 pass
@@ -156,15 +164,27 @@ class StreamService:
     """The API's state: streams, store pools, token checks, long-poll wake-ups and waiter counts."""
 
     def __init__(self, config: SequinConfig, pool_size: int = 16) -> None:
-        self.streams = {s.name: Stream(s.name, config.store_dsn(s.database), config.store.schema,
-                                       s.destination.options.visibility_timeout, s.destination.options.max_ack_pending,
-                                       s.destination.options.max_waiting)
-                        for s in config.sinks if s.destination.kind.stored}
+        self.streams = {
+            s.name: Stream(
+                s.name,
+                config.store_dsn(s.database),
+                config.store.schema,
+                s.destination.options.visibility_timeout,
+                s.destination.options.max_ack_pending,
+                s.destination.options.max_waiting,
+            )
+            for s in config.sinks
+            if s.destination.kind.stored
+        }
         self.token_dsn = config.store_dsn(config.databases[0].name)
         self.schema = config.store.schema
         dsns = {s.store_dsn for s in self.streams.values()} | {self.token_dsn}
-        self.pools = {dsn: ConnectionPool(dsn, min_size=1, max_size=pool_size, open=False,
-                                          kwargs={"autocommit": False, "connect_timeout": 5}) for dsn in dsns}
+        self.pools = {
+            dsn: ConnectionPool(
+                dsn, min_size=1, max_size=pool_size, open=False, kwargs={"autocommit": False, "connect_timeout": 5}
+            )
+            for dsn in dsns
+        }
         self._tokens: dict[str, tuple[str, float]] = {}
         self._waiting: dict[str, int] = {}
         self._waiters: dict[str, set[asyncio.Event]] = {}
@@ -234,8 +254,10 @@ class StreamService:
                             if schema == self.schema:
                                 self._wake(sink)
             except psycopg.Error as exc:
-                log.warning("stream API: LISTEN on the store failed (%s); long polls fall back to 1 s re-checks",
-                            str(exc).strip())
+                log.warning(
+                    "stream API: LISTEN on the store failed (%s); long polls fall back to 1 s re-checks",
+                    str(exc).strip(),
+                )
                 self._stop.wait(2.0)
 
     def _wake(self, sink: str) -> None:
@@ -304,8 +326,9 @@ class StreamService:
         finally:
             pool.putconn(conn)
 
-    async def receive(self, stream: Stream, batch_size: int, wait_for_ms: int | None,
-                      client: ClientConnection) -> list[stream_queue.Delivery]:
+    async def receive(
+        self, stream: Stream, batch_size: int, wait_for_ms: int | None, client: ClientConnection
+    ) -> list[stream_queue.Delivery]:
         """Deliverable messages now, or (long poll) as soon as some arrive within ``wait_for_ms``;
         nothing once ``client`` is gone, or (long poll) when the process is stopping."""
         if wait_for_ms is None:
@@ -313,8 +336,11 @@ class StreamService:
         if self._stopping:
             return []
         if self._waiting.get(stream.name, 0) >= stream.max_waiting:
-            raise ApiError(429, "too_many_requests",
-                           f"{stream.max_waiting} receivers are already waiting on {stream.name!r} (max_waiting)")
+            raise ApiError(
+                429,
+                "too_many_requests",
+                f"{stream.max_waiting} receivers are already waiting on {stream.name!r} (max_waiting)",
+            )
         self._waiting[stream.name] = self._waiting.get(stream.name, 0) + 1
         wake = asyncio.Event()
         waiters = self._waiters.setdefault(stream.name, set())
@@ -340,35 +366,51 @@ class StreamService:
         (visible again at once, its delivery not counted)."""
         if await client.gone():
             return []
-        got: list[stream_queue.Delivery] = await run_in_threadpool(self._run, stream, lambda conn: stream_queue.receive(
-            conn, stream.schema, stream.name, batch_size, stream.visibility_timeout, stream.max_ack_pending))
+        got: list[stream_queue.Delivery] = await run_in_threadpool(
+            self._run,
+            stream,
+            lambda conn: stream_queue.receive(
+                conn, stream.schema, stream.name, batch_size, stream.visibility_timeout, stream.max_ack_pending
+            ),
+        )
         if got and await client.gone():
             ack_ids = [d.ack_id for d in got]
             try:
-                await run_in_threadpool(self._run, stream, lambda conn: stream_queue.release(
-                    conn, stream.schema, stream.name, ack_ids))
+                await run_in_threadpool(
+                    self._run, stream, lambda conn: stream_queue.release(conn, stream.schema, stream.name, ack_ids)
+                )
             except psycopg.Error as exc:
-                log.warning("stream API: could not release %d messages of %r claimed for a client that went (%s);"
-                            " they come back after the visibility timeout", len(got), stream.name, str(exc).strip())
+                log.warning(
+                    "stream API: could not release %d messages of %r claimed for a client that went (%s);"
+                    " they come back after the visibility timeout",
+                    len(got),
+                    stream.name,
+                    str(exc).strip(),
+                )
             self._set_event(stream.name)  # visible again: other long polls may take them
             return []
         return got
 
     async def ack(self, stream: Stream, ack_ids: list[uuid.UUID]) -> int:
-        return int(await run_in_threadpool(
-            self._run, stream, lambda conn: stream_queue.ack(conn, stream.schema, stream.name, ack_ids)))
+        return int(
+            await run_in_threadpool(
+                self._run, stream, lambda conn: stream_queue.ack(conn, stream.schema, stream.name, ack_ids)
+            )
+        )
 
     async def nack(self, stream: Stream, ack_ids: list[uuid.UUID]) -> int:
-        count = int(await run_in_threadpool(
-            self._run, stream, lambda conn: stream_queue.nack(conn, stream.schema, stream.name, ack_ids)))
+        count = int(
+            await run_in_threadpool(
+                self._run, stream, lambda conn: stream_queue.nack(conn, stream.schema, stream.name, ack_ids)
+            )
+        )
         self._set_event(stream.name)  # nacked messages are deliverable now
         return count
 
 
 def _deliveries_json(deliveries: list[stream_queue.Delivery]) -> bytes:
     """The receive response, built from the stored JSON texts without re-encoding them."""
-    return ('{"data":[' + ",".join(f'{{"ack_id":"{d.ack_id}","data":{d.data}}}' for d in deliveries)
-            + "]}").encode()
+    return ('{"data":[' + ",".join(f'{{"ack_id":"{d.ack_id}","data":{d.data}}}' for d in deliveries) + "]}").encode()
 
 
 class BodyLimit:
@@ -377,8 +419,12 @@ class BodyLimit:
     def __init__(self, app: Any, limit: int = MAX_BODY_BYTES) -> None:
         self.app, self.limit = app, limit
 
-    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],
-                       send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+    async def __call__(
+        self,
+        scope: dict[str, Any],
+        receive: Callable[[], Awaitable[dict[str, Any]]],
+        send: Callable[[dict[str, Any]], Awaitable[None]],
+    ) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -414,22 +460,31 @@ def _validation_summary(exc: RequestValidationError | Exception) -> str:
 def _validated(model: type[ModelT], data: bytes | dict[str, str]) -> ModelT:
     """``data`` (a JSON body, strictly, or query parameters) as ``model``, or a 400 naming the first problem."""
     try:
-        return (model.model_validate_json(data, strict=True) if isinstance(data, bytes)
-                else model.model_validate(data))
+        return model.model_validate_json(data, strict=True) if isinstance(data, bytes) else model.model_validate(data)
     except ValidationError as exc:
         raise ApiError(400, "bad_request", _validation_summary(exc)) from None
 
 
 def _query_parameters(model: type[BaseModel]) -> list[dict[str, Any]]:
     """OpenAPI query parameters for the fields of ``model``."""
-    return [{"name": name, "in": "query", "required": False, "schema": {k: v for k, v in field.items() if k != "description"},
-             "description": field.get("description", "")} for name, field in model.model_json_schema()["properties"].items()]
+    return [
+        {
+            "name": name,
+            "in": "query",
+            "required": False,
+            "schema": {k: v for k, v in field.items() if k != "description"},
+            "description": field.get("description", ""),
+        }
+        for name, field in model.model_json_schema()["properties"].items()
+    ]
 
 
 def _json_body(model: type[BaseModel], required: bool) -> dict[str, Any]:
     """An OpenAPI JSON request body of ``model``."""
-    return {"required": required,
-            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    return {
+        "required": required,
+        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+    }
 
 
 def create_app(config: SequinConfig, service: StreamService | None = None) -> FastAPI:
@@ -445,9 +500,13 @@ def create_app(config: SequinConfig, service: StreamService | None = None) -> Fa
         finally:
             await run_in_threadpool(service.close)
 
-    app = FastAPI(title="Sequin Stream API", version="1", lifespan=lifespan,
-                  description="Pull messages of Sequin Stream sinks: receive, then ack or nack (consumer groups, "
-                              "visibility timeout, per-group order).")
+    app = FastAPI(
+        title="Sequin Stream API",
+        version="1",
+        lifespan=lifespan,
+        description="Pull messages of Sequin Stream sinks: receive, then ack or nack (consumer groups, "
+        "visibility timeout, per-group order).",
+    )
     app.state.service = service
 
     @app.exception_handler(ApiError)
@@ -475,8 +534,9 @@ def create_app(config: SequinConfig, service: StreamService | None = None) -> Fa
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
             raise ApiError(401, "unauthorized", "missing bearer token (Authorization: Bearer <token>)")
-        service.check_token_status(service.cached_token_status(token)
-                                   or await run_in_threadpool(service.fetch_token_status, token))
+        service.check_token_status(
+            service.cached_token_status(token) or await run_in_threadpool(service.fetch_token_status, token)
+        )
 
     async def receive(name: str, request: Request) -> Response:
         await authorize(request)
@@ -495,25 +555,47 @@ def create_app(config: SequinConfig, service: StreamService | None = None) -> Fa
             ids = list(dict.fromkeys(_validated(AckRequest, await request.body()).ack_ids))
             await (service.ack(stream, ids) if operation == "ack" else service.nack(stream, ids))
             return Response(b'{"success":true}', media_type="application/json")
+
         return endpoint
 
     security = {"security": [{"HTTPBearer": []}]}
-    receive_doc = {**security, "parameters": _query_parameters(ReceiveParams), "requestBody": _json_body(ReceiveParams, False)}
+    receive_doc = {
+        **security,
+        "parameters": _query_parameters(ReceiveParams),
+        "requestBody": _json_body(ReceiveParams, False),
+    }
     settle_doc = {**security, "requestBody": _json_body(AckRequest, True)}
     for prefix in PREFIXES:
         legacy = prefix != PREFIXES[0]
         suffix = "_legacy" if legacy else ""
         for method in ("POST", "GET"):
-            app.add_api_route(f"{prefix}/{{name}}/receive", receive, methods=[method], openapi_extra=receive_doc,
-                              operation_id=f"receive_{method.lower()}{suffix}", response_model=ReceiveResponse,
-                              responses=ERROR_RESPONSES, include_in_schema=not legacy, tags=["Sequin Stream"],
-                              summary="Receive messages: at most one per group, invisible for the visibility timeout")
+            app.add_api_route(
+                f"{prefix}/{{name}}/receive",
+                receive,
+                methods=[method],
+                openapi_extra=receive_doc,
+                operation_id=f"receive_{method.lower()}{suffix}",
+                response_model=ReceiveResponse,
+                responses=ERROR_RESPONSES,
+                include_in_schema=not legacy,
+                tags=["Sequin Stream"],
+                summary="Receive messages: at most one per group, invisible for the visibility timeout",
+            )
         for operation in ("ack", "nack"):
-            app.add_api_route(f"{prefix}/{{name}}/{operation}", settle_endpoint(operation), methods=["POST"],
-                              openapi_extra=settle_doc, operation_id=f"{operation}{suffix}",
-                              response_model=SuccessResponse, responses=ERROR_RESPONSES, include_in_schema=not legacy,
-                              tags=["Sequin Stream"], summary="Acknowledge messages (delete them)" if operation == "ack"
-                              else "Make messages visible again at once")
+            app.add_api_route(
+                f"{prefix}/{{name}}/{operation}",
+                settle_endpoint(operation),
+                methods=["POST"],
+                openapi_extra=settle_doc,
+                operation_id=f"{operation}{suffix}",
+                response_model=SuccessResponse,
+                responses=ERROR_RESPONSES,
+                include_in_schema=not legacy,
+                tags=["Sequin Stream"],
+                summary="Acknowledge messages (delete them)"
+                if operation == "ack"
+                else "Make messages visible again at once",
+            )
 
     @app.get("/health", include_in_schema=False)
     async def health() -> dict[str, str]:
@@ -531,7 +613,8 @@ def create_app(config: SequinConfig, service: StreamService | None = None) -> Fa
                 components.get("schemas", {}).pop(name, None)
             for model in (ReceiveParams, AckRequest):
                 components.setdefault("schemas", {})[model.__name__] = model.model_json_schema(
-                    ref_template="#/components/schemas/{model}")
+                    ref_template="#/components/schemas/{model}"
+                )
             components.setdefault("securitySchemes", {})["HTTPBearer"] = BEARER_SCHEME
             app.openapi_schema = document
         return app.openapi_schema  # type: ignore[return-value]
@@ -558,7 +641,15 @@ def serve(config: SequinConfig, host: str, port: int, log_level: str = "warning"
     """Serve the API until SIGTERM or Ctrl-C; open long polls answer with no messages at once, and
     whatever still runs ``SHUTDOWN_GRACE_SECONDS`` later is cancelled."""
     service = StreamService(config)
-    server = StoppingServer(uvicorn.Config(create_app(config, service), host=host, port=port, log_level=log_level,
-                                           access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS),
-                            service)
+    server = StoppingServer(
+        uvicorn.Config(
+            create_app(config, service),
+            host=host,
+            port=port,
+            log_level=log_level,
+            access_log=False,
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS,
+        ),
+        service,
+    )
     server.run()

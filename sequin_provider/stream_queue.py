@@ -86,8 +86,15 @@ HEAD_GROWTH = 4
 """A receive first reads its pending messages and this many times the batch of the stream's head,
 and this many times more each time it claimed too few from the part it read (``receive``)."""
 
-def receive(conn: psycopg.Connection[Any], schema: str, sink: str, batch_size: int, visibility_timeout: float,
-            max_ack_pending: int) -> list[Delivery]:
+
+def receive(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    sink: str,
+    batch_size: int,
+    visibility_timeout: float,
+    max_ack_pending: int,
+) -> list[Delivery]:
     """Claim up to ``batch_size`` deliverable messages of ``sink`` for ``visibility_timeout`` seconds.
 
     A message is deliverable when it is its group's first in the stream table (so a group goes
@@ -121,8 +128,17 @@ def receive(conn: psycopg.Connection[Any], schema: str, sink: str, batch_size: i
         limit = batch_size if only_redeliveries else min(batch_size, max_ack_pending - outstanding)
         head = outstanding + HEAD_GROWTH * limit
         while True:
-            got, in_head = store.claim_from_head(conn, schema, sink, visible, head, only_redeliveries,
-                                                 limit - len(claimed), visibility_timeout, _NONCE_LIMIT)
+            got, in_head = store.claim_from_head(
+                conn,
+                schema,
+                sink,
+                visible,
+                head,
+                only_redeliveries,
+                limit - len(claimed),
+                visibility_timeout,
+                _NONCE_LIMIT,
+            )
             claimed.extend(got)
             # Read further while too few were claimed and the head did not hold every visible
             # message: too few deliverable ones in it, or other receivers hold them (skipped,
@@ -155,8 +171,6 @@ def release(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequ
     return store.release_messages(conn, schema, sink, _parsed(ack_ids))
 
 
-
-
 # ---------------------------------------------------------------------------------------------
 # API tokens
 
@@ -185,8 +199,6 @@ def revoke_token(conn: psycopg.Connection[Any], schema: str, name: str) -> None:
     """Revoke a token: requests carrying it are refused from now on (403)."""
     if store.revoke_api_token(conn, schema, name) == 0:
         raise TokenError(f"no active token named {name!r}")
-
-
 
 
 def token_status(conn: psycopg.Connection[Any], schema: str, token: str) -> str:

@@ -53,8 +53,10 @@ class StreamLock(SessionLock):
         ``SupervisionError`` if another session took the lock meanwhile."""
         try:
             if self.conn is None and not self.acquire():
-                raise SupervisionError(f"lost the advisory lock of database {self.database!r} and another session"
-                                       f" took it ({self.holder()}): stopping this supervisor")
+                raise SupervisionError(
+                    f"lost the advisory lock of database {self.database!r} and another session"
+                    f" took it ({self.holder()}): stopping this supervisor"
+                )
             return self.heartbeat()
         except psycopg.Error as exc:
             log.warning("store unreachable, heartbeat not checked: %s", str(exc).strip())
@@ -140,6 +142,8 @@ def effective_stall_timeout(stall_timeout: float | None, heartbeat_interval: flo
     if stall and heartbeat_interval <= 0:
         return 0.0, "heartbeat_interval 0: an idle stream records no heartbeats, so only exits of the app are watched"
     if stall and stall < 3 * heartbeat_interval:
-        return stall, (f"stall_timeout {stall:.0f}s is close to heartbeat_interval {heartbeat_interval:.0f}s: an idle"
-                       " but healthy app may be restarted")
+        return stall, (
+            f"stall_timeout {stall:.0f}s is close to heartbeat_interval {heartbeat_interval:.0f}s: an idle"
+            " but healthy app may be restarted"
+        )
     return stall, None

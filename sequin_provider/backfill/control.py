@@ -45,8 +45,15 @@ class PageSizeOptimizer:
     between the largest recent success and that timeout.
     """
 
-    def __init__(self, max_query_ms: float = 5000.0, initial_size: int = 1000, min_size: int = 10,
-                 max_size: int = 1_000_000, target_fraction: float = 0.5, history: int = 20) -> None:
+    def __init__(
+        self,
+        max_query_ms: float = 5000.0,
+        initial_size: int = 1000,
+        min_size: int = 10,
+        max_size: int = 1_000_000,
+        target_fraction: float = 0.5,
+        history: int = 20,
+    ) -> None:
         if max_query_ms <= 0:
             raise ValueError("max_query_ms must be positive")
         if not 0 < target_fraction < 1:
@@ -114,9 +121,15 @@ class BackfillPlan:
     estimated_rows: int | None
 
 
-def plan_backfill(source: psycopg.Connection[Any], config: SequinConfig, sink_name: str, table_name: str,
-                  sort_column: str | None = None, start_position: str | None = None,
-                  max_query_ms: int = DEFAULT_MAX_QUERY_MS) -> BackfillPlan:
+def plan_backfill(
+    source: psycopg.Connection[Any],
+    config: SequinConfig,
+    sink_name: str,
+    table_name: str,
+    sort_column: str | None = None,
+    start_position: str | None = None,
+    max_query_ms: int = DEFAULT_MAX_QUERY_MS,
+) -> BackfillPlan:
     """Check a backfill request against the config and the source catalog (DESIGN §2.6).
 
     A request with ``sort_column`` is partial: rows with ``sort_column >= start_position`` in
@@ -129,8 +142,10 @@ def plan_backfill(source: psycopg.Connection[Any], config: SequinConfig, sink_na
     qualified = table_name if "." in table_name else f"public.{table_name}"
     table = next((t for t in sink.tables if t.qualified == qualified), None)
     if table is None:
-        raise BackfillError(f"sink {sink_name!r} does not capture {qualified} "
-                            f"(its tables: {', '.join(t.qualified for t in sink.tables)})")
+        raise BackfillError(
+            f"sink {sink_name!r} does not capture {qualified} "
+            f"(its tables: {', '.join(t.qualified for t in sink.tables)})"
+        )
     store.check_max_query_ms(max_query_ms)
     check_backfill_source(source)
     info = table_info(source, table)
@@ -145,10 +160,13 @@ def plan_backfill(source: psycopg.Connection[Any], config: SequinConfig, sink_na
     else:
         row = source.execute(
             "SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = %s AND attname = %s"
-            " AND attnum > 0 AND NOT attisdropped", (info.oid, sort_column)).fetchone()
+            " AND attnum > 0 AND NOT attisdropped",
+            (info.oid, sort_column),
+        ).fetchone()
         if row is None:
-            raise BackfillError(f"sort column {sort_column!r} is not a column of {qualified} "
-                                f"(columns: {', '.join(info.columns)})")
+            raise BackfillError(
+                f"sort column {sort_column!r} is not a column of {qualified} (columns: {', '.join(info.columns)})"
+            )
         sort_type = str(row[0])
         if start_position is None:
             raise BackfillError(f"a partial backfill needs a start position for {sort_column!r} ({sort_type})")
@@ -156,15 +174,30 @@ def plan_backfill(source: psycopg.Connection[Any], config: SequinConfig, sink_na
             with source.transaction():
                 source.execute(sql.SQL("SELECT CAST(%s AS {})").format(sql.SQL(sort_type)), (start_position,))
         except psycopg.Error as exc:
-            raise BackfillError(f"start position {start_position!r} is not a valid {sort_type} for {sort_column!r}: "
-                                f"{str(exc).strip().splitlines()[0]}") from None
-    return BackfillPlan(sink.name, table, info.primary_key, "partial" if sort_column else "full", sort_column,
-                        sort_type, start_position, max_query_ms, _estimate_rows(source, table, sort_column, sort_type,
-                                                                               start_position))
+            raise BackfillError(
+                f"start position {start_position!r} is not a valid {sort_type} for {sort_column!r}: "
+                f"{str(exc).strip().splitlines()[0]}"
+            ) from None
+    return BackfillPlan(
+        sink.name,
+        table,
+        info.primary_key,
+        "partial" if sort_column else "full",
+        sort_column,
+        sort_type,
+        start_position,
+        max_query_ms,
+        _estimate_rows(source, table, sort_column, sort_type, start_position),
+    )
 
 
-def _estimate_rows(source: psycopg.Connection[Any], table: TableConfig, sort_column: str | None,
-                   sort_type: str | None, start_position: str | None) -> int | None:
+def _estimate_rows(
+    source: psycopg.Connection[Any],
+    table: TableConfig,
+    sort_column: str | None,
+    sort_type: str | None,
+    start_position: str | None,
+) -> int | None:
     """The planner's row estimate (cheap on any table size), for progress and ETA."""
     query = sql.SQL("EXPLAIN (FORMAT JSON) SELECT 1 FROM {}").format(sql.Identifier(table.schema, table.name))
     params: tuple[Any, ...] = ()
@@ -178,16 +211,33 @@ def _estimate_rows(source: psycopg.Connection[Any], table: TableConfig, sort_col
         return None
 
 
-def create_backfill(source: psycopg.Connection[Any], store_conn: psycopg.Connection[Any], config: SequinConfig,
-                    sink_name: str, table_name: str, sort_column: str | None = None,
-                    start_position: str | None = None, max_query_ms: int = DEFAULT_MAX_QUERY_MS,
-                    requested_by: str | None = None) -> store.Backfill:
+def create_backfill(
+    source: psycopg.Connection[Any],
+    store_conn: psycopg.Connection[Any],
+    config: SequinConfig,
+    sink_name: str,
+    table_name: str,
+    sort_column: str | None = None,
+    start_position: str | None = None,
+    max_query_ms: int = DEFAULT_MAX_QUERY_MS,
+    requested_by: str | None = None,
+) -> store.Backfill:
     """Validate a backfill request and record it as pending (nothing is recorded when it is invalid);
     ``requested_by`` names who asked (an Airflow task instance), so that its retry can find it."""
     plan = plan_backfill(source, config, sink_name, table_name, sort_column, start_position, max_query_ms)
-    return store.create_backfill(store_conn, config.store.schema, plan.sink, plan.table.schema, plan.table.name,
-                                 plan.kind, plan.sort_column, plan.start_position, plan.max_query_ms,
-                                 plan.estimated_rows, requested_by)
+    return store.create_backfill(
+        store_conn,
+        config.store.schema,
+        plan.sink,
+        plan.table.schema,
+        plan.table.name,
+        plan.kind,
+        plan.sort_column,
+        plan.start_position,
+        plan.max_query_ms,
+        plan.estimated_rows,
+        requested_by,
+    )
 
 
 RUN_LOCK_WAIT = 30.0  # seconds an app waits for an earlier app of the same backfill to stop
@@ -204,16 +254,18 @@ def run_lock(store_dsn: str, schema: str, backfill_id: int, application_name: st
     return SessionLock(store_dsn, f"sequin-backfill:{schema}:{backfill_id}", application_name)
 
 
-def server_lock(store_dsn: str, schema: str, database: str, application_name: str = "sequin-backfill-server"
-                ) -> SessionLock:
+def server_lock(
+    store_dsn: str, schema: str, database: str, application_name: str = "sequin-backfill-server"
+) -> SessionLock:
     """The advisory lock "a backfill server runs this database's backfills", in the store: held by
     ``sequin backfill serve`` while it is up, so that ``sequin backfill start`` hands it the backfill
     instead of starting a Spark app of its own, and two servers never poll one store."""
     return SessionLock(store_dsn, f"sequin-backfill-server:{schema}:{database}", application_name)
 
 
-def run_lock_holder(store_dsn: str, schema: str, backfill_id: int, wait: float,
-                    application_name: str = "sequin-backfill") -> str | None:
+def run_lock_holder(
+    store_dsn: str, schema: str, backfill_id: int, wait: float, application_name: str = "sequin-backfill"
+) -> str | None:
     """Who runs the backfill: the holder of its run lock if it is still held after ``wait`` seconds,
     else None (nobody runs it; the lock is tried and released at once)."""
     lock = run_lock(store_dsn, schema, backfill_id, application_name)
@@ -234,8 +286,14 @@ class Placement:
     server: SessionLock | None = None
 
 
-def place_backfill(store_dsn: str, schema: str, database: str, backfill_id: int, takeover_wait: float | None = None,
-                   application_name: str = "sequin-backfill") -> Placement:
+def place_backfill(
+    store_dsn: str,
+    schema: str,
+    database: str,
+    backfill_id: int,
+    takeover_wait: float | None = None,
+    application_name: str = "sequin-backfill",
+) -> Placement:
     """Decide where backfill ``backfill_id`` of ``database`` runs (``sequin backfill start`` and
     ``SequinBackfillOperator`` both ask this). ``takeover_wait``: the backfill may already be run by an
     earlier app (a retried task resuming its own backfill): give that app this many seconds to let go
@@ -257,8 +315,9 @@ FOLLOW_PROGRESS_INTERVAL = 5.0
 SERVER_CHECK_INTERVAL = 5.0
 
 
-def follow_backfill(store_dsn: str, schema: str, backfill_id: int, server: SessionLock,
-                    report: Callable[[str], None] = print) -> store.Backfill | None:
+def follow_backfill(
+    store_dsn: str, schema: str, backfill_id: int, server: SessionLock, report: Callable[[str], None] = print
+) -> store.Backfill | None:
     """Follow a backfill that the backfill server (``server_lock``) runs, reporting a progress line
     every few seconds, until it ends: its final record, or None when the server went away first
     (the caller then runs it itself; it resumes from its cursors)."""
@@ -287,8 +346,9 @@ def check_backfill_source(source: psycopg.Connection[Any]) -> None:
     """Backfills need watermark messages in the replication stream: Postgres 14 or later."""
     version = source.info.server_version
     if version < MIN_SERVER_VERSION:
-        raise BackfillError(f"backfills need PostgreSQL 14 or later (logical messages in pgoutput); the source is"
-                            f" {version // 10000}")
+        raise BackfillError(
+            f"backfills need PostgreSQL 14 or later (logical messages in pgoutput); the source is {version // 10000}"
+        )
 
 
 def progress_line(backfill: store.Backfill, rate: float | None = None) -> str:
@@ -314,8 +374,9 @@ def progress_line(backfill: store.Backfill, rate: float | None = None) -> str:
     return ", ".join(parts)
 
 
-def create_initial_backfills(source: psycopg.Connection[Any], store_conn: psycopg.Connection[Any],
-                             config: SequinConfig, database: str) -> list[store.Backfill]:
+def create_initial_backfills(
+    source: psycopg.Connection[Any], store_conn: psycopg.Connection[Any], config: SequinConfig, database: str
+) -> list[store.Backfill]:
     """The ``initial_backfill`` of each sink of ``database`` seen for the first time (DESIGN §7).
 
     Every request is validated before any is recorded, and the sink is marked set up only after
@@ -326,10 +387,21 @@ def create_initial_backfills(source: psycopg.Connection[Any], store_conn: psycop
     for name in store.new_sinks(store_conn, config.store.schema, [s.name for s in sinks]):
         sink = config.sink(name)
         for request in sink.initial_backfill:
-            plan_backfill(source, config, name, request.table, request.sort_column, request.start_position,
-                          request.max_query_ms)
+            plan_backfill(
+                source, config, name, request.table, request.sort_column, request.start_position, request.max_query_ms
+            )
         for request in sink.initial_backfill:
-            created.append(create_backfill(source, store_conn, config, name, request.table, request.sort_column,
-                                           request.start_position, request.max_query_ms))
+            created.append(
+                create_backfill(
+                    source,
+                    store_conn,
+                    config,
+                    name,
+                    request.table,
+                    request.sort_column,
+                    request.start_position,
+                    request.max_query_ms,
+                )
+            )
         store.record_sink_setup(store_conn, config.store.schema, name)
     return created

@@ -81,26 +81,39 @@ def table_shape(conn: psycopg.Connection[Any], schema: str, name: str) -> TableS
         " JOIN pg_namespace n ON n.oid = c.relnamespace JOIN pg_attribute a ON a.attrelid = c.oid"
         " JOIN pg_type t ON t.oid = a.atttypid LEFT JOIN pg_type b ON b.oid = t.typbasetype"
         " WHERE n.nspname = %s AND c.relname = %s AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''"
-        " ORDER BY a.attnum", (schema, name)).fetchall()
+        " ORDER BY a.attnum",
+        (schema, name),
+    ).fetchall()
     if not rows:
         raise BackfillError(f"table {schema}.{name} does not exist")
     oid = int(rows[0][0])
-    return TableShape(oid, schema, name, tuple(r[1] for r in rows), tuple(int(r[2]) for r in rows),
-                      {r[1]: str(r[3]) for r in rows}, tuple(primary_key_columns(conn, oid)),
-                      tuple(str(r[4]) for r in rows))
+    return TableShape(
+        oid,
+        schema,
+        name,
+        tuple(r[1] for r in rows),
+        tuple(int(r[2]) for r in rows),
+        {r[1]: str(r[3]) for r in rows},
+        tuple(primary_key_columns(conn, oid)),
+        tuple(str(r[4]) for r in rows),
+    )
 
 
 def _cast_row(shape: TableShape, columns: Sequence[str], values: Sequence[str]) -> sql.Composed:
-    return sql.SQL("ROW({})").format(sql.SQL(", ").join(
-        sql.SQL("CAST({} AS {})").format(sql.Literal(v), sql.SQL(shape.types[c])) for c, v in zip(columns, values)))
+    return sql.SQL("ROW({})").format(
+        sql.SQL(", ").join(
+            sql.SQL("CAST({} AS {})").format(sql.Literal(v), sql.SQL(shape.types[c])) for c, v in zip(columns, values)
+        )
+    )
 
 
 def _key_row(columns: Sequence[str]) -> sql.Composed:
     return sql.SQL("ROW({})").format(sql.SQL(", ").join(sql.Identifier(c) for c in columns))
 
 
-def split_key_ranges(conn: psycopg.Connection[Any], shape: TableShape, ranges: int,
-                     estimated_rows: int | None) -> list[tuple[list[str] | None, list[str] | None]]:
+def split_key_ranges(
+    conn: psycopg.Connection[Any], shape: TableShape, ranges: int, estimated_rows: int | None
+) -> list[tuple[list[str] | None, list[str] | None]]:
     """Cut the primary-key space into up to ``ranges`` ranges ``(lower, upper]`` of similar size.
 
     Boundaries are keys at even quantiles of a Bernoulli sample of about ``SAMPLE_ROWS`` rows,
@@ -113,7 +126,8 @@ def split_key_ranges(conn: psycopg.Connection[Any], shape: TableShape, ranges: i
     keys = sql.SQL(", ").join(sql.Identifier("k", c) for c in shape.primary_key)
     text_keys = sql.SQL(", ").join(sql.SQL("{}::text").format(sql.Identifier("k", c)) for c in shape.primary_key)
     query = sql.SQL("SELECT {} FROM {} AS k TABLESAMPLE BERNOULLI (%s) ORDER BY {}").format(
-        text_keys, shape.qualified, keys)
+        text_keys, shape.qualified, keys
+    )
     sample = [list(r) for r in conn.execute(query, (percent,)).fetchall()]
     if len(sample) < ranges:
         return [(None, None)]
@@ -142,49 +156,74 @@ class PageQuery:
         """``COPY (SELECT every column ... ORDER BY order LIMIT limit) TO STDOUT`` after ``cursor``."""
         return sql.SQL("COPY ({}) TO STDOUT").format(self.select(cursor, limit))
 
-    def staging_sql(self, cursor: Sequence[str] | None, limit: int, page_id: int, record: sql.Composable) -> sql.Composed:
+    def staging_sql(
+        self, cursor: Sequence[str] | None, limit: int, page_id: int, record: sql.Composable
+    ) -> sql.Composed:
         """The same page as ``COPY TO STDOUT`` lines of ``backfill_rows (page_id, ordinal, record_pks, record,
         order_key)``: ``record`` renders each row (``source_sql.record_sql``); the last row carries its
         order key (the page's next cursor)."""
         return sql.SQL("COPY ({}) TO STDOUT").format(self._staging_select(cursor, limit, page_id, record))
 
-    def reads_sql(self, cursor: Sequence[str] | None, limit: int, page_id: int, record: sql.Composable,
-                  reads: StoreReads) -> sql.Composed:
+    def reads_sql(
+        self, cursor: Sequence[str] | None, limit: int, page_id: int, record: sql.Composable, reads: StoreReads
+    ) -> sql.Composed:
         """The same page as ``COPY TO STDOUT`` lines of the sink's read messages
         (``store.READ_MESSAGE_COLUMNS``), each followed by the order key column of ``staging_sql``."""
         rows = sql.SQL("({}) AS r (page_id, ordinal, record_pks, record, order_key)").format(
-            self._staging_select(cursor, limit, page_id, record))
+            self._staging_select(cursor, limit, page_id, record)
+        )
         return sql.SQL("COPY ({}) TO STDOUT").format(
-            store.read_messages_sql(reads, page_id, rows, extra=sql.SQL("r.order_key")))
+            store.read_messages_sql(reads, page_id, rows, extra=sql.SQL("r.order_key"))
+        )
 
-    def _staging_select(self, cursor: Sequence[str] | None, limit: int, page_id: int,
-                        record: sql.Composable) -> sql.Composed:
+    def _staging_select(
+        self, cursor: Sequence[str] | None, limit: int, page_id: int, record: sql.Composable
+    ) -> sql.Composed:
         shape = self.shape
         oids = dict(zip(shape.columns, shape.type_oids))
         window = sql.SQL("OVER (ORDER BY {})").format(sql.SQL(", ").join(sql.Identifier("r", c) for c in self.order))
-        return sql.SQL("SELECT {page}, row_number() {w} - 1, {pks}, {record},"
-                       " CASE WHEN lead(true) {w} IS NULL THEN {order} END FROM ({select}) AS r").format(
-            page=sql.Literal(page_id), w=window, record=record, select=self.select(cursor, limit),
+        return sql.SQL(
+            "SELECT {page}, row_number() {w} - 1, {pks}, {record},"
+            " CASE WHEN lead(true) {w} IS NULL THEN {order} END FROM ({select}) AS r"
+        ).format(
+            page=sql.Literal(page_id),
+            w=window,
+            record=record,
+            select=self.select(cursor, limit),
             pks=text_array_sql(shape.primary_key, [oids[c] for c in shape.primary_key]),
-            order=text_array_sql(self.order, [oids[c] for c in self.order]))
+            order=text_array_sql(self.order, [oids[c] for c in self.order]),
+        )
 
     def select(self, cursor: Sequence[str] | None, limit: int) -> sql.Composed:
         """``SELECT every column ... ORDER BY order LIMIT limit`` after ``cursor``."""
         shape = self.shape
         where: list[sql.Composable] = []
         if self.sort_column is not None:
-            where.append(sql.SQL("{} >= CAST({} AS {})").format(
-                sql.Identifier(self.sort_column), sql.Literal(self.start_position), sql.SQL(shape.types[self.sort_column])))
+            where.append(
+                sql.SQL("{} >= CAST({} AS {})").format(
+                    sql.Identifier(self.sort_column),
+                    sql.Literal(self.start_position),
+                    sql.SQL(shape.types[self.sort_column]),
+                )
+            )
         if self.lower is not None:
-            where.append(sql.SQL("{} > {}").format(_key_row(shape.primary_key), _cast_row(shape, shape.primary_key, self.lower)))
+            where.append(
+                sql.SQL("{} > {}").format(_key_row(shape.primary_key), _cast_row(shape, shape.primary_key, self.lower))
+            )
         if self.upper is not None:
-            where.append(sql.SQL("{} <= {}").format(_key_row(shape.primary_key), _cast_row(shape, shape.primary_key, self.upper)))
+            where.append(
+                sql.SQL("{} <= {}").format(_key_row(shape.primary_key), _cast_row(shape, shape.primary_key, self.upper))
+            )
         if cursor is not None:
             where.append(sql.SQL("{} > {}").format(_key_row(self.order), _cast_row(shape, self.order, cursor)))
         condition = sql.SQL(" AND ").join(where) if where else sql.SQL("true")
         return sql.SQL("SELECT {} FROM {} WHERE {} ORDER BY {} LIMIT {}").format(
-            sql.SQL(", ").join(sql.Identifier(c) for c in shape.columns), shape.qualified, condition,
-            sql.SQL(", ").join(sql.Identifier(c) for c in self.order), sql.Literal(limit))
+            sql.SQL(", ").join(sql.Identifier(c) for c in shape.columns),
+            shape.qualified,
+            condition,
+            sql.SQL(", ").join(sql.Identifier(c) for c in self.order),
+            sql.Literal(limit),
+        )
 
 
 def copy_out(conn: psycopg.Connection[Any], query: sql.Composed, budget_ms: int | None = None) -> bytearray:
@@ -204,8 +243,9 @@ def copy_out(conn: psycopg.Connection[Any], query: sql.Composed, budget_ms: int 
     return out
 
 
-def read_page(conn: psycopg.Connection[Any], query: sql.Composed, budget_ms: int | None = None
-              ) -> list[list[str | None]]:
+def read_page(
+    conn: psycopg.Connection[Any], query: sql.Composed, budget_ms: int | None = None
+) -> list[list[str | None]]:
     """Run a page's COPY (under ``budget_ms``, as ``copy_out``) and return its rows as text values."""
     return [parse_copy_line(line) for line in copy_out(conn, query, budget_ms).decode("utf-8").split("\n") if line]
 
@@ -215,19 +255,23 @@ def page_end(data: bytes | bytearray, positions: Sequence[int]) -> tuple[int, li
     if not data:
         return 0, None
     end = len(data) - 1 if data.endswith(b"\n") else len(data)
-    last = parse_copy_line(bytes(data[data.rfind(b"\n", 0, end) + 1:end]).decode("utf-8"))
+    last = parse_copy_line(bytes(data[data.rfind(b"\n", 0, end) + 1 : end]).decode("utf-8"))
     return data.count(b"\n"), [str(last[p]) for p in positions]
 
 
-def rendered_reads(decoder: PgOutputDecoder, rel: Relation, data: bytes | bytearray, reads: StoreReads,
-                   page_id: int) -> tuple[int, list[bytes | memoryview]]:
+def rendered_reads(
+    decoder: PgOutputDecoder, rel: Relation, data: bytes | bytearray, reads: StoreReads, page_id: int
+) -> tuple[int, list[bytes | memoryview]]:
     """A page of ``PageQuery.sql`` as its reads for a plain Sequin Stream sink, rendered in this
     task (``PgOutputDecoder.render_copy``, then ``message_render.read_rows_copy_binary``): the row
     count and the COPY binary chunks for ``store.stage_page_reads_copy``."""
     records, record_offsets, pks, pk_offsets, rows = decoder.render_copy(rel, data)
     body = read_rows_copy_binary(
-        reads, page_id, pa.StringArray.from_buffers(rows, pa.py_buffer(record_offsets), pa.py_buffer(records)),
-        pa.StringArray.from_buffers(rows, pa.py_buffer(pk_offsets), pa.py_buffer(pks)))
+        reads,
+        page_id,
+        pa.StringArray.from_buffers(rows, pa.py_buffer(record_offsets), pa.py_buffer(records)),
+        pa.StringArray.from_buffers(rows, pa.py_buffer(pk_offsets), pa.py_buffer(pks)),
+    )
     return rows, [COPY_BINARY_HEADER, memoryview(body), COPY_BINARY_TRAILER]
 
 
@@ -236,7 +280,7 @@ def staged_page_end(data: bytes | bytearray) -> tuple[int, list[str] | None]:
     if not data:
         return 0, None
     end = len(data) - 1 if data.endswith(b"\n") else len(data)
-    last = parse_copy_line(bytes(data[data.rfind(b"\n", 0, end) + 1:end]).decode("utf-8"))[-1]
+    last = parse_copy_line(bytes(data[data.rfind(b"\n", 0, end) + 1 : end]).decode("utf-8"))[-1]
     if last is None:
         raise BackfillError("a rendered backfill page ends without its order key")
     return data.count(b"\n"), [str(v) for v in parse_array_literal(last)]
@@ -250,7 +294,7 @@ def without_order_key(data: bytes | bytearray) -> bytearray:
     body = bytearray(data.replace(b"\t\\N\n", b"\n")) if isinstance(data, bytes) else data.replace(b"\t\\N\n", b"\n")
     if not body.endswith(b"\n"):
         body += b"\n"
-    del body[body.rfind(b"\t"):-1]  # the last line's order key
+    del body[body.rfind(b"\t") : -1]  # the last line's order key
     return body
 
 
@@ -267,8 +311,9 @@ def wait_for_snapshot_horizon(conn: psycopg.Connection[Any], timeout: float = SN
     in_progress = [int(x) for x in str(snapshot).split(":")[2].split(",") if x]
     deadline = time.monotonic() + timeout
     while in_progress:
-        rows = conn.execute("SELECT x FROM unnest(%s::bigint[]) AS x WHERE txid_status(x) = 'in progress'",
-                            (in_progress,)).fetchall()
+        rows = conn.execute(
+            "SELECT x FROM unnest(%s::bigint[]) AS x WHERE txid_status(x) = 'in progress'", (in_progress,)
+        ).fetchall()
         in_progress = [int(r[0]) for r in rows]
         if not in_progress or time.monotonic() > deadline:
             return
@@ -287,8 +332,11 @@ def read_position(conn: psycopg.Connection[Any]) -> tuple[int, str]:
     every commit before the low watermark lies below it, and the high watermark above it: a read
     there follows every change its SELECT saw that the window does not cover, and precedes every
     change after the window."""
-    row = conn.execute("SELECT pg_logical_emit_message(false, %s, ''), to_char(clock_timestamp() AT TIME ZONE 'UTC',"
-                       " 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')", (READ_POSITION_PREFIX,)).fetchone()
+    row = conn.execute(
+        "SELECT pg_logical_emit_message(false, %s, ''), to_char(clock_timestamp() AT TIME ZONE 'UTC',"
+        ' \'YYYY-MM-DD"T"HH24:MI:SS.US"Z"\')',
+        (READ_POSITION_PREFIX,),
+    ).fetchone()
     return lsn_to_int(str(row[0])) - 1, str(row[1])  # type: ignore[index]
 
 
@@ -333,10 +381,17 @@ class RangeReader:
     order only. A stale page is read again from its start, with every page after it.
     """
 
-    def __init__(self, config: SequinConfig, database: str, backfill_id: int, range_idx: int,
-                 max_page_rows: int = DEFAULT_MAX_PAGE_ROWS, window_timeout: float = DEFAULT_WINDOW_TIMEOUT,
-                 on_page: Callable[[RangeResult], None] | None = None,
-                 pages_in_flight: int = DEFAULT_PAGES_IN_FLIGHT) -> None:
+    def __init__(
+        self,
+        config: SequinConfig,
+        database: str,
+        backfill_id: int,
+        range_idx: int,
+        max_page_rows: int = DEFAULT_MAX_PAGE_ROWS,
+        window_timeout: float = DEFAULT_WINDOW_TIMEOUT,
+        on_page: Callable[[RangeResult], None] | None = None,
+        pages_in_flight: int = DEFAULT_PAGES_IN_FLIGHT,
+    ) -> None:
         self.config = config
         self.database = config.database(database)
         self.backfill_id = backfill_id
@@ -351,26 +406,43 @@ class RangeReader:
         """Read the range to its end (resuming from its stored cursor)."""
         with store.connect_durable(self.config.store_dsn(self.database.name), connect_timeout=10) as store_conn:
             backfill = store.get_backfill(store_conn, self.schema, self.backfill_id)
-            rng = next(r for r in store.backfill_ranges(store_conn, self.schema, self.backfill_id)
-                       if r.range_idx == self.range_idx)
+            rng = next(
+                r
+                for r in store.backfill_ranges(store_conn, self.schema, self.backfill_id)
+                if r.range_idx == self.range_idx
+            )
             store_conn.commit()
             result = RangeResult(self.range_idx, done=rng.done)
             if rng.done:
                 return result
             # the walsender's text forms (DateStyle, TimeZone…), so a read renders exactly like a change
-            with psycopg.connect(self.database.dsn, autocommit=True, connect_timeout=10,
-                                 options=REPLICATION_SESSION_OPTIONS) as source:
+            with psycopg.connect(
+                self.database.dsn, autocommit=True, connect_timeout=10, options=REPLICATION_SESSION_OPTIONS
+            ) as source:
                 return self._read(source, store_conn, backfill, rng, result)
 
-    def _read(self, source: psycopg.Connection[Any], store_conn: psycopg.Connection[Any], backfill: store.Backfill,
-              rng: store.BackfillRange, result: RangeResult) -> RangeResult:
+    def _read(
+        self,
+        source: psycopg.Connection[Any],
+        store_conn: psycopg.Connection[Any],
+        backfill: store.Backfill,
+        rng: store.BackfillRange,
+        result: RangeResult,
+    ) -> RangeResult:
         shape = table_shape(source, backfill.table_schema, backfill.table_name)
         catalog = Catalog(self.database.dsn)
         try:
             decoder = PgOutputDecoder(TypeRegistry(catalog.type_info))
-            rel = decoder.make_relation(shape.oid, shape.schema, shape.name, "d", list(shape.columns),
-                                        list(shape.type_oids), [c in shape.primary_key for c in shape.columns],
-                                        list(shape.primary_key))
+            rel = decoder.make_relation(
+                shape.oid,
+                shape.schema,
+                shape.name,
+                "d",
+                list(shape.columns),
+                list(shape.type_oids),
+                [c in shape.primary_key for c in shape.columns],
+                list(shape.primary_key),
+            )
             sink = self.config.sink(backfill.sink) if self.config.has_sink(backfill.sink) else None
             # a sink whose reads the task writes itself (``delivery.reads_render_in_store``)
             read_sink = sink if sink is not None and reads_render_in_store(sink, shape.schema, shape.name) else None
@@ -378,14 +450,24 @@ class RangeReader:
             # otherwise by the source's SQL where it can, else by the decoder in Python
             in_task = read_sink is not None and decoder.compiled
             record = None if in_task else record_sql(rel, shape.type_kinds)
-            log.info("backfill %d range %d: rows of %s.%s rendered by %s", self.backfill_id, self.range_idx,
-                     shape.schema, shape.name, "this task's compiled decoder" if in_task
-                     else "the source's SQL" if record is not None else "the decoder (Python)")
+            log.info(
+                "backfill %d range %d: rows of %s.%s rendered by %s",
+                self.backfill_id,
+                self.range_idx,
+                shape.schema,
+                shape.name,
+                "this task's compiled decoder"
+                if in_task
+                else "the source's SQL"
+                if record is not None
+                else "the decoder (Python)",
+            )
             order = ((backfill.sort_column,) if backfill.sort_column else ()) + shape.primary_key
             query = PageQuery(shape, order, rng.lower_key, rng.upper_key, backfill.sort_column, backfill.start_position)
             positions = [shape.columns.index(c) for c in order]
-            optimizer = PageSizeOptimizer(backfill.max_query_ms, initial_size=min(1000, self.max_page_rows),
-                                          max_size=self.max_page_rows)
+            optimizer = PageSizeOptimizer(
+                backfill.max_query_ms, initial_size=min(1000, self.max_page_rows), max_size=self.max_page_rows
+            )
             cursor: list[str] | None = list(rng.cursor) if rng.cursor is not None else None
             in_flight: deque[StagedPage] = deque()
             read_all = False
@@ -395,8 +477,20 @@ class RangeReader:
                 if state != "running":
                     raise BackfillStopped(f"backfill {self.backfill_id} is {state}")
                 if not read_all:
-                    page = self._stage(source, store_conn, shape, rel, decoder, query, positions, optimizer, cursor,
-                                       record, read_sink, in_task)
+                    page = self._stage(
+                        source,
+                        store_conn,
+                        shape,
+                        rel,
+                        decoder,
+                        query,
+                        positions,
+                        optimizer,
+                        cursor,
+                        record,
+                        read_sink,
+                        in_task,
+                    )
                     if page is None:  # timed out: the same page again, smaller
                         continue
                     read_all = page.rows < page.size
@@ -416,8 +510,16 @@ class RangeReader:
                         cursor, read_all = oldest.cursor_before, False
                         break
                     done = read_all and not in_flight
-                    store.advance_backfill_range(store_conn, self.schema, self.backfill_id, self.range_idx,
-                                                 oldest.cursor_after, oldest.rows, emitted, done)
+                    store.advance_backfill_range(
+                        store_conn,
+                        self.schema,
+                        self.backfill_id,
+                        self.range_idx,
+                        oldest.cursor_after,
+                        oldest.rows,
+                        emitted,
+                        done,
+                    )
                     result.rows_processed += oldest.rows
                     result.rows_emitted += emitted
                     result.pages += 1
@@ -426,18 +528,29 @@ class RangeReader:
                         self.on_page(result)
                 if read_all and not in_flight:
                     if not result.done:  # the last page was empty: nothing left to wait for
-                        store.advance_backfill_range(store_conn, self.schema, self.backfill_id, self.range_idx,
-                                                     cursor, 0, 0, True)
+                        store.advance_backfill_range(
+                            store_conn, self.schema, self.backfill_id, self.range_idx, cursor, 0, 0, True
+                        )
                     result.done = True
                     return result
         finally:
             catalog.close()
 
-    def _stage(self, source: psycopg.Connection[Any], store_conn: psycopg.Connection[Any], shape: TableShape,
-               rel: Relation, decoder: PgOutputDecoder, query: PageQuery, positions: list[int],
-               optimizer: PageSizeOptimizer, cursor: list[str] | None,
-               record: sql.Composable | None = None, read_sink: SinkConfig | None = None,
-               in_task: bool = False) -> StagedPage | None:
+    def _stage(
+        self,
+        source: psycopg.Connection[Any],
+        store_conn: psycopg.Connection[Any],
+        shape: TableShape,
+        rel: Relation,
+        decoder: PgOutputDecoder,
+        query: PageQuery,
+        positions: list[int],
+        optimizer: PageSizeOptimizer,
+        cursor: list[str] | None,
+        record: sql.Composable | None = None,
+        read_sink: SinkConfig | None = None,
+        in_task: bool = False,
+    ) -> StagedPage | None:
         """One page into the window protocol, up to its high watermark: the page staged (with 0 rows
         at the end of the range), or None to read it again (it timed out). With ``read_sink`` the
         page's reads are written for that sink now, hidden until the window closes: ``in_task``,
@@ -453,26 +566,40 @@ class RangeReader:
             reads: StoreReads | None = None
             if read_sink is not None:
                 position, stamp = read_position(source)
-                reads = page_reads(read_sink, self.database.name, self.backfill_id, shape.schema, shape.name,
-                                   stamp, position)
+                reads = page_reads(
+                    read_sink, self.database.name, self.backfill_id, shape.schema, shape.name, stamp, position
+                )
             wait_for_snapshot_horizon(source)
             started = time.monotonic()
             try:
                 if in_task:
                     data = copy_out(source, query.sql(cursor, size), optimizer.max_query_ms)
                 elif record is not None:
-                    data = copy_out(source, query.staging_sql(cursor, size, page_id, record) if reads is None
-                                    else query.reads_sql(cursor, size, page_id, record, reads), optimizer.max_query_ms)
+                    data = copy_out(
+                        source,
+                        query.staging_sql(cursor, size, page_id, record)
+                        if reads is None
+                        else query.reads_sql(cursor, size, page_id, record, reads),
+                        optimizer.max_query_ms,
+                    )
                 else:
                     values = read_page(source, query.sql(cursor, size), optimizer.max_query_ms)
             except psycopg.errors.QueryCanceled:
                 optimizer.observe(size, 0, timed_out=True)
-                log.warning("backfill %d range %d: a page of %d rows hit max_query_ms=%d; next page %d rows",
-                            self.backfill_id, self.range_idx, size, optimizer.max_query_ms, optimizer.size)
+                log.warning(
+                    "backfill %d range %d: a page of %d rows hit max_query_ms=%d; next page %d rows",
+                    self.backfill_id,
+                    self.range_idx,
+                    size,
+                    optimizer.max_query_ms,
+                    optimizer.size,
+                )
                 if size <= optimizer.min_size:
-                    raise BackfillError(f"a page of {size} rows of {shape.schema}.{shape.name} still takes longer than"
-                                        f" max_query_ms={optimizer.max_query_ms}: raise the budget or index the"
-                                        f" sort column") from None
+                    raise BackfillError(
+                        f"a page of {size} rows of {shape.schema}.{shape.name} still takes longer than"
+                        f" max_query_ms={optimizer.max_query_ms}: raise the budget or index the"
+                        f" sort column"
+                    ) from None
                 store.discard_backfill_page(store_conn, self.schema, page_id)
                 return None
             optimizer.observe(size, (time.monotonic() - started) * 1000.0)
@@ -483,13 +610,21 @@ class RangeReader:
                     rendered, chunks = rendered_reads(decoder, rel, data, reads, page_id)
                     if rendered != rows:  # both count the page's lines; a mismatch would misstate progress
                         raise BackfillError(f"page {page_id}: {rendered} rows rendered of {rows} read")
-                    staged = store.stage_page_reads_copy(store_conn, self.schema, page_id, chunks, rows, cursor_after,
-                                                         reads.commit_lsn, binary=True)
+                    staged = store.stage_page_reads_copy(
+                        store_conn, self.schema, page_id, chunks, rows, cursor_after, reads.commit_lsn, binary=True
+                    )
             elif record is not None:
                 rows, cursor_after = staged_page_end(data)
                 if rows and reads is not None:
-                    staged = store.stage_page_reads_copy(store_conn, self.schema, page_id, (without_order_key(data),), rows,
-                                                         cursor_after, reads.commit_lsn)
+                    staged = store.stage_page_reads_copy(
+                        store_conn,
+                        self.schema,
+                        page_id,
+                        (without_order_key(data),),
+                        rows,
+                        cursor_after,
+                        reads.commit_lsn,
+                    )
                 elif rows:
                     staged = store.stage_backfill_copy(store_conn, self.schema, page_id, data, rows, cursor_after)
             else:
@@ -500,18 +635,30 @@ class RangeReader:
                     staged = store.stage_backfill_page(store_conn, self.schema, page_id, rendered, cursor_after, reads)
             last = rows < size
             if not staged:
-                raise BackfillStopped(f"backfill {self.backfill_id} page {page_id} was taken back before it was staged"
-                                      " (the backfill stopped)")
+                raise BackfillStopped(
+                    f"backfill {self.backfill_id} page {page_id} was taken back before it was staged"
+                    " (the backfill stopped)"
+                )
             if not rows:
                 store.discard_backfill_page(store_conn, self.schema, page_id)
         finally:
             emit_message(source, HIGH_PREFIX, watermark_content(replace(mark, last=last)))  # always close the window
         select_ms = optimizer.observations[-1].elapsed_ms
-        return StagedPage(page_id, rows, size, cursor, cursor_after, time.monotonic(), select_ms,
-                          (time.monotonic() - started) * 1000 - select_ms, reads is not None)
+        return StagedPage(
+            page_id,
+            rows,
+            size,
+            cursor,
+            cursor_after,
+            time.monotonic(),
+            select_ms,
+            (time.monotonic() - started) * 1000 - select_ms,
+            reads is not None,
+        )
 
-    def _wait_emitted(self, store_conn: psycopg.Connection[Any], page: StagedPage, quiet: bool = False,
-                      final: bool = False) -> int | None:
+    def _wait_emitted(
+        self, store_conn: psycopg.Connection[Any], page: StagedPage, quiet: bool = False, final: bool = False
+    ) -> int | None:
         """Wait for the stream app to take a staged page: its reads emitted (their count), or None
         when its window was broken by a stream app restart (the page is read again). Reads the task
         wrote are settled once the window closed (``closing``: a replayed batch keeps that answer),
@@ -525,18 +672,32 @@ class RangeReader:
                 break
             if time.monotonic() > deadline:
                 store.discard_backfill_page(store_conn, self.schema, page.page_id)
-                raise BackfillError(f"the stream app did not take page {page.page_id} within"
-                                    f" {self.window_timeout:.0f}s: is the stream app (`sequin stream`) running for"
-                                    " this database?")
+                raise BackfillError(
+                    f"the stream app did not take page {page.page_id} within"
+                    f" {self.window_timeout:.0f}s: is the stream app (`sequin stream`) running for"
+                    " this database?"
+                )
             time.sleep(delay)
             delay = min(delay * 1.5, 0.1)
         if not quiet:
-            log.info("backfill %d range %d page %d: %d rows; select %.0f ms, render+stage %.0f ms, window %.0f ms",
-                     self.backfill_id, self.range_idx, page.page_id, page.rows, page.select_ms, page.stage_ms,
-                     (time.monotonic() - page.staged_at) * 1000)
+            log.info(
+                "backfill %d range %d page %d: %d rows; select %.0f ms, render+stage %.0f ms, window %.0f ms",
+                self.backfill_id,
+                self.range_idx,
+                page.page_id,
+                page.rows,
+                page.select_ms,
+                page.stage_ms,
+                (time.monotonic() - page.staged_at) * 1000,
+            )
         if state.state == "stale":
             if not quiet:
-                log.info("backfill %d range %d: page %d is stale (its window was broken by a stream app restart);"
-                         " reading again from its start", self.backfill_id, self.range_idx, page.page_id)
+                log.info(
+                    "backfill %d range %d: page %d is stale (its window was broken by a stream app restart);"
+                    " reading again from its start",
+                    self.backfill_id,
+                    self.range_idx,
+                    page.page_id,
+                )
             return None
         return int(state.rows_emitted or 0)

@@ -69,30 +69,40 @@ def _bool_sql(column: sql.Composable, text: sql.Composable) -> sql.Composable:
 
 
 def _number_sql(column: sql.Composable, text: sql.Composable) -> sql.Composable:
-    specials = sql.SQL(" ").join(sql.SQL("WHEN {} THEN {}").format(sql.Literal(k), sql.Literal(v))
-                                 for k, v in NON_FINITE.items())
+    specials = sql.SQL(" ").join(
+        sql.SQL("WHEN {} THEN {}").format(sql.Literal(k), sql.Literal(v)) for k, v in NON_FINITE.items()
+    )
     return sql.SQL("CASE {0} {1} ELSE {0} END").format(text, specials)
 
 
 def _timestamp_sql(column: sql.Composable, text: sql.Composable) -> sql.Composable:
-    return sql.SQL("CASE WHEN {} THEN '\"' || {} || '\"' ELSE to_json({})::text END").format(_finite(text), _iso(text),
-                                                                                           text)
+    return sql.SQL("CASE WHEN {} THEN '\"' || {} || '\"' ELSE to_json({})::text END").format(
+        _finite(text), _iso(text), text
+    )
 
 
 def _timestamptz_sql(column: sql.Composable, text: sql.Composable) -> sql.Composable:
-    return sql.SQL("CASE WHEN NOT ({0}) THEN to_json({1})::text WHEN {1} LIKE '%+00' THEN '\"' || left({2}, -3)"
-                   " || 'Z\"' ELSE to_json({3})::text END").format(_finite(text), text, _iso(text),
-                                                                   _with_offset_minutes(_iso(text)))
+    return sql.SQL(
+        "CASE WHEN NOT ({0}) THEN to_json({1})::text WHEN {1} LIKE '%+00' THEN '\"' || left({2}, -3)"
+        " || 'Z\"' ELSE to_json({3})::text END"
+    ).format(_finite(text), text, _iso(text), _with_offset_minutes(_iso(text)))
 
 
 def _timetz_sql(column: sql.Composable, text: sql.Composable) -> sql.Composable:
     return sql.SQL("to_json({})::text").format(_with_offset_minutes(text))
 
 
-RULE_SQL: Mapping[Rule, Callable[[sql.Composable, sql.Composable], sql.Composable]] = MappingProxyType({
-    Rule.RAW: _raw_sql, Rule.STRING: _string_sql, Rule.BOOL: _bool_sql, Rule.NUMBER: _number_sql,
-    Rule.TIMESTAMP: _timestamp_sql, Rule.TIMESTAMPTZ: _timestamptz_sql, Rule.TIMETZ: _timetz_sql,
-})
+RULE_SQL: Mapping[Rule, Callable[[sql.Composable, sql.Composable], sql.Composable]] = MappingProxyType(
+    {
+        Rule.RAW: _raw_sql,
+        Rule.STRING: _string_sql,
+        Rule.BOOL: _bool_sql,
+        Rule.NUMBER: _number_sql,
+        Rule.TIMESTAMP: _timestamp_sql,
+        Rule.TIMESTAMPTZ: _timestamptz_sql,
+        Rule.TIMETZ: _timetz_sql,
+    }
+)
 """The SQL of each ``pgtypes.Rule`` rendered by the source: f(column, its text) -> the value's JSON
 text, as the rule's converter makes it. ``Rule.ARRAY`` is not here: arrays keep the Python rendering."""
 
@@ -116,8 +126,9 @@ def record_sql(rel: Relation, type_kinds: Sequence[str], table: str = "r") -> sq
         if value is None:
             return None
         prefix = ("{" if i == 0 else ",") + rel.prefixes[i]
-        parts.append(sql.SQL("{} || CASE WHEN {} IS NULL THEN 'null' ELSE {} END").format(
-            sql.Literal(prefix), column, value))
+        parts.append(
+            sql.SQL("{} || CASE WHEN {} IS NULL THEN 'null' ELSE {} END").format(sql.Literal(prefix), column, value)
+        )
     if not parts:
         return sql.Literal("{}")
     return sql.SQL("({} || '}}')").format(sql.SQL(" || ").join(parts))
@@ -125,5 +136,6 @@ def record_sql(rel: Relation, type_kinds: Sequence[str], table: str = "r") -> sq
 
 def text_array_sql(columns: Sequence[str], type_oids: Sequence[int], table: str = "r") -> sql.Composable:
     """``ARRAY[text of each column]``: a row's ``record_pks`` (or its order key) as the decoder takes them."""
-    return sql.SQL("ARRAY[{}]::text[]").format(sql.SQL(", ").join(
-        text_sql(sql.Identifier(table, c), oid) for c, oid in zip(columns, type_oids)))
+    return sql.SQL("ARRAY[{}]::text[]").format(
+        sql.SQL(", ").join(text_sql(sql.Identifier(table, c), oid) for c, oid in zip(columns, type_oids))
+    )

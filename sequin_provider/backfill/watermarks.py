@@ -50,8 +50,14 @@ class Watermark:
 
 def watermark_content(mark: Watermark) -> str:
     """The JSON payload of a watermark message."""
-    content = {"backfill": mark.backfill_id, "page": mark.page_id, "range": mark.range_idx,
-               "schema": mark.table_schema, "table": mark.table_name, "pk": list(mark.primary_key)}
+    content = {
+        "backfill": mark.backfill_id,
+        "page": mark.page_id,
+        "range": mark.range_idx,
+        "schema": mark.table_schema,
+        "table": mark.table_name,
+        "pk": list(mark.primary_key),
+    }
     return json.dumps({**content, "last": True} if mark.last else content, separators=(",", ":"))
 
 
@@ -59,8 +65,15 @@ def parse_watermark(content: str) -> Watermark | None:
     """A watermark from its payload; None (logged) for a payload that is not one of ours."""
     try:
         data = json.loads(content)
-        return Watermark(int(data["backfill"]), int(data["page"]), int(data.get("range", 0)), str(data["schema"]),
-                         str(data["table"]), tuple(str(c) for c in data["pk"]), bool(data.get("last", False)))
+        return Watermark(
+            int(data["backfill"]),
+            int(data["page"]),
+            int(data.get("range", 0)),
+            str(data["schema"]),
+            str(data["table"]),
+            tuple(str(c) for c in data["pk"]),
+            bool(data.get("last", False)),
+        )
     except (ValueError, KeyError, TypeError) as exc:
         log.warning("ignoring a malformed backfill watermark %r: %s", content[:200], exc)
         return None
@@ -118,8 +131,11 @@ class Window:
         if self.overflow:
             return
         if row[6] == "truncate":
-            log.info("backfill %d page %d: its table was truncated inside its window; the page will be read again",
-                     self.mark.backfill_id, self.mark.page_id)
+            log.info(
+                "backfill %d page %d: its table was truncated inside its window; the page will be read again",
+                self.mark.backfill_id,
+                self.mark.page_id,
+            )
             self.overflow, self.changed = True, set()
             return
         self.changed.add(tuple(row[9]))
@@ -127,8 +143,12 @@ class Window:
         if moved is not None:
             self.changed.add(moved)
         if len(self.changed) > MAX_WINDOW_KEYS:
-            log.warning("backfill %d page %d: more than %d keys changed inside its window; the page will be"
-                        " read again", self.mark.backfill_id, self.mark.page_id, MAX_WINDOW_KEYS)
+            log.warning(
+                "backfill %d page %d: more than %d keys changed inside its window; the page will be read again",
+                self.mark.backfill_id,
+                self.mark.page_id,
+                MAX_WINDOW_KEYS,
+            )
             self.overflow, self.changed = True, set()
 
 
@@ -208,25 +228,47 @@ class WindowTracker:
         self._by_table.clear()
 
 
-def read_rows(closed_row: tuple, table_schema: str, table_name: str, backfill_id: int, sink: str,
-              staged: Sequence[tuple[int, Sequence[str], str]]) -> list[tuple]:
+def read_rows(
+    closed_row: tuple,
+    table_schema: str,
+    table_name: str,
+    backfill_id: int,
+    sink: str,
+    staged: Sequence[tuple[int, Sequence[str], str]],
+) -> list[tuple]:
     """Change rows with action ``read`` for the staged rows kept, at the high watermark's position.
 
     Positions are the watermark's commit LSN with consecutive indexes after it (its transaction
     holds nothing else), so a batch rebuilt after a crash gives each read the same position.
     """
     lsn, idx, ts, xid = closed_row[0], closed_row[1], closed_row[2], closed_row[3]
-    return [(lsn, idx + 1 + n, ts, xid, table_schema, table_name, "read", record, None, list(pks), [],
-             backfill_id, sink) for n, (_ordinal, pks, record) in enumerate(staged)]
+    return [
+        (lsn, idx + 1 + n, ts, xid, table_schema, table_name, "read", record, None, list(pks), [], backfill_id, sink)
+        for n, (_ordinal, pks, record) in enumerate(staged)
+    ]
 
 
-def page_reads(sink: SinkConfig | None, database_name: str, backfill_id: int, table_schema: str, table_name: str,
-               commit_timestamp: str, commit_lsn: int, commit_idx: int = 0) -> StoreReads | None:
+def page_reads(
+    sink: SinkConfig | None,
+    database_name: str,
+    backfill_id: int,
+    table_schema: str,
+    table_name: str,
+    commit_timestamp: str,
+    commit_lsn: int,
+    commit_idx: int = 0,
+) -> StoreReads | None:
     """For sinks that need no Spark (``delivery.reads_render_in_store``): how the store writes a
     page's reads itself, at ``(commit_lsn, commit_idx + 1…)``, or None."""
     if sink is None or not reads_render_in_store(sink, table_schema, table_name):
         return None
-    template = read_message_template(message_kind(sink), table_schema, table_name, commit_timestamp, commit_lsn,
-                                     metadata_tail(sink.consumer_id, sink.name, database_name))
+    template = read_message_template(
+        message_kind(sink),
+        table_schema,
+        table_name,
+        commit_timestamp,
+        commit_lsn,
+        metadata_tail(sink.consumer_id, sink.name, database_name),
+    )
     group = f"{table_schema}.{table_name}:" if sink.message_grouping else None
     return StoreReads(sink.name, backfill_id, template, group, commit_lsn, commit_idx)

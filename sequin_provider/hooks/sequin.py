@@ -42,8 +42,19 @@ if TYPE_CHECKING:
 
 DEFAULT_STORE_SCHEMA = "sequin"
 DEFAULT_CONNECT_TIMEOUT = 10
-LIBPQ_EXTRAS = ("sslmode", "sslrootcert", "sslcert", "sslkey", "sslpassword", "connect_timeout",
-                "application_name", "options", "target_session_attrs", "keepalives", "keepalives_idle")
+LIBPQ_EXTRAS = (
+    "sslmode",
+    "sslrootcert",
+    "sslcert",
+    "sslkey",
+    "sslpassword",
+    "connect_timeout",
+    "application_name",
+    "options",
+    "target_session_attrs",
+    "keepalives",
+    "keepalives_idle",
+)
 """Connection extras handed to libpq as they are; the Sequin extras are not."""
 
 
@@ -55,9 +66,14 @@ def postgres_dsn(conn: Connection) -> str:
     """The libpq DSN of an Airflow connection to Postgres (host, port, login, password, schema = the
     database; the ``LIBPQ_EXTRAS`` among its extras)."""
     extras = conn.extra_dejson
-    params: dict[str, Any] = {"host": conn.host or None, "port": conn.port or None, "user": conn.login or None,
-                              "password": conn.password or None, "dbname": conn.schema or None,
-                              "connect_timeout": DEFAULT_CONNECT_TIMEOUT}
+    params: dict[str, Any] = {
+        "host": conn.host or None,
+        "port": conn.port or None,
+        "user": conn.login or None,
+        "password": conn.password or None,
+        "dbname": conn.schema or None,
+        "connect_timeout": DEFAULT_CONNECT_TIMEOUT,
+    }
     params.update({name: extras[name] for name in LIBPQ_EXTRAS if extras.get(name) not in ("", None)})
     return make_conninfo("", **{k: v for k, v in params.items() if v is not None})
 
@@ -69,8 +85,10 @@ def airflow_dsn(conn_id: str) -> str:
     try:
         return postgres_dsn(PostgresHook(postgres_conn_id=conn_id).connection)
     except AirflowNotFoundException:
-        raise LookupError("Airflow has no such connection (looked up in AIRFLOW_CONN_* variables, the secrets"
-                          " backends and the metadata database)") from None
+        raise LookupError(
+            "Airflow has no such connection (looked up in AIRFLOW_CONN_* variables, the secrets"
+            " backends and the metadata database)"
+        ) from None
 
 
 def referenced_conn_ids(conn: Connection) -> list[str]:
@@ -90,8 +108,7 @@ class SequinConnectionSettings:
     config_path: str | None = None
 
     @classmethod
-    def from_connection(cls, conn: Connection, resolve: Callable[[str], str] = airflow_dsn
-                        ) -> SequinConnectionSettings:
+    def from_connection(cls, conn: Connection, resolve: Callable[[str], str] = airflow_dsn) -> SequinConnectionSettings:
         """Read an Airflow connection (plain extras, or the ``extra__sequin__<name>`` form of old UIs);
         ``resolve`` gives the DSN of a connection named by ``source_conn_id``/``store_conn_id``."""
         extras = conn.extra_dejson
@@ -112,9 +129,12 @@ class SequinConnectionSettings:
             store_dsn = resolve(str(extra("store_conn_id")))
         else:
             store_dsn = str(extra("store_dsn") or source_dsn)
-        return cls(source_dsn=source_dsn, store_dsn=store_dsn,
-                   store_schema=str(extra("store_schema") or DEFAULT_STORE_SCHEMA),
-                   config_path=None if extra("config_path") is None else str(extra("config_path")))
+        return cls(
+            source_dsn=source_dsn,
+            store_dsn=store_dsn,
+            store_schema=str(extra("store_schema") or DEFAULT_STORE_SCHEMA),
+            config_path=None if extra("config_path") is None else str(extra("config_path")),
+        )
 
 
 @contextmanager
@@ -128,6 +148,7 @@ def store_errors(what: str, kind: type[Exception] = psycopg.OperationalError) ->
 
 
 # -- the queries, on DSNs (shared by the sync methods and, in a thread, by the async ones) ------
+
 
 def _connect(dsn: str) -> psycopg.Connection[Any]:
     return psycopg.connect(dsn, autocommit=True)
@@ -203,7 +224,9 @@ class SequinHook(BaseHook):
         """``settings`` for the event loop (async connection lookup)."""
         if self._settings is None:
             conn = await self.aget_connection(self.sequin_conn_id)
-            named = {conn_id: postgres_dsn(await self.aget_connection(conn_id)) for conn_id in referenced_conn_ids(conn)}
+            named = {
+                conn_id: postgres_dsn(await self.aget_connection(conn_id)) for conn_id in referenced_conn_ids(conn)
+            }
             self._settings = SequinConnectionSettings.from_connection(conn, named.__getitem__)
         return self._settings
 
@@ -232,7 +255,10 @@ class SequinHook(BaseHook):
         except Exception as exc:  # noqa: BLE001 - reported to the UI
             return False, str(exc)
         if not schema_version:
-            return True, f"source reachable (server {version}); store schema {self.settings.store_schema!r} not initialised"
+            return (
+                True,
+                f"source reachable (server {version}); store schema {self.settings.store_schema!r} not initialised",
+            )
         return True, f"source reachable (server {version}); store schema version {schema_version}"
 
     # -- the store: schema, locks -------------------------------------------------------------
@@ -253,9 +279,16 @@ class SequinHook(BaseHook):
 
     check_max_query_ms = staticmethod(store.check_max_query_ms)
 
-    def create_backfill(self, config: SequinConfig, sink: str, table: str, sort_column: str | None,
-                        start_position: str | None, max_query_ms: int, requested_by: str | None = None
-                        ) -> store.Backfill:
+    def create_backfill(
+        self,
+        config: SequinConfig,
+        sink: str,
+        table: str,
+        sort_column: str | None,
+        start_position: str | None,
+        max_query_ms: int,
+        requested_by: str | None = None,
+    ) -> store.Backfill:
         """Validate a backfill against the source catalog and record it (nothing recorded if invalid):
         ``BackfillError`` names what is wrong (``BackfillConflict``: the table already has an active
         one), ``StoreUnavailableError`` if the source or the store cannot be reached."""
@@ -264,8 +297,9 @@ class SequinHook(BaseHook):
             with psycopg.connect(s.source_dsn, autocommit=True) as source, psycopg.connect(s.store_dsn) as conn:
                 store.migrate(conn, config.store.schema)
                 conn.commit()
-                return backfill_module.create_backfill(source, conn, config, sink, table, sort_column, start_position,
-                                                       max_query_ms, requested_by)
+                return backfill_module.create_backfill(
+                    source, conn, config, sink, table, sort_column, start_position, max_query_ms, requested_by
+                )
 
     def transition_backfill(self, backfill_id: int, state: str, reason: str | None = None) -> store.Backfill:
         """Move a backfill to ``state`` (``BackfillError`` if it may not; ``StoreUnavailableError``)."""
@@ -280,13 +314,15 @@ class SequinHook(BaseHook):
         with store_errors("the store", psycopg.Error):
             return backfill_module.run_lock_holder(s.store_dsn, s.store_schema, backfill_id, wait, application_name)
 
-    def place_backfill(self, database: str, backfill_id: int, takeover_wait: float | None,
-                       application_name: str) -> backfill_module.Placement:
+    def place_backfill(
+        self, database: str, backfill_id: int, takeover_wait: float | None, application_name: str
+    ) -> backfill_module.Placement:
         """Where the backfill runs: ``backfill.place_backfill`` on this connection's store."""
         s = self.settings
         with store_errors("the store", psycopg.Error):
-            return backfill_module.place_backfill(s.store_dsn, s.store_schema, database, backfill_id, takeover_wait,
-                                                  application_name)
+            return backfill_module.place_backfill(
+                s.store_dsn, s.store_schema, database, backfill_id, takeover_wait, application_name
+            )
 
     def retry_buffer(self, config: SequinConfig, sink: str | None, workers: int) -> list[buffer.RetryReport]:
         """One retry pass over the due parked messages of ``sink`` (or of every sink), with the config's

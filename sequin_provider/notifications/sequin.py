@@ -37,7 +37,8 @@ def context_fields(context: Mapping[str, Any]) -> dict[str, Any]:
     exception = context.get("exception")
     state = getattr(ti, "state", None) if ti is not None else getattr(dag_run, "state", None)
     return {
-        "dag_id": getattr(context.get("dag"), "dag_id", None) or getattr(ti, "dag_id", None)
+        "dag_id": getattr(context.get("dag"), "dag_id", None)
+        or getattr(ti, "dag_id", None)
         or getattr(dag_run, "dag_id", None),
         "task_id": getattr(ti, "task_id", None) or getattr(context.get("task"), "task_id", None),
         "run_id": context.get("run_id") or getattr(dag_run, "run_id", None) or getattr(ti, "run_id", None),
@@ -45,8 +46,11 @@ def context_fields(context: Mapping[str, Any]) -> dict[str, Any]:
         "try_number": getattr(ti, "try_number", None),
         "logical_date": logical_date.isoformat() if isinstance(logical_date, datetime) else logical_date,
         "state": None if state is None else str(getattr(state, "value", state)),
-        "exception": None if exception is None else f"{type(exception).__name__}: {exception}"
-        if isinstance(exception, BaseException) else str(exception),
+        "exception": None
+        if exception is None
+        else f"{type(exception).__name__}: {exception}"
+        if isinstance(exception, BaseException)
+        else str(exception),
     }
 
 
@@ -63,9 +67,16 @@ class SequinNotifier(BaseNotifier):
 
     template_fields: Sequence[str] = ("url", "message", "title")
 
-    def __init__(self, *, url: str, message: str | None = None, title: str = "Sequin alert",
-                 details: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
-                 timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        *,
+        url: str,
+        message: str | None = None,
+        title: str = "Sequin alert",
+        details: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float = 10.0,
+    ) -> None:
         super().__init__()
         self.url = url
         self.message = message
@@ -82,8 +93,13 @@ class SequinNotifier(BaseNotifier):
             what = f"task {fields['task_id']}" if fields["task_id"] else "DAG"
             outcome = fields["exception"] or fields["state"] or "notification"
             message = f"{what} of {fields['dag_id']} (run {fields['run_id']}): {outcome}"
-        return {"title": self.title, "message": message, **fields, "details": self.details,
-                "sent_at": datetime.now(timezone.utc).isoformat()}
+        return {
+            "title": self.title,
+            "message": message,
+            **fields,
+            "details": self.details,
+            "sent_at": datetime.now(timezone.utc).isoformat(),
+        }
 
     def notify(self, context: Context) -> None:
         """Send the alert (sync: task and DAG callbacks)."""
@@ -118,13 +134,23 @@ class SequinNotifier(BaseNotifier):
     def _check(self, response: httpx.Response, payload: dict[str, Any]) -> bool:
         if not response.is_success:
             return self._failed(payload, f"HTTP {response.status_code}: {response.text[:200]}")
-        self.log.info("Sent notification %r to %s (HTTP %d): %s", payload["title"], webhook_host(self.url),
-                      response.status_code, payload["message"])
+        self.log.info(
+            "Sent notification %r to %s (HTTP %d): %s",
+            payload["title"],
+            webhook_host(self.url),
+            response.status_code,
+            payload["message"],
+        )
         return True
 
     def _failed(self, payload: dict[str, Any], reason: str) -> bool:
-        self.log.error("Could not send notification %r to %s: %s (message: %s)", payload["title"],
-                       webhook_host(self.url), reason, payload["message"])
+        self.log.error(
+            "Could not send notification %r to %s: %s (message: %s)",
+            payload["title"],
+            webhook_host(self.url),
+            reason,
+            payload["message"],
+        )
         return False
 
 

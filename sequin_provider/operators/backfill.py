@@ -87,18 +87,45 @@ class SequinBackfillOperator(BaseOperator):
         that try's process is gone) before waiting for that app instead of running the backfill.
     """
 
-    template_fields: Sequence[str] = ("sink", "table", "kind", "sort_column", "start_position", "max_query_ms",
-                                      "sequin_conn_id", "spark_conn_id", "config_path", "application")
+    template_fields: Sequence[str] = (
+        "sink",
+        "table",
+        "kind",
+        "sort_column",
+        "start_position",
+        "max_query_ms",
+        "sequin_conn_id",
+        "spark_conn_id",
+        "config_path",
+        "application",
+    )
     ui_color = "#d6eaf8"
 
-    def __init__(self, *, sink: str, table: str, kind: str | None = None, sort_column: str | None = None,
-                 start_position: Any = None, max_query_ms: int | str = DEFAULT_MAX_QUERY_MS,
-                 sequin_conn_id: str = SequinHook.default_conn_name, spark_conn_id: str = "spark_default",
-                 config_path: str | None = None, application: str | None = None, ranges: int | None = None,
-                 max_page_rows: int | None = None, window_timeout: float | None = None,
-                 spark_conf: dict[str, Any] | None = None, env_vars: dict[str, Any] | None = None,
-                 driver_memory: str | None = "2g", deferrable: bool = True, poll_interval: float = 10.0,
-                 wait_timeout: float | None = None, takeover_wait: float = RUN_LOCK_WAIT, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        sink: str,
+        table: str,
+        kind: str | None = None,
+        sort_column: str | None = None,
+        start_position: Any = None,
+        max_query_ms: int | str = DEFAULT_MAX_QUERY_MS,
+        sequin_conn_id: str = SequinHook.default_conn_name,
+        spark_conn_id: str = "spark_default",
+        config_path: str | None = None,
+        application: str | None = None,
+        ranges: int | None = None,
+        max_page_rows: int | None = None,
+        window_timeout: float | None = None,
+        spark_conf: dict[str, Any] | None = None,
+        env_vars: dict[str, Any] | None = None,
+        driver_memory: str | None = "2g",
+        deferrable: bool = True,
+        poll_interval: float = 10.0,
+        wait_timeout: float | None = None,
+        takeover_wait: float = RUN_LOCK_WAIT,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.sink = sink
         self.table = table
@@ -150,8 +177,13 @@ class SequinBackfillOperator(BaseOperator):
             raise AirflowFailException(f"max_query_ms must be an integer, got {self.max_query_ms!r}") from None
         with airflow_errors():
             SequinHook.check_max_query_ms(max_query_ms)
-        return {"sink": sink, "table": table, "sort_column": sort_column, "start_position": start_position,
-                "max_query_ms": max_query_ms}
+        return {
+            "sink": sink,
+            "table": table,
+            "sort_column": sort_column,
+            "start_position": start_position,
+            "max_query_ms": max_query_ms,
+        }
 
     def create(self, config: SequinConfig, request: dict[str, Any], requested_by: str | None = None) -> Backfill:
         """Validate against the source catalog and record the backfill (nothing recorded if invalid),
@@ -162,8 +194,15 @@ class SequinBackfillOperator(BaseOperator):
             warn_if_elsewhere(self.log, "source", settings.source_dsn, config.database(sink.database).dsn)
             warn_if_elsewhere(self.log, "store", settings.store_dsn, config.store_dsn(sink.database))
         try:
-            return self.hook.create_backfill(config, request["sink"], request["table"], request["sort_column"],
-                                             request["start_position"], request["max_query_ms"], requested_by)
+            return self.hook.create_backfill(
+                config,
+                request["sink"],
+                request["table"],
+                request["sort_column"],
+                request["start_position"],
+                request["max_query_ms"],
+                requested_by,
+            )
         except BackfillConflict as exc:
             return self._adopt(exc, request, requested_by)
         except SequinError as exc:
@@ -175,14 +214,20 @@ class SequinBackfillOperator(BaseOperator):
         earlier = conflict.active
         if requested_by is None or earlier is None or earlier.requested_by != requested_by:
             raise AirflowFailException(str(conflict)) from None
-        asked = {"sort_column": request["sort_column"], "start_position": request["start_position"],
-                 "max_query_ms": request["max_query_ms"]}
+        asked = {
+            "sort_column": request["sort_column"],
+            "start_position": request["start_position"],
+            "max_query_ms": request["max_query_ms"],
+        }
         differs = [f"{k} {getattr(earlier, k)!r} (now {v!r})" for k, v in asked.items() if getattr(earlier, k) != v]
         if differs:
             raise AirflowFailException(f"{conflict}; an earlier try of this task started it with " + ", ".join(differs))
         self.adopted = True
-        self.log.info("backfill %d was started by an earlier try of this task and is %s: resuming it from its"
-                      " cursors", earlier.id, earlier.state)
+        self.log.info(
+            "backfill %d was started by an earlier try of this task and is %s: resuming it from its cursors",
+            earlier.id,
+            earlier.state,
+        )
         return earlier
 
     # -- running it ----------------------------------------------------------------------------
@@ -194,9 +239,16 @@ class SequinBackfillOperator(BaseOperator):
         backfill = self.create(config, request, task_instance_key(context))
         self.backfill_id = backfill.id
         where = f" from {backfill.sort_column} >= {backfill.start_position!r}" if backfill.sort_column else ""
-        self.log.info("backfill %d: %s backfill of %s.%s for sink %r%s, about %s rows", backfill.id, backfill.kind,
-                      backfill.table_schema, backfill.table_name, backfill.sink, where,
-                      backfill.rows_initial if backfill.rows_initial is not None else "?")
+        self.log.info(
+            "backfill %d: %s backfill of %s.%s for sink %r%s, about %s rows",
+            backfill.id,
+            backfill.kind,
+            backfill.table_schema,
+            backfill.table_name,
+            backfill.sink,
+            where,
+            backfill.rows_initial if backfill.rows_initial is not None else "?",
+        )
         if self._placed_elsewhere(config, backfill):
             return self.wait_in_store(backfill)
         try:
@@ -211,20 +263,28 @@ class SequinBackfillOperator(BaseOperator):
                 self._log_progress()
         return self.after_run(self._run)
 
-    def submit(self, config_path: Path, backfill_id: int, connections: Mapping[str, str] | None = None
-               ) -> SparkSubmitRun:
+    def submit(
+        self, config_path: Path, backfill_id: int, connections: Mapping[str, str] | None = None
+    ) -> SparkSubmitRun:
         """Start the ``backfill.py`` app for ``backfill_id`` through ``SparkSubmitHook``; ``connections``
         (``{conn_id: DSN}`` the config names) reach it as ``AIRFLOW_CONN_*`` variables (``submit_env``)."""
         target = resolve_target(self.spark_conn_id)
         args = ["--config", str(config_path), "--backfill-id", str(backfill_id), "--master", target.master]
-        for flag, value in (("--ranges", self.ranges), ("--max-page-rows", self.max_page_rows),
-                            ("--window-timeout", self.window_timeout)):
+        for flag, value in (
+            ("--ranges", self.ranges),
+            ("--max-page-rows", self.max_page_rows),
+            ("--window-timeout", self.window_timeout),
+        ):
             if value is not None:
                 args += [flag, str(value)]
-        hook = SparkSubmitHook(conf=self.spark_conf, conn_id=self.spark_conn_id, application_args=args,
-                               env_vars=submit_env(target, self.env_vars, connections),
-                               name=f"sequin-backfill-{backfill_id}",
-                               driver_memory=None if target.is_cluster else self.driver_memory)
+        hook = SparkSubmitHook(
+            conf=self.spark_conf,
+            conn_id=self.spark_conn_id,
+            application_args=args,
+            env_vars=submit_env(target, self.env_vars, connections),
+            name=f"sequin-backfill-{backfill_id}",
+            driver_memory=None if target.is_cluster else self.driver_memory,
+        )
         application = self.application or default_application("backfill.py")
         return SparkSubmitRun(hook, application, cwd=str(config_path.parent)).start()
 
@@ -260,14 +320,17 @@ class SequinBackfillOperator(BaseOperator):
         (``sequin backfill serve``) is up for its database and takes it as it is recorded."""
         database = config.sink(backfill.sink).database
         with airflow_errors():
-            placement = self.hook.place_backfill(database, backfill.id, self.takeover_wait if self.adopted else None,
-                                                 APPLICATION_NAME)
+            placement = self.hook.place_backfill(
+                database, backfill.id, self.takeover_wait if self.adopted else None, APPLICATION_NAME
+            )
         if placement.where == "elsewhere":
-            self.log.info("backfill %d is being run by another app (its lock is held by %s)", backfill.id,
-                          placement.holder)
+            self.log.info(
+                "backfill %d is being run by another app (its lock is held by %s)", backfill.id, placement.holder
+            )
         elif placement.where == "server":
-            self.log.info("backfill %d goes to the backfill server of database %r (%s)", backfill.id, database,
-                          placement.holder)
+            self.log.info(
+                "backfill %d goes to the backfill server of database %r (%s)", backfill.id, database, placement.holder
+            )
         return placement.where != "here"
 
     def wait_in_store(self, backfill: Backfill) -> int:
@@ -275,11 +338,18 @@ class SequinBackfillOperator(BaseOperator):
         ``BackfillCompletedTrigger``, or in this worker (``deferrable=False``)."""
         self.log.info("backfill %d is %s: waiting for it in the store", backfill.id, backfill.state)
         end_time = None if self.wait_timeout is None else time.time() + float(self.wait_timeout)
-        trigger = BackfillCompletedTrigger(backfill_id=backfill.id, sequin_conn_id=self.sequin_conn_id,
-                                           poke_interval=self.poll_interval, end_time=end_time)
+        trigger = BackfillCompletedTrigger(
+            backfill_id=backfill.id,
+            sequin_conn_id=self.sequin_conn_id,
+            poke_interval=self.poll_interval,
+            end_time=end_time,
+        )
         if self.deferrable:
-            self.defer(trigger=trigger, method_name="execute_complete",
-                       timeout=None if self.wait_timeout is None else timedelta(seconds=float(self.wait_timeout)))
+            self.defer(
+                trigger=trigger,
+                method_name="execute_complete",
+                timeout=None if self.wait_timeout is None else timedelta(seconds=float(self.wait_timeout)),
+            )
         return self.execute_complete({}, self._wait_in_worker(trigger))
 
     def _wait_in_worker(self, trigger: BackfillCompletedTrigger) -> dict[str, Any]:

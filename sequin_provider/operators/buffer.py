@@ -25,8 +25,11 @@ if TYPE_CHECKING:
 
 def totals(reports: Sequence[RetryReport]) -> dict[str, int]:
     """``{delivered, still_parked, discarded}`` summed over the sinks' reports."""
-    return {"delivered": sum(r.delivered for r in reports), "still_parked": sum(r.still_parked for r in reports),
-            "discarded": sum(r.discarded for r in reports)}
+    return {
+        "delivered": sum(r.delivered for r in reports),
+        "still_parked": sum(r.still_parked for r in reports),
+        "discarded": sum(r.discarded for r in reports),
+    }
 
 
 class SequinBufferRetryOperator(BaseOperator):
@@ -45,9 +48,16 @@ class SequinBufferRetryOperator(BaseOperator):
     template_fields: Sequence[str] = ("sink", "sequin_conn_id", "config_path")
     ui_color = "#fdebd0"
 
-    def __init__(self, *, sink: str | None = None, sequin_conn_id: str = SequinHook.default_conn_name,
-                 config_path: str | None = None, workers: int = 8, fail_on_parked: bool = False,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        sink: str | None = None,
+        sequin_conn_id: str = SequinHook.default_conn_name,
+        config_path: str | None = None,
+        workers: int = 8,
+        fail_on_parked: bool = False,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.sink = sink
         self.sequin_conn_id = sequin_conn_id

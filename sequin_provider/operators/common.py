@@ -35,10 +35,13 @@ def load_sequin_config(hook: SequinHook, config_path: str | None) -> tuple[Sequi
         config = hook.load_config(str(path))
         schema = hook.settings.store_schema
         if schema != config.store.schema:
-            raise ConfigError(str(path), "store.schema",
-                              f"connection {hook.sequin_conn_id!r} names store schema {schema!r} but {path} has"
-                              f" store.schema {config.store.schema!r}: the operator and the Spark apps must use the"
-                              " same store")
+            raise ConfigError(
+                str(path),
+                "store.schema",
+                f"connection {hook.sequin_conn_id!r} names store schema {schema!r} but {path} has"
+                f" store.schema {config.store.schema!r}: the operator and the Spark apps must use the"
+                " same store",
+            )
     return config, path
 
 
@@ -66,8 +69,13 @@ def warn_if_elsewhere(log: Any, what: str, connection_dsn: str, config_dsn: str)
     the Spark driver may reach the same server under different host names."""
     ours, theirs = _server(connection_dsn), _server(config_dsn)
     if ours != theirs:
-        log.warning("the %s of the sequin connection (%s:%s/%s) differs from the config's (%s:%s/%s): the operator"
-                    " and the Spark app must reach the same database", what, *ours, *theirs)
+        log.warning(
+            "the %s of the sequin connection (%s:%s/%s) differs from the config's (%s:%s/%s): the operator"
+            " and the Spark app must reach the same database",
+            what,
+            *ours,
+            *theirs,
+        )
 
 
 def task_instance_key(context: Any) -> str | None:

@@ -80,18 +80,39 @@ class SequinReplicationOperator(BaseOperator):
     :param driver_memory: ``--driver-memory`` (local mode holds whole micro-batches in the driver).
     """
 
-    template_fields: Sequence[str] = ("database", "sequin_conn_id", "spark_conn_id", "config_path", "application",
-                                      "checkpoint")
+    template_fields: Sequence[str] = (
+        "database",
+        "sequin_conn_id",
+        "spark_conn_id",
+        "config_path",
+        "application",
+        "checkpoint",
+    )
     ui_color = "#d5f5e3"
 
-    def __init__(self, *, database: str | None = None, sequin_conn_id: str = SequinHook.default_conn_name,
-                 spark_conn_id: str = "spark_default", config_path: str | None = None,
-                 application: str | None = None, checkpoint: str | None = None,
-                 stall_timeout: float | None = 300.0, start_timeout: float = 600.0, max_restarts: int = 5,
-                 restart_backoff: float = 10.0, max_restart_backoff: float = 300.0, reset_after: float = 600.0,
-                 stop_grace_period: float = 60.0, poll_interval: float = 5.0, run_for: float | None = None,
-                 spark_conf: dict[str, Any] | None = None, env_vars: dict[str, Any] | None = None,
-                 driver_memory: str | None = "4g", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        database: str | None = None,
+        sequin_conn_id: str = SequinHook.default_conn_name,
+        spark_conn_id: str = "spark_default",
+        config_path: str | None = None,
+        application: str | None = None,
+        checkpoint: str | None = None,
+        stall_timeout: float | None = 300.0,
+        start_timeout: float = 600.0,
+        max_restarts: int = 5,
+        restart_backoff: float = 10.0,
+        max_restart_backoff: float = 300.0,
+        reset_after: float = 600.0,
+        stop_grace_period: float = 60.0,
+        poll_interval: float = 5.0,
+        run_for: float | None = None,
+        spark_conf: dict[str, Any] | None = None,
+        env_vars: dict[str, Any] | None = None,
+        driver_memory: str | None = "4g",
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.database = database
         self.sequin_conn_id = sequin_conn_id
@@ -141,8 +162,10 @@ class SequinReplicationOperator(BaseOperator):
             self.hook.migrate_store()
             lock = self.hook.stream_lock(db.name, who)
             if not lock.acquire():
-                raise LockHeldError(f"the stream app of database {db.name!r} is already supervised: the advisory"
-                                    f" lock {lock_name(lock.schema, db.name)!r} is held by {lock.holder()}")
+                raise LockHeldError(
+                    f"the stream app of database {db.name!r} is already supervised: the advisory"
+                    f" lock {lock_name(lock.schema, db.name)!r} is held by {lock.holder()}"
+                )
         self._lock = lock
         stall, warning = effective_stall_timeout(self.stall_timeout, db.heartbeat_interval)
         if warning:
@@ -189,11 +212,19 @@ class SequinReplicationOperator(BaseOperator):
             self._check_stopped()
             delay = budget.next_delay(watch.healthy_for(time.monotonic()))
             if delay is None:
-                raise SupervisionError(f"the stream app of database {database!r} {reason}; giving up after"
-                                       f" {self.max_restarts} consecutive restarts")
+                raise SupervisionError(
+                    f"the stream app of database {database!r} {reason}; giving up after"
+                    f" {self.max_restarts} consecutive restarts"
+                )
             self.restarts += 1
-            self.log.warning("the stream app of database %r %s; restart %d/%d in %.1fs", database, reason,
-                             budget.consecutive, self.max_restarts, delay)
+            self.log.warning(
+                "the stream app of database %r %s; restart %d/%d in %.1fs",
+                database,
+                reason,
+                budget.consecutive,
+                self.max_restarts,
+                delay,
+            )
             if self._stop.wait(delay):
                 self._check_stopped()
 
@@ -203,10 +234,14 @@ class SequinReplicationOperator(BaseOperator):
         args = ["--config", str(config_path), "--database", database, "--master", target.master]
         if self.checkpoint:
             args += ["--checkpoint", str(self.checkpoint)]
-        hook = SparkSubmitHook(conf=self.spark_conf, conn_id=self.spark_conn_id, application_args=args,
-                               env_vars=submit_env(target, self.env_vars, self._connections),
-                               name=f"sequin-replication-{database}",
-                               driver_memory=None if target.is_cluster else self.driver_memory)
+        hook = SparkSubmitHook(
+            conf=self.spark_conf,
+            conn_id=self.spark_conn_id,
+            application_args=args,
+            env_vars=submit_env(target, self.env_vars, self._connections),
+            name=f"sequin-replication-{database}",
+            driver_memory=None if target.is_cluster else self.driver_memory,
+        )
         application = self.application or default_application("replication_stream.py")
         return SparkSubmitRun(hook, application, cwd=str(config_path.parent)).start()
 

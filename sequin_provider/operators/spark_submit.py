@@ -91,16 +91,21 @@ def connection_env(target: SparkTarget, connections: Mapping[str, str] | None) -
     if not connections:
         return {}
     if target.is_cluster or target.env_on_command_line:
-        log.warning("the config names Airflow connections (%s) but with master %s%s they are not handed to the"
-                    " Spark app (spark-submit would carry them on its command line): give its driver the"
-                    " AIRFLOW_CONN_* variables, or use dsn: ${VAR} in the config", ", ".join(sorted(connections)),
-                    target.master, " in cluster deploy mode" if target.is_cluster else "")
+        log.warning(
+            "the config names Airflow connections (%s) but with master %s%s they are not handed to the"
+            " Spark app (spark-submit would carry them on its command line): give its driver the"
+            " AIRFLOW_CONN_* variables, or use dsn: ${VAR} in the config",
+            ", ".join(sorted(connections)),
+            target.master,
+            " in cluster deploy mode" if target.is_cluster else "",
+        )
         return {}
     return {airflow_conn_env(conn_id): dsn_uri(dsn) for conn_id, dsn in connections.items()}
 
 
-def submit_env(target: SparkTarget, env_vars: dict[str, Any] | None,
-               connections: Mapping[str, str] | None = None) -> dict[str, str] | None:
+def submit_env(
+    target: SparkTarget, env_vars: dict[str, Any] | None, connections: Mapping[str, str] | None = None
+) -> dict[str, str] | None:
     """spark-submit's environment: in client mode this interpreter runs the driver (and, locally,
     the executors' workers) and ``spark-submit`` is found next to it; the config's Airflow
     ``connections`` (``{conn_id: DSN}``, see ``connection_env``); ``env_vars`` override."""
@@ -136,8 +141,9 @@ class SparkSubmitRun:
 
     def start(self, timeout: float = 60.0) -> SparkSubmitRun:
         """Start spark-submit; returns once its process exists (or the submit already failed)."""
-        self._thread = threading.Thread(target=self._submit, name=f"spark-submit {Path(self.application).name}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._submit, name=f"spark-submit {Path(self.application).name}", daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + timeout
         while self.hook._submit_sp is None and not self._finished.is_set() and time.monotonic() < deadline:

@@ -47,45 +47,68 @@ def status_page(config: Any, service: Any, token: str | None) -> str:
         try:
             with psycopg.connect(db.dsn, connect_timeout=5) as source:
                 info = slot_info(source, db.slot.name)
-            rows_slots.append([db.name, db.slot.name, "yes" if info and info.active else "no",
-                               f"{info.lag_bytes:,}" if info and info.lag_bytes is not None else "?"])
+            rows_slots.append(
+                [
+                    db.name,
+                    db.slot.name,
+                    "yes" if info and info.active else "no",
+                    f"{info.lag_bytes:,}" if info and info.lag_bytes is not None else "?",
+                ]
+            )
             with psycopg.connect(config.store_dsn(db.name), connect_timeout=5) as conn:
                 parked = store.buffer_counts(conn, schema) if store.schema_version(conn, schema) >= 6 else {}
                 for sink in config.sinks_of(db.name):
                     counts = sink.destination.kind.counts(conn, schema, sink.name)
-                    rows_sinks.append([sink.name, sink.destination.kind.name, ", ".join(t.qualified for t in sink.tables),
-                                       counts.get("visible", ""), counts.get("outstanding", ""),
-                                       parked.get(sink.name, {}).get("parked", 0),
-                                       parked.get(sink.name, {}).get("discarded", 0)])
+                    rows_sinks.append(
+                        [
+                            sink.name,
+                            sink.destination.kind.name,
+                            ", ".join(t.qualified for t in sink.tables),
+                            counts.get("visible", ""),
+                            counts.get("outstanding", ""),
+                            parked.get(sink.name, {}).get("parked", 0),
+                            parked.get(sink.name, {}).get("discarded", 0),
+                        ]
+                    )
                 for b in store.list_backfills(conn, schema)[:50] if store.schema_version(conn, schema) else []:
-                    rows_backfills.append([b.id, b.sink, f"{b.table_schema}.{b.table_name}", b.kind,
-                                           progress_line(b), b.error or ""])
+                    rows_backfills.append(
+                        [b.id, b.sink, f"{b.table_schema}.{b.table_name}", b.kind, progress_line(b), b.error or ""]
+                    )
         except psycopg.Error as exc:
             rows_slots.append([db.name, db.slot.name, "unreachable", str(exc).strip()])
 
     def table(headers: list[str], rows: list[list[Any]]) -> str:
         head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
-        body = "".join("<tr>" + "".join(_cell(v) for v in r) + "</tr>" for r in rows) or \
-            f"<tr><td colspan={len(headers)}>none</td></tr>"
+        body = (
+            "".join("<tr>" + "".join(_cell(v) for v in r) + "</tr>" for r in rows)
+            or f"<tr><td colspan={len(headers)}>none</td></tr>"
+        )
         return f"<table><tr>{head}</tr>{body}</table>"
 
     return _page(
-        "<h2>Replication slots</h2>" + table(["database", "slot", "active", "lag bytes"], rows_slots)
-        + "<h2>Sinks</h2>" + table(["sink", "type", "tables", "visible messages", "outstanding", "parked",
-                                    "discarded"], rows_sinks)
-        + "<h2>Backfills</h2>" + table(["id", "sink", "table", "kind", "progress", "error"], rows_backfills))
+        "<h2>Replication slots</h2>"
+        + table(["database", "slot", "active", "lag bytes"], rows_slots)
+        + "<h2>Sinks</h2>"
+        + table(["sink", "type", "tables", "visible messages", "outstanding", "parked", "discarded"], rows_sinks)
+        + "<h2>Backfills</h2>"
+        + table(["id", "sink", "table", "kind", "progress", "error"], rows_backfills)
+    )
 
 
 def _page(body: str) -> str:
-    return ("<!doctype html><html><head><meta charset='utf-8'><title>Sequin</title><style>"
-            "body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;margin-bottom:1.5em}"
-            "td,th{border:1px solid #ccc;padding:.3em .6em;text-align:left}</style></head><body>"
-            f"<h1>Sequin</h1>{body}</body></html>")
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>Sequin</title><style>"
+        "body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;margin-bottom:1.5em}"
+        "td,th{border:1px solid #ccc;padding:.3em .6em;text-align:left}</style></head><body>"
+        f"<h1>Sequin</h1>{body}</body></html>"
+    )
 
 
 def _token_form(reason: str) -> str:
-    return _page(f"<p>{html.escape(reason)}</p><form method='get'><input name='token' type='password' size='60' "
-                 "placeholder='sqn_...'> <button>Show</button></form>")
+    return _page(
+        f"<p>{html.escape(reason)}</p><form method='get'><input name='token' type='password' size='60' "
+        "placeholder='sqn_...'> <button>Show</button></form>"
+    )
 
 
 class LazySequinApp:
@@ -109,6 +132,7 @@ class LazySequinApp:
             @broken.api_route("/{path:path}", methods=["GET", "POST"])
             async def unavailable(path: str) -> Response:
                 return HTMLResponse(_page(f"<p>Sequin is not configured: {html.escape(message)}</p>"), 503)
+
             return broken
         service = StreamService(config)
         app = create_app(config, service)
@@ -127,8 +151,12 @@ class LazySequinApp:
 
         return app
 
-    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],
-                       send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+    async def __call__(
+        self,
+        scope: dict[str, Any],
+        receive: Callable[[], Awaitable[dict[str, Any]]],
+        send: Callable[[dict[str, Any]], Awaitable[None]],
+    ) -> None:
         if scope["type"] == "lifespan":  # a mounted app gets none; standalone, answer and open lazily
             message = await receive()
             await send({"type": f"{message['type']}.complete"})
@@ -145,5 +173,12 @@ class SequinPlugin(AirflowPlugin):
 
     name = "sequin"
     fastapi_apps = [{"app": LazySequinApp(), "url_prefix": URL_PREFIX, "name": "Sequin Stream API"}]
-    external_views = [{"name": "Sequin", "href": f"{URL_PREFIX}/ui/", "url_route": "sequin", "destination": "nav",
-                       "category": "browse"}]
+    external_views = [
+        {
+            "name": "Sequin",
+            "href": f"{URL_PREFIX}/ui/",
+            "url_route": "sequin",
+            "destination": "nav",
+            "category": "browse",
+        }
+    ]

@@ -44,8 +44,9 @@ class SequinConditionSensor(BaseSensorOperator):
     template_fields: Sequence[str] = ("sequin_conn_id",)
     ui_color = "#e8f4fd"
 
-    def __init__(self, *, sequin_conn_id: str = SequinHook.default_conn_name, deferrable: bool = True,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *, sequin_conn_id: str = SequinHook.default_conn_name, deferrable: bool = True, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.sequin_conn_id = sequin_conn_id
         self.deferrable = deferrable
@@ -74,8 +75,11 @@ class SequinConditionSensor(BaseSensorOperator):
         first = self.poke(context)
         if first.is_done:
             return first.xcom_value
-        self.defer(trigger=self.build_trigger(end_time=time.time() + self.timeout), method_name="execute_complete",
-                   timeout=timedelta(seconds=self.timeout))
+        self.defer(
+            trigger=self.build_trigger(end_time=time.time() + self.timeout),
+            method_name="execute_complete",
+            timeout=timedelta(seconds=self.timeout),
+        )
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
         """Resume from the trigger: return its payload on success, fail on a timeout or an error."""
@@ -102,8 +106,14 @@ class ReplicationSlotLagSensor(SequinConditionSensor):
         self.fire_when = fire_when
 
     def build_trigger(self, end_time: float | None) -> SlotLagTrigger:
-        return SlotLagTrigger(slot=self.slot, threshold_bytes=int(self.threshold_bytes), fire_when=self.fire_when,
-                              sequin_conn_id=self.sequin_conn_id, poke_interval=self.poke_interval, end_time=end_time)
+        return SlotLagTrigger(
+            slot=self.slot,
+            threshold_bytes=int(self.threshold_bytes),
+            fire_when=self.fire_when,
+            sequin_conn_id=self.sequin_conn_id,
+            poke_interval=self.poke_interval,
+            end_time=end_time,
+        )
 
 
 class StreamHeartbeatSensor(SequinConditionSensor):
@@ -112,17 +122,23 @@ class StreamHeartbeatSensor(SequinConditionSensor):
 
     template_fields: Sequence[str] = ("sequin_conn_id", "database", "max_age_seconds", "fire_when")
 
-    def __init__(self, *, database: str, max_age_seconds: float | str, fire_when: str = "exceeds",
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *, database: str, max_age_seconds: float | str, fire_when: str = "exceeds", **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.database = database
         self.max_age_seconds = max_age_seconds
         self.fire_when = fire_when
 
     def build_trigger(self, end_time: float | None) -> HeartbeatTrigger:
-        return HeartbeatTrigger(database=self.database, max_age_seconds=float(self.max_age_seconds),
-                                fire_when=self.fire_when, sequin_conn_id=self.sequin_conn_id,
-                                poke_interval=self.poke_interval, end_time=end_time)
+        return HeartbeatTrigger(
+            database=self.database,
+            max_age_seconds=float(self.max_age_seconds),
+            fire_when=self.fire_when,
+            sequin_conn_id=self.sequin_conn_id,
+            poke_interval=self.poke_interval,
+            end_time=end_time,
+        )
 
 
 class ParkedMessagesSensor(SequinConditionSensor):
@@ -131,17 +147,23 @@ class ParkedMessagesSensor(SequinConditionSensor):
 
     template_fields: Sequence[str] = ("sequin_conn_id", "sink", "threshold", "fire_when")
 
-    def __init__(self, *, sink: str | None = None, threshold: int | str = 0, fire_when: str = "exceeds",
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *, sink: str | None = None, threshold: int | str = 0, fire_when: str = "exceeds", **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.sink = sink
         self.threshold = threshold
         self.fire_when = fire_when
 
     def build_trigger(self, end_time: float | None) -> ParkedMessagesTrigger:
-        return ParkedMessagesTrigger(sink=self.sink or None, threshold=int(self.threshold), fire_when=self.fire_when,
-                                     sequin_conn_id=self.sequin_conn_id, poke_interval=self.poke_interval,
-                                     end_time=end_time)
+        return ParkedMessagesTrigger(
+            sink=self.sink or None,
+            threshold=int(self.threshold),
+            fire_when=self.fire_when,
+            sequin_conn_id=self.sequin_conn_id,
+            poke_interval=self.poke_interval,
+            end_time=end_time,
+        )
 
 
 class BackfillCompletedSensor(SequinConditionSensor):
@@ -155,5 +177,9 @@ class BackfillCompletedSensor(SequinConditionSensor):
         self.backfill_id = backfill_id
 
     def build_trigger(self, end_time: float | None) -> BackfillCompletedTrigger:
-        return BackfillCompletedTrigger(backfill_id=int(self.backfill_id), sequin_conn_id=self.sequin_conn_id,
-                                        poke_interval=self.poke_interval, end_time=end_time)
+        return BackfillCompletedTrigger(
+            backfill_id=int(self.backfill_id),
+            sequin_conn_id=self.sequin_conn_id,
+            poke_interval=self.poke_interval,
+            end_time=end_time,
+        )

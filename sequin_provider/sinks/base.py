@@ -74,8 +74,14 @@ class DestinationKind(ABC):
         """Whether the executors deliver this kind's messages (``pusher``), parking failures."""
         return not self.stored
 
-    def option_keys(self, reader: OptionReader, value: Mapping[str, Any], path: str, allowed: set[str],
-                    required: set[str] = frozenset()) -> dict[str, Any]:
+    def option_keys(
+        self,
+        reader: OptionReader,
+        value: Mapping[str, Any],
+        path: str,
+        allowed: set[str],
+        required: set[str] = frozenset(),
+    ) -> dict[str, Any]:
         """``value`` (the ``destination:`` mapping) checked for this kind's keys (and ``type``)."""
         return reader.mapping(dict(value), path, {"type", *allowed}, set(required))
 

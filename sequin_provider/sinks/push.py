@@ -50,6 +50,10 @@ class PushSink(ABC):
         result = push_in_group_order(name, messages, self.send, self.batch_size, self.lanes, heads, barred, held)
         if result.parked:
             store.retrying(lambda conn: park_messages(conn, schema, result.parked))
-            log.warning("sink %s: %d messages parked in the buffer, first error: %s", name, len(result.parked),
-                        result.parked[0].error)
+            log.warning(
+                "sink %s: %d messages parked in the buffer, first error: %s",
+                name,
+                len(result.parked),
+                result.parked[0].error,
+            )
         return result.delivered, len(result.parked)

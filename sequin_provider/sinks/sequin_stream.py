@@ -128,10 +128,14 @@ class SequinStreamKind(DestinationKind):
         """A stream parks messages whose transform or filter failed, and those behind them: retried
         into the stream, one at a time in position order (one connection)."""
         with psycopg.connect(config.store_dsn(sink.database), connect_timeout=10) as conn:
+
             def into_stream(m: Parked, data: str) -> None:
-                store.insert_stream_messages(conn, config.store.schema,
-                                             [(m.sink, m.commit_lsn, m.commit_idx, m.group_id, m.idempotency_key,
-                                               data, m.barrier)])
+                store.insert_stream_messages(
+                    conn,
+                    config.store.schema,
+                    [(m.sink, m.commit_lsn, m.commit_idx, m.group_id, m.idempotency_key, data, m.barrier)],
+                )
+
             return buffer.retry_sink(config, sink, into_stream, render, workers=1)
 
     def counts(self, conn: psycopg.Connection[Any], schema: str, sink: str) -> dict[str, int]:

@@ -65,9 +65,19 @@ class StoredSinkWriter:
                 self.table.parked.append(messages.park_row(self.name, j, 1, messages.failed[j][1]))
                 blocked.add(group)
             else:
-                out.append(copy_binary_tuple((self.name, messages.commit_lsn[j], messages.commit_idx[j], group,
-                                              messages.idempotency_key[j], messages.data[j],
-                                              messages.barriers.get(j))))
+                out.append(
+                    copy_binary_tuple(
+                        (
+                            self.name,
+                            messages.commit_lsn[j],
+                            messages.commit_idx[j],
+                            group,
+                            messages.idempotency_key[j],
+                            messages.data[j],
+                            messages.barriers.get(j),
+                        )
+                    )
+                )
         if out:
             yield b"".join(out)
 
@@ -77,8 +87,9 @@ class StreamTableWriter:
     COPY per partition (``write``). ``store`` takes the COPY; ``buffer``, a second connection,
     answers the buffer's questions while the COPY streams and parks what was set aside."""
 
-    def __init__(self, sinks: Sequence[SinkConfig], schema: str, store: SequinStreamSink,
-                 buffer: SequinStreamSink) -> None:
+    def __init__(
+        self, sinks: Sequence[SinkConfig], schema: str, store: SequinStreamSink, buffer: SequinStreamSink
+    ) -> None:
         self.schema = schema
         self.store = store
         self.buffer = buffer
@@ -106,11 +117,15 @@ class StreamTableWriter:
         # task and batch (sinks_with_parked: 2.3 ms measured on a 2-core machine at load 15)
         names = list(self.writers)
         self.held = self.buffer.retrying(lambda conn: sinks_with_parked(conn, self.schema, names))
-        written = self.store.write(itertools.chain((COPY_BINARY_HEADER,), payload, (COPY_BINARY_TRAILER,)),
-                                   binary=True, span=span)
+        written = self.store.write(
+            itertools.chain((COPY_BINARY_HEADER,), payload, (COPY_BINARY_TRAILER,)), binary=True, span=span
+        )
         if self.parked:
             parked = self.parked
             self.buffer.retrying(lambda conn: park_messages(conn, self.schema, parked))
-            log.warning("%d messages parked in the buffer (a transform raised, or behind a parked message): %s",
-                        len(parked), parked[0].error)
+            log.warning(
+                "%d messages parked in the buffer (a transform raised, or behind a parked message): %s",
+                len(parked),
+                parked[0].error,
+            )
         return written

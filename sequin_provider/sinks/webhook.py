@@ -99,14 +99,16 @@ class WebhookKind(DestinationKind):
 
     def parse_options(self, reader: OptionReader, value: Mapping[str, Any], path: str) -> WebhookOptions:
         """``url`` (http/https), ``headers``, ``batch``, ``batch_size``, ``timeout``, ``secret``, ``concurrency``."""
-        item = self.option_keys(reader, value, path, {"url", "headers", "batch", "batch_size", "timeout", "secret",
-                                                      "concurrency"}, {"url"})
+        item = self.option_keys(
+            reader, value, path, {"url", "headers", "batch", "batch_size", "timeout", "secret", "concurrency"}, {"url"}
+        )
         url = reader.string(item["url"], f"{path}.url")
         if not re.match(r"^https?://[^/\s]+", url) or re.search(r"[\s\x00-\x1f\x7f]", url) or not _url_port_ok(url):
             raise reader.fail(f"{path}.url", f"expected an http:// or https:// URL, got {url!r}")
         headers = item.get("headers") or {}
-        if not isinstance(headers, dict) or not all(isinstance(k, str) and isinstance(v, (str, int))
-                                                    for k, v in headers.items()):
+        if not isinstance(headers, dict) or not all(
+            isinstance(k, str) and isinstance(v, (str, int)) for k, v in headers.items()
+        ):
             raise reader.fail(f"{path}.headers", "expected a mapping of header names to string values")
         for name, header in headers.items():
             if not _HEADER_NAME.fullmatch(name) or re.search(r"[\r\n\x00]", str(header)):
@@ -155,14 +157,19 @@ class WebhookClient(PushSink):
         self.host: str = parts.hostname or ""
         self.port = parts.port or (443 if self.tls else 80)
         self.target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
-        self.headers = {"Host": parts.netloc.rpartition("@")[2], "Content-Type": "application/json",
-                        "User-Agent": "sequin-provider", **options.headers}
+        self.headers = {
+            "Host": parts.netloc.rpartition("@")[2],
+            "Content-Type": "application/json",
+            "User-Agent": "sequin-provider",
+            **options.headers,
+        }
         if parts.username is not None:  # credentials in the URL: basic auth, as httpx did
             self.headers.setdefault("Authorization", _basic_auth(parts))
         self.proxy, self._proxy_auth, self._proxy_error = self._proxy(parts.scheme)
         if self.proxy is not None and not self.tls:  # a plain request through the proxy names the whole URL
-            self.target = urllib.parse.urlunsplit((parts.scheme, self.headers["Host"], parts.path or "/",
-                                                   parts.query, ""))
+            self.target = urllib.parse.urlunsplit(
+                (parts.scheme, self.headers["Host"], parts.path or "/", parts.query, "")
+            )
             self.headers.update(self._proxy_auth)
         self._context = _tls_context() if self.tls else None
         self._idle: queue.SimpleQueue[http.client.HTTPConnection] = queue.SimpleQueue()
@@ -175,7 +182,11 @@ class WebhookClient(PushSink):
             return None, {}, None
         parts = urllib.parse.urlsplit(proxy if "://" in proxy else "http://" + proxy)
         if parts.scheme != "http" or not parts.hostname:
-            return None, {}, f"webhook {self.sink}: unsupported {scheme} proxy {proxy!r} (an http:// proxy is supported)"
+            return (
+                None,
+                {},
+                f"webhook {self.sink}: unsupported {scheme} proxy {proxy!r} (an http:// proxy is supported)",
+            )
         auth = {"Proxy-Authorization": _basic_auth(parts)} if parts.username is not None else {}
         return parts, auth, None
 

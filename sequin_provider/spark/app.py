@@ -64,13 +64,15 @@ def spark_session(app_name: str, master: str | None = None, java_options: str = 
     # In local mode the driver JVM also runs the executors, which hold whole micro-batches.
     # (Under spark-submit the driver JVM already runs: its --driver-memory is what counts.)
     memory = os.environ.get("SEQUIN_SPARK_DRIVER_MEMORY", "4g")
-    builder = (builder.config("spark.driver.memory", memory)
-               .config("spark.driver.extraJavaOptions", os.environ.get("SEQUIN_SPARK_JAVA_OPTIONS", java_options))
-               .config("spark.sql.execution.arrow.maxRecordsPerBatch", "20000")
-               .config("spark.sql.shuffle.partitions", "2")
-               .config("spark.ui.enabled", os.environ.get("SEQUIN_SPARK_UI", "false"))
-               .config("spark.sql.execution.arrow.pyspark.enabled", "true")
-               .config("spark.sql.streaming.noDataMicroBatches.enabled", "false"))
+    builder = (
+        builder.config("spark.driver.memory", memory)
+        .config("spark.driver.extraJavaOptions", os.environ.get("SEQUIN_SPARK_JAVA_OPTIONS", java_options))
+        .config("spark.sql.execution.arrow.maxRecordsPerBatch", "20000")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.ui.enabled", os.environ.get("SEQUIN_SPARK_UI", "false"))
+        .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+        .config("spark.sql.streaming.noDataMicroBatches.enabled", "false")
+    )
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("SEQUIN_SPARK_LOG_LEVEL", "WARN"))
     return spark
@@ -78,7 +80,8 @@ def spark_session(app_name: str, master: str | None = None, java_options: str = 
 
 CHECKPOINT_FILE_MANAGER_CONF = "spark.sql.streaming.checkpointFileManagerClass"
 LOCAL_CHECKPOINT_FILE_MANAGER = (
-    "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager")
+    "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager"
+)
 """Spark's own checkpoint file manager over Hadoop's ``FileSystem`` API, for a local checkpoint.
 
 The default one (``FileContext``) has Hadoop's local file system look up whether the destination of
@@ -129,8 +132,9 @@ def log_progress(query: Any, done: threading.Event, interval: float = PROGRESS_P
     return thread
 
 
-def run_stream_app(config_path: str | None, database: str | None, checkpoint: str | None,
-                   master: str | None = None) -> int:
+def run_stream_app(
+    config_path: str | None, database: str | None, checkpoint: str | None, master: str | None = None
+) -> int:
     """Run the stream app for one database; returns the process exit code."""
     configure_logging()
     try:
@@ -161,24 +165,40 @@ def run_stream_app(config_path: str | None, database: str | None, checkpoint: st
     checkpoint_dir = checkpoint or str(Path(config.stream.checkpoint_location) / db.name)
     try:
         with psycopg.connect(config.store_dsn(db.name), connect_timeout=10) as conn:
-            store.update_status(conn, config.store.schema, db.name, slot=db.slot.name,
-                                app_started_at=datetime.now(timezone.utc), last_error=None)
+            store.update_status(
+                conn,
+                config.store.schema,
+                db.name,
+                slot=db.slot.name,
+                app_started_at=datetime.now(timezone.utc),
+                last_error=None,
+            )
     except psycopg.OperationalError as exc:
         log.error("cannot reach the store: %s", str(exc).strip())
         spark.stop()
         return 2
 
     use_local_checkpoint_manager(spark, checkpoint_dir)
-    spool = (str(Path(config.stream.spool_location) / db.name) if config.stream.spool_location
-             else str(Path(checkpoint_dir) / "sequin-spool"))
-    changes = (spark.readStream.format("sequin_replication")
-               .option("config", path).option("database", db.name).option("spool", spool)
-               .option("partitions", str(spark.sparkContext.defaultParallelism))
-               .option("payload", pipeline.payload).load())
-    query = (changes.writeStream.foreachBatch(pipeline)
-             .option("checkpointLocation", checkpoint_dir)
-             .queryName(f"sequin_{db.name}")
-             .start())
+    spool = (
+        str(Path(config.stream.spool_location) / db.name)
+        if config.stream.spool_location
+        else str(Path(checkpoint_dir) / "sequin-spool")
+    )
+    changes = (
+        spark.readStream.format("sequin_replication")
+        .option("config", path)
+        .option("database", db.name)
+        .option("spool", spool)
+        .option("partitions", str(spark.sparkContext.defaultParallelism))
+        .option("payload", pipeline.payload)
+        .load()
+    )
+    query = (
+        changes.writeStream.foreachBatch(pipeline)
+        .option("checkpointLocation", checkpoint_dir)
+        .queryName(f"sequin_{db.name}")
+        .start()
+    )
     stopping, finished = threading.Event(), threading.Event()
     log_progress(query, finished)
 

@@ -54,8 +54,7 @@ def _database_of(config: SequinConfig, sink_name: str) -> str:
     return config.sink(sink_name).database
 
 
-def read_ranges(config_path: str, database: str, backfill_id: int, max_page_rows: int,
-                window_timeout: float) -> Any:
+def read_ranges(config_path: str, database: str, backfill_id: int, max_page_rows: int, window_timeout: float) -> Any:
     """The task body: read each range of the partition; yields one summary row per range."""
 
     def run(ranges: Iterator[int]) -> Iterator[tuple[int, int, int, int, bool]]:
@@ -68,8 +67,9 @@ def read_ranges(config_path: str, database: str, backfill_id: int, max_page_rows
     return run
 
 
-def start_backfill(config: SequinConfig, database_name: str, backfill_id: int,
-                   ranges: int) -> tuple[store.Backfill, list[store.BackfillRange]]:
+def start_backfill(
+    config: SequinConfig, database_name: str, backfill_id: int, ranges: int
+) -> tuple[store.Backfill, list[store.BackfillRange]]:
     """Move a pending backfill to running with its ranges, or return a running one's ranges (resume).
     ``database_name``: the database whose store holds the backfill (``database_of_backfill``)."""
     with psycopg.connect(config.store_dsn(database_name), connect_timeout=10) as conn:
@@ -90,8 +90,11 @@ def start_backfill(config: SequinConfig, database_name: str, backfill_id: int,
         found = store.ensure_backfill_ranges(conn, config.store.schema, backfill_id, bounds)
         abandoned = store.abandon_backfill_pages(conn, config.store.schema, backfill_id)
         if abandoned:
-            log.info("backfill %d: %d pages of an earlier run were left unfinished; their ranges resume from"
-                     " their cursors", backfill_id, abandoned)
+            log.info(
+                "backfill %d: %d pages of an earlier run were left unfinished; their ranges resume from their cursors",
+                backfill_id,
+                abandoned,
+            )
         return backfill, found
 
 
@@ -109,9 +112,16 @@ def database_of_backfill(config: SequinConfig, backfill_id: int) -> str:
     raise BackfillError(errors[0] if errors else f"no backfill with id {backfill_id}")
 
 
-def run_backfill(spark: Any, config_path: str, backfill_id: int, ranges: int | None = None,
-                 max_page_rows: int = DEFAULT_MAX_PAGE_ROWS, window_timeout: float = DEFAULT_WINDOW_TIMEOUT,
-                 stopping: threading.Event | None = None, lock_wait: float = RUN_LOCK_WAIT) -> store.Backfill:
+def run_backfill(
+    spark: Any,
+    config_path: str,
+    backfill_id: int,
+    ranges: int | None = None,
+    max_page_rows: int = DEFAULT_MAX_PAGE_ROWS,
+    window_timeout: float = DEFAULT_WINDOW_TIMEOUT,
+    stopping: threading.Event | None = None,
+    lock_wait: float = RUN_LOCK_WAIT,
+) -> store.Backfill:
     """Run (or resume) a backfill to its end on ``spark``; returns its final record.
 
     Holds the backfill's run lock throughout (``BackfillBusy`` if another app still holds it after
@@ -120,26 +130,39 @@ def run_backfill(spark: Any, config_path: str, backfill_id: int, ranges: int | N
     to be resumed from its cursors."""
     config = load_config(config_path)
     database = database_of_backfill(config, backfill_id)
-    lock = run_lock(config.store_dsn(database), config.store.schema, backfill_id,
-                    f"sequin-backfill-{backfill_id} pid {os.getpid()}")
+    lock = run_lock(
+        config.store_dsn(database), config.store.schema, backfill_id, f"sequin-backfill-{backfill_id} pid {os.getpid()}"
+    )
     if not lock.acquire_within(lock_wait):
-        raise BackfillBusy(f"backfill {backfill_id} is being run by another app (its lock {lock.name!r} is held by"
-                           f" {lock.holder()}); it was left as it is")
+        raise BackfillBusy(
+            f"backfill {backfill_id} is being run by another app (its lock {lock.name!r} is held by"
+            f" {lock.holder()}); it was left as it is"
+        )
     try:
-        return _run_locked(spark, config, config_path, database, backfill_id, ranges, max_page_rows, window_timeout,
-                           stopping)
+        return _run_locked(
+            spark, config, config_path, database, backfill_id, ranges, max_page_rows, window_timeout, stopping
+        )
     finally:
         lock.release()
 
 
-def _run_locked(spark: Any, config: SequinConfig, config_path: str, database: str, backfill_id: int,
-                ranges: int | None, max_page_rows: int, window_timeout: float,
-                stopping: threading.Event | None) -> store.Backfill:
+def _run_locked(
+    spark: Any,
+    config: SequinConfig,
+    config_path: str,
+    database: str,
+    backfill_id: int,
+    ranges: int | None,
+    max_page_rows: int,
+    window_timeout: float,
+    stopping: threading.Event | None,
+) -> store.Backfill:
     if stopping is not None and stopping.is_set():  # the supervisor went while the lock was awaited
         with psycopg.connect(config.store_dsn(database), connect_timeout=10) as conn:
             current = store.get_backfill(conn, config.store.schema, backfill_id)
-        log.warning("backfill %d: the app stopped before it started the backfill; it was left %s", backfill_id,
-                    current.state)
+        log.warning(
+            "backfill %d: the app stopped before it started the backfill; it was left %s", backfill_id, current.state
+        )
         return current
     parallelism = ranges or int(spark.sparkContext.defaultParallelism)
     backfill, found = start_backfill(config, database, backfill_id, parallelism)
@@ -149,9 +172,16 @@ def _run_locked(spark: Any, config: SequinConfig, config_path: str, database: st
         log.info("backfill %d is already %s", backfill_id, backfill.state)
         return backfill
     todo = [r.range_idx for r in found if not r.done]
-    log.info("backfill %d of %s.%s for sink %r: %d ranges to read (%d done), about %s rows", backfill_id,
-             backfill.table_schema, backfill.table_name, backfill.sink, len(todo), len(found) - len(todo),
-             backfill.rows_initial if backfill.rows_initial is not None else "?")
+    log.info(
+        "backfill %d of %s.%s for sink %r: %d ranges to read (%d done), about %s rows",
+        backfill_id,
+        backfill.table_schema,
+        backfill.table_name,
+        backfill.sink,
+        len(todo),
+        len(found) - len(todo),
+        backfill.rows_initial if backfill.rows_initial is not None else "?",
+    )
     stop = threading.Event()
     reporter = threading.Thread(target=_report_progress, args=(dsn, schema, backfill_id, stop), daemon=True)
     reporter.start()
@@ -160,8 +190,9 @@ def _run_locked(spark: Any, config: SequinConfig, config_path: str, database: st
         if todo and not (stopping is not None and stopping.is_set()):  # gone while the ranges were set up
             spark.sparkContext.setJobDescription(f"sequin backfill {backfill_id}")
             rdd = spark.sparkContext.parallelize(todo, len(todo))
-            rdd.mapPartitions(read_ranges(str(Path(config_path).absolute()), database, backfill_id, max_page_rows,
-                                          window_timeout)).collect()
+            rdd.mapPartitions(
+                read_ranges(str(Path(config_path).absolute()), database, backfill_id, max_page_rows, window_timeout)
+            ).collect()
     except Exception as exc:  # noqa: BLE001 - a task's error, as Spark reports it
         error = _task_error(exc)
     finally:
@@ -173,8 +204,12 @@ def _run_locked(spark: Any, config: SequinConfig, config_path: str, database: st
             log.info("backfill %d is %s", backfill_id, current.state)
             return current
         if stopping is not None and stopping.is_set():
-            log.warning("backfill %d: the app stopped before the backfill finished; it stays running (%s) and"
-                        " resumes from its cursors when run again", backfill_id, progress_line(current))
+            log.warning(
+                "backfill %d: the app stopped before the backfill finished; it stays running (%s) and"
+                " resumes from its cursors when run again",
+                backfill_id,
+                progress_line(current),
+            )
             return current
         if error is None and all(r.done for r in store.backfill_ranges(conn, schema, backfill_id)):
             final = store.transition_backfill(conn, schema, backfill_id, "completed")
@@ -229,8 +264,14 @@ def job_stopper(spark: Any, stopping: threading.Event, finished: threading.Event
     return stop
 
 
-def run_backfill_app(config_path: str | None, backfill_id: int, master: str | None = None, ranges: int | None = None,
-                     max_page_rows: int = DEFAULT_MAX_PAGE_ROWS, window_timeout: float = DEFAULT_WINDOW_TIMEOUT) -> int:
+def run_backfill_app(
+    config_path: str | None,
+    backfill_id: int,
+    master: str | None = None,
+    ranges: int | None = None,
+    max_page_rows: int = DEFAULT_MAX_PAGE_ROWS,
+    window_timeout: float = DEFAULT_WINDOW_TIMEOUT,
+) -> int:
     """The ``sequin_provider/spark_apps/backfill.py`` entry point; returns the process exit code (0: completed; 1: not
     completed: failed, cancelled, or stopped because its supervisor is gone; 2: bad input; 3: another
     app runs this backfill). Under a supervisor (``$SEQUIN_SUPERVISOR_PID``) the app stops once the
@@ -262,21 +303,29 @@ def run_backfill_app(config_path: str | None, backfill_id: int, master: str | No
     return 0 if final.state == "completed" else 1
 
 
-
 def active_backfills(config: SequinConfig, database: str) -> list[int]:
     """Ids of ``database``'s pending and running backfills, oldest first (running ones are resumed
     when their app is gone: their run lock tells). Those of a sink no longer in the config count as
     the store's database's: running one fails it with that reason."""
     sinks = {s.name: s.database for s in config.sinks}
     with psycopg.connect(config.store_dsn(database), connect_timeout=10) as conn:
-        return sorted(b.id for b in store.list_backfills(conn, config.store.schema)
-                      if b.state in store.ACTIVE_BACKFILL_STATES and sinks.get(b.sink, database) == database)
+        return sorted(
+            b.id
+            for b in store.list_backfills(conn, config.store.schema)
+            if b.state in store.ACTIVE_BACKFILL_STATES and sinks.get(b.sink, database) == database
+        )
 
 
-def serve_backfills(spark: Any, config_path: str, databases: list[str], stopping: threading.Event,
-                    poll_interval: float = SERVE_POLL_INTERVAL, ranges: int | None = None,
-                    max_page_rows: int = DEFAULT_MAX_PAGE_ROWS,
-                    window_timeout: float = DEFAULT_WINDOW_TIMEOUT) -> None:
+def serve_backfills(
+    spark: Any,
+    config_path: str,
+    databases: list[str],
+    stopping: threading.Event,
+    poll_interval: float = SERVE_POLL_INTERVAL,
+    ranges: int | None = None,
+    max_page_rows: int = DEFAULT_MAX_PAGE_ROWS,
+    window_timeout: float = DEFAULT_WINDOW_TIMEOUT,
+) -> None:
     """Run the backfills of ``databases`` as they are recorded, one at a time, until ``stopping``.
 
     A backfill another app runs is left to it (its run lock); one that cannot start (its table gone,
@@ -292,8 +341,16 @@ def serve_backfills(spark: Any, config_path: str, databases: list[str], stopping
         waker.close()
 
 
-def _serve_round(spark: Any, config_path: str, config: SequinConfig, databases: list[str], stopping: threading.Event,
-                 ranges: int | None, max_page_rows: int, window_timeout: float) -> None:
+def _serve_round(
+    spark: Any,
+    config_path: str,
+    config: SequinConfig,
+    databases: list[str],
+    stopping: threading.Event,
+    ranges: int | None,
+    max_page_rows: int,
+    window_timeout: float,
+) -> None:
     for database in databases:
         try:
             todo = active_backfills(config, database)
@@ -303,8 +360,9 @@ def _serve_round(spark: Any, config_path: str, config: SequinConfig, databases: 
         for backfill_id in todo:
             if stopping.is_set():
                 return
-            _serve_one(spark, config_path, config, database, backfill_id, stopping, ranges, max_page_rows,
-                       window_timeout)
+            _serve_one(
+                spark, config_path, config, database, backfill_id, stopping, ranges, max_page_rows, window_timeout
+            )
 
 
 def _import_range_reader(partition: Iterator[int]) -> Iterator[int]:
@@ -355,8 +413,17 @@ class BackfillWaker:
             self.conn = None
 
 
-def _serve_one(spark: Any, config_path: str, config: SequinConfig, database: str, backfill_id: int,
-               stopping: threading.Event, ranges: int | None, max_page_rows: int, window_timeout: float) -> None:
+def _serve_one(
+    spark: Any,
+    config_path: str,
+    config: SequinConfig,
+    database: str,
+    backfill_id: int,
+    stopping: threading.Event,
+    ranges: int | None,
+    max_page_rows: int,
+    window_timeout: float,
+) -> None:
     try:
         run_backfill(spark, config_path, backfill_id, ranges, max_page_rows, window_timeout, stopping, lock_wait=0)
     except BackfillBusy:
@@ -373,10 +440,15 @@ def _serve_one(spark: Any, config_path: str, config: SequinConfig, database: str
         stopping.wait(SERVE_POLL_INTERVAL)
 
 
-def run_backfill_server_app(config_path: str | None, database: str | None = None, master: str | None = None,
-                            poll_interval: float = SERVE_POLL_INTERVAL, ranges: int | None = None,
-                            max_page_rows: int = DEFAULT_MAX_PAGE_ROWS,
-                            window_timeout: float = DEFAULT_WINDOW_TIMEOUT) -> int:
+def run_backfill_server_app(
+    config_path: str | None,
+    database: str | None = None,
+    master: str | None = None,
+    poll_interval: float = SERVE_POLL_INTERVAL,
+    ranges: int | None = None,
+    max_page_rows: int = DEFAULT_MAX_PAGE_ROWS,
+    window_timeout: float = DEFAULT_WINDOW_TIMEOUT,
+) -> int:
     """``sequin backfill serve`` / ``spark_apps/backfill.py --serve``: the backfill server, until
     SIGTERM, SIGINT or its supervisor's exit; returns the exit code (0: stopped; 2: bad input;
     3: another server already serves one of the databases)."""
@@ -396,8 +468,9 @@ def run_backfill_server_app(config_path: str | None, database: str | None = None
     locks = []
     try:
         for name in databases:
-            lock = server_lock(config.store_dsn(name), config.store.schema, name,
-                               f"sequin-backfill-server pid {os.getpid()}")
+            lock = server_lock(
+                config.store_dsn(name), config.store.schema, name, f"sequin-backfill-server pid {os.getpid()}"
+            )
             if not lock.acquire():
                 log.error("database %r already has a backfill server (%s)", name, lock.holder())
                 return 3
@@ -417,8 +490,7 @@ def run_backfill_server_app(config_path: str | None, database: str | None = None
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
         stop_when_supervisor_exits(stop)
-        log.info("backfill server up for database(s) %s: it runs each backfill as it is recorded",
-                 ", ".join(databases))
+        log.info("backfill server up for database(s) %s: it runs each backfill as it is recorded", ", ".join(databases))
         try:
             serve_backfills(spark, path, databases, stopping, poll_interval, ranges, max_page_rows, window_timeout)
         finally:

@@ -86,8 +86,9 @@ def payload_mode(sinks: tuple[SinkConfig, ...]) -> str:
     return "full" if any(needs_parsed_record(s) for s in sinks) else "spool"
 
 
-def project_batch(df: DataFrame, sinks: tuple[SinkConfig, ...],
-                  failed: Mapping[int, Mapping[str, str]] | None = None) -> DataFrame:
+def project_batch(
+    df: DataFrame, sinks: tuple[SinkConfig, ...], failed: Mapping[int, Mapping[str, str]] | None = None
+) -> DataFrame:
     """The change columns messages are rendered from, and per sink ``i`` ``_select_i`` (whether the
     sink takes the change: tables, actions, filter) and, where Spark computes it, ``_group_i``. A
     ``payload=spool`` batch (slices of spool files) passes as it is: the writers read and select
@@ -111,8 +112,9 @@ def with_selections(changes: pa.RecordBatch, renderings: list[SinkRendering]) ->
     """Change rows of a ``payload=spool`` slice with each sink's ``_select_i``
     (``message_render.selection``, where Spark SQL would have computed it), less the rows no sink takes."""
     flags = [selection(changes, r) for r in renderings]
-    selected = pa.RecordBatch.from_arrays(changes.columns + flags,
-                                          names=changes.schema.names + [f"_select_{i}" for i in range(len(flags))])
+    selected = pa.RecordBatch.from_arrays(
+        changes.columns + flags, names=changes.schema.names + [f"_select_{i}" for i in range(len(flags))]
+    )
     wanted = flags[0] if flags else pa.array([False] * changes.num_rows)
     for flag in flags[1:]:
         wanted = pc.or_(wanted, flag)
@@ -140,12 +142,16 @@ class StreamWriter:
         self.pushes = any(s.destination.kind.pushed and "truncate" in selected_actions(s) for s in self.sinks)
         self.renderings = [SinkRendering.of(s, db.name) for s in self.sinks]
         self.table = StreamTableWriter(
-            [s for s in self.sinks if s.destination.kind.stored], config.store.schema,
+            [s for s in self.sinks if s.destination.kind.stored],
+            config.store.schema,
             SequinStreamSink(config.store_dsn(db.name), config.store.schema, config.stream.store_retry_timeout),
-            SequinStreamSink(config.store_dsn(db.name), config.store.schema, config.stream.store_retry_timeout))
+            SequinStreamSink(config.store_dsn(db.name), config.store.schema, config.stream.store_retry_timeout),
+        )
         self.stored: list[tuple[int, SinkRendering, StoredSinkWriter]] = [
-            (i, self.renderings[i], self.table.writer(s.name)) for i, s in enumerate(self.sinks)
-            if s.destination.kind.stored]
+            (i, self.renderings[i], self.table.writer(s.name))
+            for i, s in enumerate(self.sinks)
+            if s.destination.kind.stored
+        ]
         """Per stored sink: its index in the projected batch (``_select_i``), rendering and writer."""
 
     def payload(self, batch: pa.RecordBatch) -> Iterator[bytes | memoryview]:
@@ -166,8 +172,13 @@ class StreamWriter:
             for batch in batches:
                 spooled = "spool_rows" in batch.schema.names  # payload=spool: slices to read and select
                 if spooled:
-                    slices.extend(zip(batch.column("spool_path").to_pylist(), batch.column("spool_offset").to_pylist(),
-                                      batch.column("spool_rows").to_pylist()))
+                    slices.extend(
+                        zip(
+                            batch.column("spool_path").to_pylist(),
+                            batch.column("spool_offset").to_pylist(),
+                            batch.column("spool_rows").to_pylist(),
+                        )
+                    )
                 for changes in spool_slice_rows(batch) if spooled else (batch,):
                     if not changes.num_rows:
                         continue
@@ -186,8 +197,9 @@ class StreamWriter:
 
         started = time.monotonic()
         if self.copies:  # the COPY, then what was set aside parked: durable before the batch completes
-            written = self.table.write(chunks(), span=lambda: None if stats["min_lsn"] is None
-                                       else (stats["min_lsn"], stats["max_lsn"]))  # the acked positions to skip
+            written = self.table.write(
+                chunks(), span=lambda: None if stats["min_lsn"] is None else (stats["min_lsn"], stats["max_lsn"])
+            )  # the acked positions to skip
         else:  # only push sinks: the slices are read for the counts, nothing is copied
             written = 0
             for _ in chunks():
@@ -198,11 +210,19 @@ class StreamWriter:
             if sink.destination.kind.pushed:
                 sent, held = push_writer(self.config_path, self.database, sink.name).write_share(slices)
                 delivered, pushed_parked = delivered + sent, pushed_parked + held
-        yield pa.RecordBatch.from_pydict({"rows": [stats["rows"]], "written": [written], "max_lsn": [stats["max_lsn"]],
-                                          "store_seconds": [seconds], "delivered": [delivered],
-                                          "parked": [pushed_parked], "open_lsn": [stats["open_lsn"]],
-                                          "truncated": [sorted(truncated)]},
-                                         schema=WRITE_RESULT_SCHEMA)
+        yield pa.RecordBatch.from_pydict(
+            {
+                "rows": [stats["rows"]],
+                "written": [written],
+                "max_lsn": [stats["max_lsn"]],
+                "store_seconds": [seconds],
+                "delivered": [delivered],
+                "parked": [pushed_parked],
+                "open_lsn": [stats["open_lsn"]],
+                "truncated": [sorted(truncated)],
+            },
+            schema=WRITE_RESULT_SCHEMA,
+        )
 
 
 SHARE_KEY_COLUMNS = ["commit_lsn", "commit_idx", "table_schema", "table_name", "record_pks"]
@@ -265,7 +285,9 @@ class PushWriter:
         self.transform = load_transform(self.sink_config.transform)
         self.rendering = SinkRendering.of(self.sink_config, database)
         self.pusher = self.sink_config.destination.kind.pusher(self.sink_config)
-        self.store = SequinStreamSink(config.store_dsn(database), config.store.schema, config.stream.store_retry_timeout)
+        self.store = SequinStreamSink(
+            config.store_dsn(database), config.store.schema, config.stream.store_retry_timeout
+        )
 
     def write(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         """``mapInArrow`` body over a ``payload=full`` partition (repartitioned by group, sorted by
@@ -274,14 +296,24 @@ class PushWriter:
         messages = Outgoing()
         for batch in batches:
             if batch.num_rows:
-                messages.extend(outgoing(_rendered(batch, self.index, self.rendering), self.sink_config,
-                                          self.transform))
+                messages.extend(
+                    outgoing(_rendered(batch, self.index, self.rendering), self.sink_config, self.transform)
+                )
         top = max(messages.commit_lsn, default=None)
         delivered, parked = self._deliver(messages)
-        yield pa.RecordBatch.from_pydict({"rows": [len(messages)], "written": [0], "max_lsn": [top],
-                                          "store_seconds": [time.monotonic() - started], "delivered": [delivered],
-                                          "parked": [parked], "open_lsn": [None], "truncated": [[]]},
-                                         schema=WRITE_RESULT_SCHEMA)
+        yield pa.RecordBatch.from_pydict(
+            {
+                "rows": [len(messages)],
+                "written": [0],
+                "max_lsn": [top],
+                "store_seconds": [time.monotonic() - started],
+                "delivered": [delivered],
+                "parked": [parked],
+                "open_lsn": [None],
+                "truncated": [[]],
+            },
+            schema=WRITE_RESULT_SCHEMA,
+        )
 
     def write_share(self, slices: list[tuple[str, int, int]]) -> tuple[int, int]:
         """Deliver or park this partition's share of a spooled batch: the sink's messages of every
@@ -304,8 +336,9 @@ class PushWriter:
             order = pc.sort_indices(keys, [("commit_lsn", "ascending"), ("commit_idx", "ascending")])
             file_rows, keys = file_rows.take(order), keys.take(order)
             rows = file_rows.to_numpy()
-            shares = barrier_shares(keys, changes.column("action").take(file_rows),
-                                    share_keys(keys) if self.rendering.grouped else None)
+            shares = barrier_shares(
+                keys, changes.column("action").take(file_rows), share_keys(keys) if self.rendering.grouped else None
+            )
             first = rows[first_of_group(shares)] if shares is not None else rows
             mine = np.zeros(len(first), dtype=bool)
             for _, offset, count in (s for s in slices if s[0] == path):
@@ -320,11 +353,22 @@ class PushWriter:
         return self.pusher.deliver(messages, self.store, self.schema)
 
 
-WRITE_RESULT_SCHEMA = pa.schema([("rows", pa.int64()), ("written", pa.int64()), ("max_lsn", pa.int64()),
-                                 ("store_seconds", pa.float64()), ("delivered", pa.int64()), ("parked", pa.int64()),
-                                 ("open_lsn", pa.int64()), ("truncated", pa.list_(pa.string()))])
-WRITE_RESULT_DDL = ("rows bigint, written bigint, max_lsn bigint, store_seconds double, delivered bigint, parked bigint,"
-                    " open_lsn bigint, truncated array<string>")
+WRITE_RESULT_SCHEMA = pa.schema(
+    [
+        ("rows", pa.int64()),
+        ("written", pa.int64()),
+        ("max_lsn", pa.int64()),
+        ("store_seconds", pa.float64()),
+        ("delivered", pa.int64()),
+        ("parked", pa.int64()),
+        ("open_lsn", pa.int64()),
+        ("truncated", pa.list_(pa.string())),
+    ]
+)
+WRITE_RESULT_DDL = (
+    "rows bigint, written bigint, max_lsn bigint, store_seconds double, delivered bigint, parked bigint,"
+    " open_lsn bigint, truncated array<string>"
+)
 """A task's report: change rows read, stream rows copied, the highest position read, its seconds,
 push messages delivered and parked, the commit LSN of the transaction the batch ends inside (its
 marker row was in this task's rows; null otherwise), and the tables truncated in a ``payload=full``
@@ -358,8 +402,9 @@ def push_writer(config_path: str, database: str, sink: str) -> PushWriter:
     return writer
 
 
-def push_partitions(config_path: str, database: str, sink: str) -> Callable[[Iterator[pa.RecordBatch]],
-                                                                              Iterator[pa.RecordBatch]]:
+def push_partitions(
+    config_path: str, database: str, sink: str
+) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """The ``mapInArrow`` function of a push sink: a writer per Python worker process."""
 
     def push(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -385,8 +430,9 @@ class Pipeline:
         self.database = config.database(database)
         self.sinks: tuple[SinkConfig, ...] = config.sinks_of(self.database.name)
         self._write = write_partitions(config.source, self.database.name)
-        self._visibility = SequinStreamSink(config.store_dsn(self.database.name), config.store.schema,
-                                            config.stream.store_retry_timeout)
+        self._visibility = SequinStreamSink(
+            config.store_dsn(self.database.name), config.store.schema, config.stream.store_retry_timeout
+        )
         self._status_conn: Any = None
         self.stream_sinks = [s.name for s in self.sinks if s.destination.kind.stored]
         self.push_sinks = [(i, s) for i, s in enumerate(self.sinks) if s.destination.kind.pushed]
@@ -424,8 +470,13 @@ class Pipeline:
         delivered = sum(pc.sum(r.column("delivered")).as_py() or 0 for r in [results, *pushed])
         parked = sum(pc.sum(r.column("parked")).as_py() or 0 for r in [results, *pushed])
         if delivered or parked:
-            log.info("batch %d: push sinks %s delivered %d, parked %d", batch_id,
-                     ", ".join(s.name for _, s in self.push_sinks), delivered, parked)
+            log.info(
+                "batch %d: push sinks %s delivered %d, parked %d",
+                batch_id,
+                ", ".join(s.name for _, s in self.push_sinks),
+                delivered,
+                parked,
+            )
         if end_lsn is not None:  # every partition has committed (or delivered, or parked): the batch is done
             self._visibility.make_visible(self.stream_sinks, end_lsn)
             # and backfill pages whose reads it carried are emitted (Spark commits the source's
@@ -437,9 +488,16 @@ class Pipeline:
         elapsed = time.monotonic() - started
         self._record_status(batch_id, rows_in, elapsed, end_lsn)
         if rows_in:
-            log.info("batch %d: %d changes -> %d new messages in %.3fs (store COPY %.3fs summed over %d partitions,"
-                     " streamed while rendering)",
-                     batch_id, rows_in, written, elapsed, store_seconds, results.num_rows)
+            log.info(
+                "batch %d: %d changes -> %d new messages in %.3fs (store COPY %.3fs summed over %d partitions,"
+                " streamed while rendering)",
+                batch_id,
+                rows_in,
+                written,
+                elapsed,
+                store_seconds,
+                results.num_rows,
+            )
 
     @staticmethod
     def _stall_for_test(trigger: str) -> None:
@@ -464,8 +522,7 @@ class Pipeline:
                 projected.unpersist()
         return results, pushed
 
-    def _deliver_around_poison(self, df: DataFrame, batch_id: int,
-                               error: Exception) -> tuple[pa.Table, list[pa.Table]]:
+    def _deliver_around_poison(self, df: DataFrame, batch_id: int, error: Exception) -> tuple[pa.Table, list[pa.Table]]:
         """The batch failed with ``error``: if sinks' filters fail on some of its changes
         (``poison.isolate``), park those changes for those sinks and deliver the batch without
         them; otherwise (or if the batch cannot even be read) fail with ``error``.
@@ -485,8 +542,12 @@ class Pipeline:
                 raise error
             if failed:
                 parked = self._park_filter_failures(changes, failed)
-                log.warning("batch %d: %d changes parked for sinks whose filter fails on them (%s); delivering"
-                            " the rest", batch_id, parked, ", ".join(self.sinks[i].name for i in failed))
+                log.warning(
+                    "batch %d: %d changes parked for sinks whose filter fails on them (%s); delivering the rest",
+                    batch_id,
+                    parked,
+                    ", ".join(self.sinks[i].name for i in failed),
+                )
             # Spark hoists a subexpression used twice (two sinks with one filter) out of the ANDs
             # that guard it and evaluates it on every row (measured: a row whose filter failed
             # failed the batch again). Without that, a failed row's filter is never run
@@ -512,15 +573,23 @@ class Pipeline:
         later messages of their groups behind them (``buffer.parked_heads``). Returns how many."""
         keys = sorted({k for positions in failed.values() for k in positions})
         columns = [F.col(f"{c}_json").alias(c) if c in JSON_COLUMNS else F.col(c) for c in CHANGE_FIELD_NAMES]
-        columns += [F.expr(group_expression(self.sinks[i])).alias(f"_group_{i}") for i in failed
-                    if group_in_jvm(self.sinks[i])]
-        table = (parse_changes(changes.where(position_key().isin(keys)), parse=True).select(*columns).toArrow()
-                 .sort_by([("commit_lsn", "ascending"), ("commit_idx", "ascending")]).combine_chunks())
+        columns += [
+            F.expr(group_expression(self.sinks[i])).alias(f"_group_{i}") for i in failed if group_in_jvm(self.sinks[i])
+        ]
+        table = (
+            parse_changes(changes.where(position_key().isin(keys)), parse=True)
+            .select(*columns)
+            .toArrow()
+            .sort_by([("commit_lsn", "ascending"), ("commit_idx", "ascending")])
+            .combine_chunks()
+        )
         rows: list[ParkRow] = []
         for i, positions in failed.items():
             sink = self.sinks[i]
-            where = [key_of(lsn, idx) in positions for lsn, idx in zip(table.column("commit_lsn").to_pylist(),
-                                                                        table.column("commit_idx").to_pylist())]
+            where = [
+                key_of(lsn, idx) in positions
+                for lsn, idx in zip(table.column("commit_lsn").to_pylist(), table.column("commit_idx").to_pylist())
+            ]
             mine = table.filter(pa.array(where, pa.bool_())).to_batches()
             if not mine:
                 continue
@@ -530,9 +599,20 @@ class Pipeline:
             changes_of = batch.select(list(CHANGE_FIELD_NAMES)).to_pylist()
             for j, change in enumerate(changes_of):
                 lsn, idx = change["commit_lsn"], change["commit_idx"]
-                rows.append(ParkRow(sink.name, lsn, idx, rendered.group_id[j].as_py(),
-                                    rendered.idempotency_key[j].as_py(), None, change_source(change), 1,
-                                    positions[key_of(lsn, idx)], backoff_seconds(1)))
+                rows.append(
+                    ParkRow(
+                        sink.name,
+                        lsn,
+                        idx,
+                        rendered.group_id[j].as_py(),
+                        rendered.idempotency_key[j].as_py(),
+                        None,
+                        change_source(change),
+                        1,
+                        positions[key_of(lsn, idx)],
+                        backoff_seconds(1),
+                    )
+                )
         schema = self.config.store.schema
         self._visibility.retrying(lambda conn: park_messages(conn, schema, rows))
         return len(rows)
@@ -547,25 +627,42 @@ class Pipeline:
         share = F.col(f"_group_{i}")
         if truncated and "truncate" in selected_actions(sink):
             table = F.concat(F.col("table_schema"), F.lit("\0"), F.col("table_name"))
-            share = (F.lit("") if not sink.message_grouping else
-                     F.when(table.isin(truncated), F.concat(F.lit("\0"), table)).otherwise(share))
-        return (projected.where(F.col(f"_select_{i}")).select(*columns)
-                .repartition(partitions, share).sortWithinPartitions("commit_lsn", "commit_idx")
-                .mapInArrow(self._push[sink.name], WRITE_RESULT_DDL).toArrow())
+            share = (
+                F.lit("")
+                if not sink.message_grouping
+                else F.when(table.isin(truncated), F.concat(F.lit("\0"), table)).otherwise(share)
+            )
+        return (
+            projected.where(F.col(f"_select_{i}"))
+            .select(*columns)
+            .repartition(partitions, share)
+            .sortWithinPartitions("commit_lsn", "commit_idx")
+            .mapInArrow(self._push[sink.name], WRITE_RESULT_DDL)
+            .toArrow()
+        )
 
     def _record_status(self, batch_id: int, rows: int, elapsed: float, end_lsn: int | None) -> None:
         """Best effort: the status row is for operators; the data path does not depend on it."""
         now = datetime.now(timezone.utc)
-        fields: dict[str, Any] = {"slot": self.database.slot.name, "heartbeat_at": now, "last_batch_id": batch_id,
-                                  "last_batch_at": now}
+        fields: dict[str, Any] = {
+            "slot": self.database.slot.name,
+            "heartbeat_at": now,
+            "last_batch_id": batch_id,
+            "last_batch_at": now,
+        }
         if rows:
-            fields.update(batch_rows=rows, batch_latency_ms=elapsed * 1000.0,
-                          rows_per_sec=rows / elapsed if elapsed > 0 else None, last_commit_lsn=end_lsn)
+            fields.update(
+                batch_rows=rows,
+                batch_latency_ms=elapsed * 1000.0,
+                rows_per_sec=rows / elapsed if elapsed > 0 else None,
+                last_commit_lsn=end_lsn,
+            )
         try:
             if self._status_conn is None or self._status_conn.closed:
                 self._status_conn = psycopg.connect(self.config.store_dsn(self.database.name), connect_timeout=5)
-            store.update_status(self._status_conn, self.config.store.schema, self.database.name, add_rows=rows,
-                                **fields)
+            store.update_status(
+                self._status_conn, self.config.store.schema, self.database.name, add_rows=rows, **fields
+            )
         except Exception as exc:  # noqa: BLE001
             log.warning("could not record stream status: %s", exc)
             if self._status_conn is not None:

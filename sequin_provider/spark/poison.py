@@ -130,8 +130,13 @@ def isolate(changes: DataFrame, sinks: tuple[SinkConfig, ...]) -> dict[int, dict
             ranges.append((lo, mid, low))
         if failing:
             found[i] = failing
-            log.warning("sink %s: its filter fails on %d of %d changes of the batch (parked): %s", sink.name,
-                        len(failing), len(positions), next(iter(failing.values())))
+            log.warning(
+                "sink %s: its filter fails on %d of %d changes of the batch (parked): %s",
+                sink.name,
+                len(failing),
+                len(positions),
+                next(iter(failing.values())),
+            )
     return found
 
 
@@ -173,8 +178,10 @@ class FilterCheck:
     def passes(self, sink: SinkConfig, rendering: SinkRendering, change: Mapping[str, Any]) -> None:
         """Raise ``Filtered`` unless the sink takes the change (``takes``)."""
         if not self.takes(sink, rendering, change):
-            raise Filtered(f"sink {sink.name}: the filter does not take change {change.get('commit_lsn')}:"
-                           f"{change.get('commit_idx')}")
+            raise Filtered(
+                f"sink {sink.name}: the filter does not take change {change.get('commit_lsn')}:"
+                f"{change.get('commit_idx')}"
+            )
 
     def _session(self) -> Any:
         with self._lock:

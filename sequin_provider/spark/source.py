@@ -74,8 +74,9 @@ batch holds up to ``stream.max_batch_rows`` of them: at Python's default (a youn
 700 allocations) the collector spent more time walking them than the compiled decoder spent
 decoding (2.75 against 1.18 us per change, measured in one process). Nothing in the reader makes
 reference cycles in bulk; a young collection every 100,000 allocations is still frequent."""
-SPOOL_SLICE_SCHEMA = pa.schema([pa.field("spool_path", pa.string()), pa.field("spool_offset", pa.int64()),
-                                pa.field("spool_rows", pa.int64())])
+SPOOL_SLICE_SCHEMA = pa.schema(
+    [pa.field("spool_path", pa.string()), pa.field("spool_offset", pa.int64()), pa.field("spool_rows", pa.int64())]
+)
 """A ``payload=spool`` row: a slice of a batch's spool file (the executors' writers read its rows)."""
 SPOOL_SLICE_DDL = "spool_path string, spool_offset bigint, spool_rows bigint"
 
@@ -97,8 +98,15 @@ class SequinReplicationDataSource(DataSource):
 class SpoolPartition(InputPartition):
     """A slice of one micro-batch: the offset range, its spool file, and which rows of it."""
 
-    def __init__(self, start: Position, end: Position, path: str, options: dict[str, str], offset: int = 0,
-                 length: int | None = None) -> None:
+    def __init__(
+        self,
+        start: Position,
+        end: Position,
+        path: str,
+        options: dict[str, str],
+        offset: int = 0,
+        length: int | None = None,
+    ) -> None:
         super().__init__(None)
         self.start = start
         self.end = end
@@ -148,8 +156,9 @@ def spool_slice(path: str, offset: int, rows: int) -> Iterator[pa.RecordBatch]:
     """The ``payload=spool`` row naming ``rows`` rows of the spool file ``path`` from ``offset``
     (nothing for an empty slice)."""
     if rows > 0:
-        yield pa.RecordBatch.from_arrays([pa.array([path]), pa.array([offset], pa.int64()),
-                                          pa.array([rows], pa.int64())], schema=SPOOL_SLICE_SCHEMA)
+        yield pa.RecordBatch.from_arrays(
+            [pa.array([path]), pa.array([offset], pa.int64()), pa.array([rows], pa.int64())], schema=SPOOL_SLICE_SCHEMA
+        )
 
 
 SLICE_CHUNK_ROWS = 20_000
@@ -159,8 +168,11 @@ app): a writer renders the next chunk while the store copies the last."""
 
 def spool_slice_rows(batch: pa.RecordBatch) -> Iterator[pa.RecordBatch]:
     """The change rows of each slice a batch of ``payload=spool`` rows names, in order."""
-    for path, offset, rows in zip(batch.column("spool_path").to_pylist(), batch.column("spool_offset").to_pylist(),
-                                  batch.column("spool_rows").to_pylist()):
+    for path, offset, rows in zip(
+        batch.column("spool_path").to_pylist(),
+        batch.column("spool_offset").to_pylist(),
+        batch.column("spool_rows").to_pylist(),
+    ):
         table = spool_table(path).slice(offset, rows).combine_chunks()
         yield from table.to_batches(max_chunksize=SLICE_CHUNK_ROWS) if table.num_rows else ()
 
@@ -207,8 +219,9 @@ class ReplicationStreamReader(DataSourceStreamReader):
         db, stream = self._settings()
         assert self._config is not None
         if self._store is None:
-            self._store = SequinStreamSink(self._config.store_dsn(db.name), self._config.store.schema,
-                                           stream.store_retry_timeout)
+            self._store = SequinStreamSink(
+                self._config.store_dsn(db.name), self._config.store.schema, stream.store_retry_timeout
+            )
         return self._store, self._config.store.schema
 
     def _new_reader(self) -> ChangeReader:
@@ -217,9 +230,15 @@ class ReplicationStreamReader(DataSourceStreamReader):
         # two (the earlier default, 400,000 rows) a 2,000,000-row transaction peaked 22 % above a
         # 200,000-row one (2,822 vs 2,315 MiB, bench/large_transaction.py), and a batch never takes more
         # than one anyway.
-        return ChangeReader(db.dsn, db.slot.name, db.publication.name, buffer_rows=stream.max_batch_rows,
-                            buffer_bytes=stream.max_batch_bytes, chunk_rows=min(CHUNK_ROWS, stream.max_batch_rows),
-                            chunk_bytes=min(CHUNK_BYTES, stream.max_batch_bytes))
+        return ChangeReader(
+            db.dsn,
+            db.slot.name,
+            db.publication.name,
+            buffer_rows=stream.max_batch_rows,
+            buffer_bytes=stream.max_batch_bytes,
+            chunk_rows=min(CHUNK_ROWS, stream.max_batch_rows),
+            chunk_bytes=min(CHUNK_BYTES, stream.max_batch_bytes),
+        )
 
     def initialOffset(self) -> dict:
         # Spark may ask more than once for a new query, and the slot may move in between (an
@@ -277,18 +296,30 @@ class ReplicationStreamReader(DataSourceStreamReader):
         reads: list[tuple] = []
         for window in closed:
             mark = window.mark
-            emitted = sink.retrying(lambda conn, w=window: store.close_backfill_window(
-                conn, schema, w.mark.page_id, w.seen, set(w.changed), w.row[0]))
+            emitted = sink.retrying(
+                lambda conn, w=window: store.close_backfill_window(
+                    conn, schema, w.mark.page_id, w.seen, set(w.changed), w.row[0]
+                )
+            )
             if emitted is None:
-                log.info("backfill %d page %d: window %s; the page will be read again", mark.backfill_id, mark.page_id,
-                         "seen whole but the page is not waiting" if window.seen else "not seen by this process")
+                log.info(
+                    "backfill %d page %d: window %s; the page will be read again",
+                    mark.backfill_id,
+                    mark.page_id,
+                    "seen whole but the page is not waiting" if window.seen else "not seen by this process",
+                )
                 continue
-            reads += read_rows(window.row, mark.table_schema, mark.table_name, emitted.backfill_id, emitted.sink,
-                               emitted.rows)
-            log.info("backfill %d page %d: %d reads %s (%d keys changed in its window)", mark.backfill_id,
-                     mark.page_id, len(emitted.rows) or emitted.in_store,
-                     "released (written by the task)" if emitted.in_store else "at the high watermark",
-                     len(window.changed))
+            reads += read_rows(
+                window.row, mark.table_schema, mark.table_name, emitted.backfill_id, emitted.sink, emitted.rows
+            )
+            log.info(
+                "backfill %d page %d: %d reads %s (%d keys changed in its window)",
+                mark.backfill_id,
+                mark.page_id,
+                len(emitted.rows) or emitted.in_store,
+                "released (written by the task)" if emitted.in_store else "at the high watermark",
+                len(window.changed),
+            )
         return reads
 
     def _maybe_heartbeat(self, db: DatabaseConfig) -> None:
@@ -326,20 +357,21 @@ class ReplicationStreamReader(DataSourceStreamReader):
             # the disk): re-read the range from the slot, deterministically from the offsets.
             log.warning("spool file %s unusable (%s): re-reading the range from the slot", partition.path, exc)
         else:
-            yield from (spool_slice(partition.path, partition.offset, table.num_rows) if self.references
-                        else table.to_batches())
+            yield from (
+                spool_slice(partition.path, partition.offset, table.num_rows) if self.references else table.to_batches()
+            )
             return
         replay = ReplicationStreamReader(partition.options)
         batches = list(replay.reread_from_slot(position_offset(partition.start), position_offset(partition.end)))
         whole = pa.Table.from_batches(batches, CHANGE_ARROW_SCHEMA)
         if self.references:  # the executors' writers take the rows from the file: put it back
             os.makedirs(os.path.dirname(partition.path), exist_ok=True)
-            write_spool(partition.path, whole.combine_chunks().to_batches()[0] if whole.num_rows
-                        else rows_to_arrow([]))
+            write_spool(partition.path, whole.combine_chunks().to_batches()[0] if whole.num_rows else rows_to_arrow([]))
         # the re-read is deterministic, so each slice takes its own rows of it
         table = whole.slice(partition.offset, partition.length)
-        yield from (spool_slice(partition.path, partition.offset, table.num_rows) if self.references
-                    else table.to_batches())
+        yield from (
+            spool_slice(partition.path, partition.offset, table.num_rows) if self.references else table.to_batches()
+        )
 
     def reread_from_slot(self, start: dict, end: dict) -> Iterator[pa.RecordBatch]:
         """Re-read exactly ``(start, end]`` from the slot with a reader of its own."""
@@ -365,8 +397,9 @@ class ReplicationStreamReader(DataSourceStreamReader):
             mark = parse_watermark(row[7])
             emitted = windows.get(mark.page_id) if mark else None
             if mark is not None and emitted is not None:
-                reads += read_rows(row, mark.table_schema, mark.table_name, emitted.backfill_id, emitted.sink,
-                                   emitted.rows)
+                reads += read_rows(
+                    row, mark.table_schema, mark.table_name, emitted.backfill_id, emitted.sink, emitted.rows
+                )
         return reads
 
     def commit(self, end: dict) -> None:

@@ -31,18 +31,30 @@ def main(argv: list[str] | None = None) -> int:
     target.add_argument("--backfill-id", type=int, help="the backfill to run (sequin backfill start --no-run)")
     target.add_argument("--serve", action="store_true", help="stay up and run each backfill as it is recorded")
     parser.add_argument("--database", default=None, help="--serve: only this database's backfills")
-    parser.add_argument("--poll-interval", type=float, default=SERVE_POLL_INTERVAL,
-                        help="--serve: seconds between looks for new backfills")
+    parser.add_argument(
+        "--poll-interval",
+        type=float,
+        default=SERVE_POLL_INTERVAL,
+        help="--serve: seconds between looks for new backfills",
+    )
     parser.add_argument("--master", default=None, help="Spark master when not given by spark-submit")
     parser.add_argument("--ranges", type=int, default=None, help="key ranges read in parallel (default: parallelism)")
     parser.add_argument("--max-page-rows", type=int, default=DEFAULT_MAX_PAGE_ROWS)
     parser.add_argument("--window-timeout", type=float, default=DEFAULT_WINDOW_TIMEOUT)
     args = parser.parse_args(argv)
     if args.serve:
-        return run_backfill_server_app(args.config, args.database, args.master, args.poll_interval, args.ranges,
-                                       args.max_page_rows, args.window_timeout)
-    return run_backfill_app(args.config, args.backfill_id, args.master, args.ranges, args.max_page_rows,
-                            args.window_timeout)
+        return run_backfill_server_app(
+            args.config,
+            args.database,
+            args.master,
+            args.poll_interval,
+            args.ranges,
+            args.max_page_rows,
+            args.window_timeout,
+        )
+    return run_backfill_app(
+        args.config, args.backfill_id, args.master, args.ranges, args.max_page_rows, args.window_timeout
+    )
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Sequin replication stream app")
     parser.add_argument("--config", default=None, help="sequin.yaml (default: $SEQUIN_CONFIG or ./sequin.yaml)")
     parser.add_argument("--database", default=None, help="database name from the config (default: the only one)")
-    parser.add_argument("--checkpoint", default=None, help="checkpoint folder (default: stream.checkpoint_location/<database>)")
+    parser.add_argument(
+        "--checkpoint", default=None, help="checkpoint folder (default: stream.checkpoint_location/<database>)"
+    )
     parser.add_argument("--master", default=None, help="Spark master when not given by spark-submit")
     args = parser.parse_args(argv)
     return run_stream_app(args.config, args.database, args.checkpoint, args.master)

@@ -29,41 +29,65 @@ class BackfillRange:
     rows_processed: int
 
 
-def ensure_backfill_ranges(conn: psycopg.Connection[Any], schema: str, backfill_id: int,
-                           bounds: Sequence[tuple[list[str] | None, list[str] | None]]) -> list[BackfillRange]:
+def ensure_backfill_ranges(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    backfill_id: int,
+    bounds: Sequence[tuple[list[str] | None, list[str] | None]],
+) -> list[BackfillRange]:
     """Record a backfill's ranges once; a resumed backfill keeps the ranges (and cursors) it has."""
     with conn.transaction():
-        conn.execute(sql.SQL("SELECT 1 FROM {}.backfills WHERE id = %s FOR UPDATE").format(ident(schema)),
-                     (backfill_id,))
+        conn.execute(
+            sql.SQL("SELECT 1 FROM {}.backfills WHERE id = %s FOR UPDATE").format(ident(schema)), (backfill_id,)
+        )
         if not backfill_ranges(conn, schema, backfill_id):
             with conn.cursor() as cur:
-                cur.executemany(sql.SQL("INSERT INTO {}.backfill_ranges (backfill_id, range_idx, lower_key, upper_key)"
-                                        " VALUES (%s, %s, %s, %s)").format(ident(schema)),
-                                [(backfill_id, i, Jsonb(lo) if lo is not None else None,
-                                  Jsonb(hi) if hi is not None else None) for i, (lo, hi) in enumerate(bounds)])
+                cur.executemany(
+                    sql.SQL(
+                        "INSERT INTO {}.backfill_ranges (backfill_id, range_idx, lower_key, upper_key)"
+                        " VALUES (%s, %s, %s, %s)"
+                    ).format(ident(schema)),
+                    [
+                        (backfill_id, i, Jsonb(lo) if lo is not None else None, Jsonb(hi) if hi is not None else None)
+                        for i, (lo, hi) in enumerate(bounds)
+                    ],
+                )
     conn.commit()
     return backfill_ranges(conn, schema, backfill_id)
 
 
 def backfill_ranges(conn: psycopg.Connection[Any], schema: str, backfill_id: int) -> list[BackfillRange]:
     """A backfill's ranges in key order."""
-    rows = conn.execute(sql.SQL("SELECT backfill_id, range_idx, lower_key, upper_key, cursor, done, rows_processed"
-                                " FROM {}.backfill_ranges WHERE backfill_id = %s ORDER BY range_idx").format(
-        ident(schema)), (backfill_id,)).fetchall()
+    rows = conn.execute(
+        sql.SQL(
+            "SELECT backfill_id, range_idx, lower_key, upper_key, cursor, done, rows_processed"
+            " FROM {}.backfill_ranges WHERE backfill_id = %s ORDER BY range_idx"
+        ).format(ident(schema)),
+        (backfill_id,),
+    ).fetchall()
     return [BackfillRange(*r) for r in rows]
 
 
 def open_backfill_page(conn: psycopg.Connection[Any], schema: str, backfill_id: int, range_idx: int) -> int:
     """A new page of a range (before its low watermark); returns the page id."""
-    row = conn.execute(sql.SQL("INSERT INTO {}.backfill_pages (backfill_id, range_idx) VALUES (%s, %s)"
-                               " RETURNING id").format(ident(schema)), (backfill_id, range_idx)).fetchone()
+    row = conn.execute(
+        sql.SQL("INSERT INTO {}.backfill_pages (backfill_id, range_idx) VALUES (%s, %s) RETURNING id").format(
+            ident(schema)
+        ),
+        (backfill_id, range_idx),
+    ).fetchone()
     conn.commit()
     return int(row[0])  # type: ignore[index]
 
 
-def stage_backfill_page(conn: psycopg.Connection[Any], schema: str, page_id: int,
-                        rows: Sequence[tuple[list[str], str]], cursor_after: list[str] | None,
-                        reads: StoreReads | None = None) -> bool:
+def stage_backfill_page(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    page_id: int,
+    rows: Sequence[tuple[list[str], str]],
+    cursor_after: list[str] | None,
+    reads: StoreReads | None = None,
+) -> bool:
     """Stage a page's rows ``(record_pks, record JSON)`` before its high watermark is emitted; with
     ``reads``, write them as the sink's hidden reads instead (``write_page_reads``). False when the
     page is no longer open (taken back: the backfill stopped), and then nothing is written."""
@@ -71,7 +95,9 @@ def stage_backfill_page(conn: psycopg.Connection[Any], schema: str, page_id: int
     with conn.transaction(), conn.cursor() as cur:
         if not _lock_open_page(cur, schema, page_id):
             return False
-        with cur.copy(sql.SQL("COPY {}.backfill_rows (page_id, ordinal, record_pks, record) FROM STDIN").format(s)) as copy:
+        with cur.copy(
+            sql.SQL("COPY {}.backfill_rows (page_id, ordinal, record_pks, record) FROM STDIN").format(s)
+        ) as copy:
             for ordinal, (pks, record) in enumerate(rows):
                 copy.write_row((page_id, ordinal, pks, record))
         if reads is not None:
@@ -82,15 +108,17 @@ def stage_backfill_page(conn: psycopg.Connection[Any], schema: str, page_id: int
     return True
 
 
-def stage_backfill_copy(conn: psycopg.Connection[Any], schema: str, page_id: int, data: bytes, rows: int,
-                        cursor_after: list[str] | None) -> bool:
+def stage_backfill_copy(
+    conn: psycopg.Connection[Any], schema: str, page_id: int, data: bytes, rows: int, cursor_after: list[str] | None
+) -> bool:
     """``stage_backfill_page`` for a page already in COPY text form (``backfill.reader.PageQuery.staging_sql``)."""
     s = ident(schema)
     with conn.transaction(), conn.cursor() as cur:
         if not _lock_open_page(cur, schema, page_id):
             return False
-        with cur.copy(sql.SQL("COPY {}.backfill_rows (page_id, ordinal, record_pks, record, order_key) FROM STDIN"
-                              ).format(s)) as copy:
+        with cur.copy(
+            sql.SQL("COPY {}.backfill_rows (page_id, ordinal, record_pks, record, order_key) FROM STDIN").format(s)
+        ) as copy:
             copy.write(data)
         _mark_staged(cur, s, page_id, rows, cursor_after, None)
     conn.commit()
@@ -98,16 +126,27 @@ def stage_backfill_copy(conn: psycopg.Connection[Any], schema: str, page_id: int
 
 
 def _lock_open_page(cur: psycopg.Cursor[Any], schema: str, page_id: int) -> bool:
-    row = cur.execute(sql.SQL("SELECT state FROM {}.backfill_pages WHERE id = %s FOR UPDATE").format(ident(schema)),
-                      (page_id,)).fetchone()
+    row = cur.execute(
+        sql.SQL("SELECT state FROM {}.backfill_pages WHERE id = %s FOR UPDATE").format(ident(schema)), (page_id,)
+    ).fetchone()
     return row is not None and row[0] == "open"
 
 
-def _mark_staged(cur: psycopg.Cursor[Any], s: sql.Identifier, page_id: int, rows: int, cursor_after: list[str] | None,
-                 read_lsn: int | None) -> None:
-    cur.execute(sql.SQL("UPDATE {}.backfill_pages SET state = 'staged', rows_staged = %s, cursor_after = %s,"
-                        " read_lsn = %s, updated_at = now() WHERE id = %s AND state = 'open'").format(s),
-                (rows, Jsonb(cursor_after) if cursor_after is not None else None, read_lsn, page_id))
+def _mark_staged(
+    cur: psycopg.Cursor[Any],
+    s: sql.Identifier,
+    page_id: int,
+    rows: int,
+    cursor_after: list[str] | None,
+    read_lsn: int | None,
+) -> None:
+    cur.execute(
+        sql.SQL(
+            "UPDATE {}.backfill_pages SET state = 'staged', rows_staged = %s, cursor_after = %s,"
+            " read_lsn = %s, updated_at = now() WHERE id = %s AND state = 'open'"
+        ).format(s),
+        (rows, Jsonb(cursor_after) if cursor_after is not None else None, read_lsn, page_id),
+    )
 
 
 @dataclass(frozen=True)
@@ -124,8 +163,12 @@ class BackfillPage:
 
 def get_backfill_page(conn: psycopg.Connection[Any], schema: str, page_id: int) -> BackfillPage:
     """One page by id."""
-    row = conn.execute(sql.SQL("SELECT id, backfill_id, range_idx, state, rows_staged, rows_emitted"
-                               " FROM {}.backfill_pages WHERE id = %s").format(ident(schema)), (page_id,)).fetchone()
+    row = conn.execute(
+        sql.SQL(
+            "SELECT id, backfill_id, range_idx, state, rows_staged, rows_emitted FROM {}.backfill_pages WHERE id = %s"
+        ).format(ident(schema)),
+        (page_id,),
+    ).fetchone()
     conn.commit()
     if row is None:
         raise BackfillError(f"no backfill page {page_id}")
@@ -158,8 +201,9 @@ class StoreReads:
     commit_idx: int
 
 
-def close_backfill_window(conn: psycopg.Connection[Any], schema: str, page_id: int, seen: bool,
-                          changed: set[tuple[str, ...]], high_lsn: int) -> ClosedWindow | None:
+def close_backfill_window(
+    conn: psycopg.Connection[Any], schema: str, page_id: int, seen: bool, changed: set[tuple[str, ...]], high_lsn: int
+) -> ClosedWindow | None:
     """Stream side, at a page's high watermark (DESIGN §7).
 
     A window this process saw becomes ``closing``: the rows whose key changed inside it are
@@ -173,14 +217,24 @@ def close_backfill_window(conn: psycopg.Connection[Any], schema: str, page_id: i
     """
     s = ident(schema)
     with conn.transaction():
-        row = conn.execute(sql.SQL("SELECT p.state, p.backfill_id, b.sink, b.state, p.rows_emitted, p.read_lsn"
-                                   " FROM {0}.backfill_pages p JOIN {0}.backfills b ON b.id = p.backfill_id"
-                                   " WHERE p.id = %s FOR UPDATE OF p").format(s), (page_id,)).fetchone()
+        row = conn.execute(
+            sql.SQL(
+                "SELECT p.state, p.backfill_id, b.sink, b.state, p.rows_emitted, p.read_lsn"
+                " FROM {0}.backfill_pages p JOIN {0}.backfills b ON b.id = p.backfill_id"
+                " WHERE p.id = %s FOR UPDATE OF p"
+            ).format(s),
+            (page_id,),
+        ).fetchone()
         if row is None or row[0] not in ("staged", "closing"):
             result = None
         elif row[0] == "closing":
-            result = ClosedWindow(page_id, int(row[1]), str(row[2]), [] if row[5] is not None else _kept_rows(
-                conn, s, page_id), in_store=int(row[4] or 0) if row[5] is not None else 0)
+            result = ClosedWindow(
+                page_id,
+                int(row[1]),
+                str(row[2]),
+                [] if row[5] is not None else _kept_rows(conn, s, page_id),
+                in_store=int(row[4] or 0) if row[5] is not None else 0,
+            )
         elif not seen or row[3] != "running":
             _stale_pages(conn, s, [page_id])
             result = None
@@ -189,14 +243,30 @@ def close_backfill_window(conn: psycopg.Connection[Any], schema: str, page_id: i
             # Never prepared: a generic plan tests each of the page's reads against the keys one
             # by one (thousands under concurrent writes: seconds per page, in the stream app's
             # reader); a custom plan sees the array and hashes it.
-            dropped = [r[0] for r in conn.execute(sql.SQL(
-                "DELETE FROM {}.stream_messages WHERE sink = %s AND commit_lsn = %s AND idempotency_key = ANY(%s)"
-                " RETURNING commit_idx").format(s), (row[2], row[5], keys), prepare=False).fetchall()] if keys else []
+            dropped = (
+                [
+                    r[0]
+                    for r in conn.execute(
+                        sql.SQL(
+                            "DELETE FROM {}.stream_messages WHERE sink = %s AND commit_lsn = %s AND idempotency_key = ANY(%s)"
+                            " RETURNING commit_idx"
+                        ).format(s),
+                        (row[2], row[5], keys),
+                        prepare=False,
+                    ).fetchall()
+                ]
+                if keys
+                else []
+            )
             kept = _close_page(conn, s, page_id, high_lsn, sorted(dropped), None)
             result = ClosedWindow(page_id, int(row[1]), str(row[2]), [], in_store=kept)
         else:
-            staged = conn.execute(sql.SQL("SELECT ordinal, record_pks, record FROM {}.backfill_rows WHERE page_id = %s"
-                                          " ORDER BY ordinal").format(s), (page_id,)).fetchall()
+            staged = conn.execute(
+                sql.SQL(
+                    "SELECT ordinal, record_pks, record FROM {}.backfill_rows WHERE page_id = %s ORDER BY ordinal"
+                ).format(s),
+                (page_id,),
+            ).fetchall()
             kept = [r for r in staged if tuple(r[1]) not in changed]
             _close_page(conn, s, page_id, high_lsn, [r[0] for r in staged if tuple(r[1]) in changed], len(kept))
             result = ClosedWindow(page_id, int(row[1]), str(row[2]), kept)
@@ -204,43 +274,62 @@ def close_backfill_window(conn: psycopg.Connection[Any], schema: str, page_id: i
     return result
 
 
-def _close_page(conn: psycopg.Connection[Any], s: sql.Identifier, page_id: int, high_lsn: int, dropped: list[int],
-                kept: int | None) -> int:
+def _close_page(
+    conn: psycopg.Connection[Any], s: sql.Identifier, page_id: int, high_lsn: int, dropped: list[int], kept: int | None
+) -> int:
     """Mark a page ``closing`` at ``high_lsn``; ``kept`` None: its staged rows less the dropped ones."""
-    row = conn.execute(sql.SQL("UPDATE {}.backfill_pages SET state = 'closing', rows_emitted = coalesce(%s, rows_staged"
-                               " - %s), dropped = %s, high_lsn = %s, updated_at = now() WHERE id = %s RETURNING"
-                               " rows_emitted").format(s), (kept, len(dropped), dropped, high_lsn, page_id)).fetchone()
+    row = conn.execute(
+        sql.SQL(
+            "UPDATE {}.backfill_pages SET state = 'closing', rows_emitted = coalesce(%s, rows_staged"
+            " - %s), dropped = %s, high_lsn = %s, updated_at = now() WHERE id = %s RETURNING"
+            " rows_emitted"
+        ).format(s),
+        (kept, len(dropped), dropped, high_lsn, page_id),
+    ).fetchone()
     return int(row[0])  # type: ignore[index]
 
 
 def _kept_rows(conn: psycopg.Connection[Any], s: sql.Identifier, page_id: int) -> list[tuple[int, list[str], str]]:
     """A closing page's staged rows that were not dropped, in order."""
-    return [tuple(r) for r in conn.execute(sql.SQL(  # type: ignore[misc]
-        "SELECT r.ordinal, r.record_pks, r.record FROM {0}.backfill_rows r JOIN {0}.backfill_pages p ON p.id = r.page_id"
-        " WHERE r.page_id = %s AND NOT r.ordinal = ANY(coalesce(p.dropped, '{{}}')) ORDER BY r.ordinal").format(s),
-        (page_id,)).fetchall()]
+    return [
+        tuple(r)
+        for r in conn.execute(
+            sql.SQL(  # type: ignore[misc]
+                "SELECT r.ordinal, r.record_pks, r.record FROM {0}.backfill_rows r JOIN {0}.backfill_pages p ON p.id = r.page_id"
+                " WHERE r.page_id = %s AND NOT r.ordinal = ANY(coalesce(p.dropped, '{{}}')) ORDER BY r.ordinal"
+            ).format(s),
+            (page_id,),
+        ).fetchall()
+    ]
 
 
 def _stale_pages(conn: psycopg.Connection[Any], s: sql.Identifier, page_ids: Sequence[int]) -> list[int]:
     """Make pages that are not closing or emitted ``stale``: their staged rows and their hidden
     reads go (they are read again); returns the ids that changed."""
-    rows = conn.execute(sql.SQL(
-        "UPDATE {0}.backfill_pages p SET state = 'stale', updated_at = now() FROM {0}.backfills b"
-        " WHERE p.id = ANY(%s) AND b.id = p.backfill_id AND p.state IN ('open', 'staged')"
-        " RETURNING p.id, b.sink, p.read_lsn").format(s), (list(page_ids),)).fetchall()
+    rows = conn.execute(
+        sql.SQL(
+            "UPDATE {0}.backfill_pages p SET state = 'stale', updated_at = now() FROM {0}.backfills b"
+            " WHERE p.id = ANY(%s) AND b.id = p.backfill_id AND p.state IN ('open', 'staged')"
+            " RETURNING p.id, b.sink, p.read_lsn"
+        ).format(s),
+        (list(page_ids),),
+    ).fetchall()
     ids = _drop_staged_rows(conn, s, rows)
     for _id, sink, read_lsn in rows:
         if read_lsn is not None:
-            conn.execute(sql.SQL("DELETE FROM {}.stream_messages WHERE sink = %s AND commit_lsn = %s").format(s),
-                         (sink, read_lsn))
+            conn.execute(
+                sql.SQL("DELETE FROM {}.stream_messages WHERE sink = %s AND commit_lsn = %s").format(s),
+                (sink, read_lsn),
+            )
     return ids
 
 
 READ_MESSAGE_COLUMNS = ("sink", "commit_lsn", "commit_idx", "group_id", "idempotency_key", "data", "backfill_page")
 
 
-def read_messages_sql(reads: StoreReads, page_id: int, rows: sql.Composable,
-                      extra: sql.Composable | None = None) -> sql.Composed:
+def read_messages_sql(
+    reads: StoreReads, page_id: int, rows: sql.Composable, extra: sql.Composable | None = None
+) -> sql.Composed:
     """``SELECT`` of a page's read messages as ``READ_MESSAGE_COLUMNS`` (``backfill.watermarks.read_rows``
     positions, ``messages.idempotency_key`` keys, ``delivery`` groups, the template's JSON) from
     ``rows``, a relation ``r`` of ``(ordinal from 0, record_pks text[], record JSON text)``, in
@@ -250,29 +339,58 @@ def read_messages_sql(reads: StoreReads, page_id: int, rows: sql.Composable,
     pks = sql.SQL("r.pks_json")  # computed once per row (below): it appears in the group, the key and the data
     idx = sql.SQL("({} + r.ordinal + 1)").format(lit(reads.commit_idx))
     key = sql.SQL("({} || {})").format(lit(f"backfill:{reads.backfill_id}:"), pks)
-    group = (sql.SQL("{} || {}").format(lit(reads.group_prefix), pks) if reads.group_prefix is not None
-             else sql.SQL("{} || {}::text").format(lit(f"{reads.commit_lsn}:"), idx))
-    data = (sql.SQL("r.record") if t.record_only else sql.SQL(
-        "{} || r.record || {} || {}::text || ',\"idempotency_key\":' || to_json({})::text || ',\"record_pks\":' || {} || {}"
-        ).format(lit(t.before_record), lit(t.before_idx), idx, key, pks, lit(t.after_pks)))
-    return sql.SQL("SELECT {sink}, {lsn}::bigint, {idx}, {group}, {key}, {data}, {page}::bigint{extra}"
-                   " FROM (SELECT r.*, to_json(r.record_pks)::text AS pks_json FROM {rows}) r ORDER BY r.ordinal").format(
-        sink=lit(reads.sink), lsn=lit(reads.commit_lsn), idx=idx, group=group, key=key, data=data,
-        page=lit(page_id), rows=rows,
-        extra=sql.SQL(", {}").format(extra) if extra is not None else sql.SQL(""))
+    group = (
+        sql.SQL("{} || {}").format(lit(reads.group_prefix), pks)
+        if reads.group_prefix is not None
+        else sql.SQL("{} || {}::text").format(lit(f"{reads.commit_lsn}:"), idx)
+    )
+    data = (
+        sql.SQL("r.record")
+        if t.record_only
+        else sql.SQL(
+            "{} || r.record || {} || {}::text || ',\"idempotency_key\":' || to_json({})::text || ',\"record_pks\":' || {} || {}"
+        ).format(lit(t.before_record), lit(t.before_idx), idx, key, pks, lit(t.after_pks))
+    )
+    return sql.SQL(
+        "SELECT {sink}, {lsn}::bigint, {idx}, {group}, {key}, {data}, {page}::bigint{extra}"
+        " FROM (SELECT r.*, to_json(r.record_pks)::text AS pks_json FROM {rows}) r ORDER BY r.ordinal"
+    ).format(
+        sink=lit(reads.sink),
+        lsn=lit(reads.commit_lsn),
+        idx=idx,
+        group=group,
+        key=key,
+        data=data,
+        page=lit(page_id),
+        rows=rows,
+        extra=sql.SQL(", {}").format(extra) if extra is not None else sql.SQL(""),
+    )
 
 
 def write_page_reads(conn: psycopg.Connection[Any], s: sql.Identifier, page_id: int, reads: StoreReads) -> None:
     """Insert a staged page's rows as the sink's read messages, hidden until the page's window
     closes (``READS_RELEASED``)."""
-    conn.execute(sql.SQL("INSERT INTO {s}.stream_messages ({columns}) {select}").format(
-        s=s, columns=sql.SQL(", ").join(map(sql.Identifier, READ_MESSAGE_COLUMNS)),
-        select=read_messages_sql(reads, page_id, sql.SQL("{}.backfill_rows r WHERE r.page_id = {}").format(
-            s, sql.Literal(page_id)))))
+    conn.execute(
+        sql.SQL("INSERT INTO {s}.stream_messages ({columns}) {select}").format(
+            s=s,
+            columns=sql.SQL(", ").join(map(sql.Identifier, READ_MESSAGE_COLUMNS)),
+            select=read_messages_sql(
+                reads, page_id, sql.SQL("{}.backfill_rows r WHERE r.page_id = {}").format(s, sql.Literal(page_id))
+            ),
+        )
+    )
 
 
-def stage_page_reads_copy(conn: psycopg.Connection[Any], schema: str, page_id: int, data: Iterable[CopyChunk],
-                          rows: int, cursor_after: list[str] | None, read_lsn: int, binary: bool = False) -> bool:
+def stage_page_reads_copy(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    page_id: int,
+    data: Iterable[CopyChunk],
+    rows: int,
+    cursor_after: list[str] | None,
+    read_lsn: int,
+    binary: bool = False,
+) -> bool:
     """Job side: a page's read messages as COPY text (rendered by the source, ``read_messages_sql``)
     or, with ``binary``, as COPY binary from header to trailer (``message_render.read_rows_copy_binary``),
     in chunks, written straight into the stream table, hidden until the page's window closes; the
@@ -281,9 +399,13 @@ def stage_page_reads_copy(conn: psycopg.Connection[Any], schema: str, page_id: i
     with conn.transaction(), conn.cursor() as cur:
         if not _lock_open_page(cur, schema, page_id):
             return False
-        with cur.copy(sql.SQL("COPY {}.stream_messages ({}) FROM STDIN{}").format(
-                s, sql.SQL(", ").join(map(sql.Identifier, READ_MESSAGE_COLUMNS)),
-                sql.SQL(" (FORMAT binary)" if binary else ""))) as copy:
+        with cur.copy(
+            sql.SQL("COPY {}.stream_messages ({}) FROM STDIN{}").format(
+                s,
+                sql.SQL(", ").join(map(sql.Identifier, READ_MESSAGE_COLUMNS)),
+                sql.SQL(" (FORMAT binary)" if binary else ""),
+            )
+        ) as copy:
             for chunk in data:
                 copy.write(chunk)
         _mark_staged(cur, s, page_id, rows, cursor_after, read_lsn)
@@ -295,10 +417,14 @@ def closing_windows(conn: psycopg.Connection[Any], schema: str, high_lsns: Seque
     """Pages closed at these high watermark LSNs, rebuilt from the store (a batch re-read from the slot)."""
     s = ident(schema)
     out: dict[int, ClosedWindow] = {}
-    pages = conn.execute(sql.SQL("SELECT p.id, p.backfill_id, b.sink"
-                                 " FROM {0}.backfill_pages p JOIN {0}.backfills b ON b.id = p.backfill_id"
-                                 " WHERE p.state = 'closing' AND p.high_lsn = ANY(%s)").format(s),
-                         (list(high_lsns),)).fetchall()
+    pages = conn.execute(
+        sql.SQL(
+            "SELECT p.id, p.backfill_id, b.sink"
+            " FROM {0}.backfill_pages p JOIN {0}.backfills b ON b.id = p.backfill_id"
+            " WHERE p.state = 'closing' AND p.high_lsn = ANY(%s)"
+        ).format(s),
+        (list(high_lsns),),
+    ).fetchall()
     for page_id, backfill_id, sink in pages:
         out[int(page_id)] = ClosedWindow(int(page_id), int(backfill_id), str(sink), _kept_rows(conn, s, int(page_id)))
     conn.commit()
@@ -309,9 +435,17 @@ def finish_emitted_pages(conn: psycopg.Connection[Any], schema: str, end_lsn: in
     """Stream side, after a batch ending at ``end_lsn`` is delivered: its closing pages are emitted."""
     s = ident(schema)
     with conn.transaction():
-        ids = _drop_staged_rows(conn, s, conn.execute(sql.SQL(
-            "UPDATE {}.backfill_pages SET state = 'emitted', updated_at = now() WHERE state = 'closing'"
-            " AND high_lsn < %s RETURNING id").format(s), (end_lsn,)).fetchall())
+        ids = _drop_staged_rows(
+            conn,
+            s,
+            conn.execute(
+                sql.SQL(
+                    "UPDATE {}.backfill_pages SET state = 'emitted', updated_at = now() WHERE state = 'closing'"
+                    " AND high_lsn < %s RETURNING id"
+                ).format(s),
+                (end_lsn,),
+            ).fetchall(),
+        )
     conn.commit()
     return len(ids)
 
@@ -344,26 +478,50 @@ def abandon_backfill_pages(conn: psycopg.Connection[Any], schema: str, backfill_
 def stale_backfill_pages(conn: psycopg.Connection[Any], s: sql.Identifier, backfill_id: int) -> list[int]:
     """In the caller's transaction: a backfill's open and staged pages become ``stale`` (their rows
     and hidden reads go); returns their ids. For a backfill that stopped (``transition_backfill``)."""
-    return _stale_pages(conn, s, [r[0] for r in conn.execute(sql.SQL(
-        "SELECT id FROM {}.backfill_pages WHERE backfill_id = %s AND state IN ('open', 'staged')").format(s),
-        (backfill_id,)).fetchall()])
+    return _stale_pages(
+        conn,
+        s,
+        [
+            r[0]
+            for r in conn.execute(
+                sql.SQL(
+                    "SELECT id FROM {}.backfill_pages WHERE backfill_id = %s AND state IN ('open', 'staged')"
+                ).format(s),
+                (backfill_id,),
+            ).fetchall()
+        ],
+    )
 
 
-def advance_backfill_range(conn: psycopg.Connection[Any], schema: str, backfill_id: int, range_idx: int,
-                           cursor: list[str] | None, processed: int, emitted: int, done: bool) -> None:
+def advance_backfill_range(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    backfill_id: int,
+    range_idx: int,
+    cursor: list[str] | None,
+    processed: int,
+    emitted: int,
+    done: bool,
+) -> None:
     """Job side, after a page is emitted: move the range's cursor and add to the backfill's counts."""
     s = ident(schema)
     with conn.transaction():
-        conn.execute(sql.SQL("UPDATE {}.backfill_ranges SET cursor = coalesce(%s, cursor), done = %s,"
-                             " rows_processed = rows_processed + %s WHERE backfill_id = %s AND range_idx = %s"
-                             ).format(s),
-                     (Jsonb(cursor) if cursor is not None else None, done, processed, backfill_id, range_idx))
-        done_row = conn.execute(sql.SQL(
-            "UPDATE {0}.backfills SET cursor = (SELECT jsonb_agg(jsonb_build_object('range', range_idx, 'cursor', cursor,"
-            " 'done', done) ORDER BY range_idx) FROM {0}.backfill_ranges WHERE backfill_id = %s),"
-            " rows_processed = rows_processed + %s, rows_emitted = rows_emitted + %s, updated_at = now()"
-            " WHERE id = %s AND state = 'running' RETURNING id").format(s),
-            (backfill_id, processed, emitted, backfill_id)).fetchone()
+        conn.execute(
+            sql.SQL(
+                "UPDATE {}.backfill_ranges SET cursor = coalesce(%s, cursor), done = %s,"
+                " rows_processed = rows_processed + %s WHERE backfill_id = %s AND range_idx = %s"
+            ).format(s),
+            (Jsonb(cursor) if cursor is not None else None, done, processed, backfill_id, range_idx),
+        )
+        done_row = conn.execute(
+            sql.SQL(
+                "UPDATE {0}.backfills SET cursor = (SELECT jsonb_agg(jsonb_build_object('range', range_idx, 'cursor', cursor,"
+                " 'done', done) ORDER BY range_idx) FROM {0}.backfill_ranges WHERE backfill_id = %s),"
+                " rows_processed = rows_processed + %s, rows_emitted = rows_emitted + %s, updated_at = now()"
+                " WHERE id = %s AND state = 'running' RETURNING id"
+            ).format(s),
+            (backfill_id, processed, emitted, backfill_id),
+        ).fetchone()
         if done_row is None:
             raise BackfillError(f"backfill {backfill_id} is not running: progress not recorded")
     conn.commit()

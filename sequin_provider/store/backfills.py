@@ -72,9 +72,11 @@ def check_max_query_ms(value: object) -> int:
 
 
 def _backfill_query(schema: str, where: str) -> sql.Composed:
-    return sql.SQL("SELECT id, sink, table_schema, table_name, kind, sort_column, start_position, max_query_ms, state,"
-                   " cursor, rows_initial, rows_processed, rows_emitted, error, created_at, started_at, finished_at,"
-                   " updated_at, requested_by FROM {}.backfills " + where).format(ident(schema))
+    return sql.SQL(
+        "SELECT id, sink, table_schema, table_name, kind, sort_column, start_position, max_query_ms, state,"
+        " cursor, rows_initial, rows_processed, rows_emitted, error, created_at, started_at, finished_at,"
+        " updated_at, requested_by FROM {}.backfills " + where
+    ).format(ident(schema))
 
 
 BACKFILL_CHANNEL = "sequin_backfill"
@@ -82,10 +84,19 @@ BACKFILL_CHANNEL = "sequin_backfill"
 server (``spark.backfill_app.serve_backfills``) listens on rather than waiting out its poll interval."""
 
 
-def create_backfill(conn: psycopg.Connection[Any], schema: str, sink: str, table_schema: str, table_name: str,
-                    kind: str = "full", sort_column: str | None = None, start_position: str | None = None,
-                    max_query_ms: int = 5000, rows_initial: int | None = None,
-                    requested_by: str | None = None) -> Backfill:
+def create_backfill(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    sink: str,
+    table_schema: str,
+    table_name: str,
+    kind: str = "full",
+    sort_column: str | None = None,
+    start_position: str | None = None,
+    max_query_ms: int = 5000,
+    rows_initial: int | None = None,
+    requested_by: str | None = None,
+) -> Backfill:
     """Record a pending backfill; at most one is active per (sink, table): ``BackfillConflict``."""
     if kind not in ("full", "partial"):
         raise BackfillError(f"kind must be 'full' or 'partial', got {kind!r}")
@@ -95,23 +106,44 @@ def create_backfill(conn: psycopg.Connection[Any], schema: str, sink: str, table
     try:
         with conn.transaction():
             durable_commit(conn)
-            row = conn.execute(sql.SQL(
-                "INSERT INTO {}.backfills (sink, table_schema, table_name, kind, sort_column, start_position,"
-                " max_query_ms, rows_initial, requested_by) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING id"
-            ).format(ident(schema)), (sink, table_schema, table_name, kind, sort_column, start_position, max_query_ms,
-                                       rows_initial, requested_by)).fetchone()
+            row = conn.execute(
+                sql.SQL(
+                    "INSERT INTO {}.backfills (sink, table_schema, table_name, kind, sort_column, start_position,"
+                    " max_query_ms, rows_initial, requested_by) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING id"
+                ).format(ident(schema)),
+                (
+                    sink,
+                    table_schema,
+                    table_name,
+                    kind,
+                    sort_column,
+                    start_position,
+                    max_query_ms,
+                    rows_initial,
+                    requested_by,
+                ),
+            ).fetchone()
             conn.execute("SELECT pg_notify(%s, %s)", (BACKFILL_CHANNEL, schema))  # a backfill server wakes on commit
         conn.commit()  # a caller's open transaction made the block above a savepoint
     except psycopg.errors.UniqueViolation:
-        active = conn.execute(_backfill_query(schema, "WHERE sink = %s AND table_schema = %s AND table_name = %s"
-                                              " AND state IN ('pending', 'running')"),
-                              (sink, table_schema, table_name)).fetchone()
+        active = conn.execute(
+            _backfill_query(
+                schema, "WHERE sink = %s AND table_schema = %s AND table_name = %s AND state IN ('pending', 'running')"
+            ),
+            (sink, table_schema, table_name),
+        ).fetchone()
         conn.commit()
         found = Backfill(*active) if active else None
-        which = (f"backfill {found.id} ({found.state}{', requested by ' + found.requested_by if found.requested_by else ''})"
-                 if found else "another backfill")
-        raise BackfillConflict(f"sink {sink!r} already has an active backfill of {table_schema}.{table_name}: {which};"
-                               " cancel it or wait for it to finish", found) from None
+        which = (
+            f"backfill {found.id} ({found.state}{', requested by ' + found.requested_by if found.requested_by else ''})"
+            if found
+            else "another backfill"
+        )
+        raise BackfillConflict(
+            f"sink {sink!r} already has an active backfill of {table_schema}.{table_name}: {which};"
+            " cancel it or wait for it to finish",
+            found,
+        ) from None
     return get_backfill(conn, schema, int(row[0]))  # type: ignore[index]
 
 
@@ -129,20 +161,28 @@ def list_backfills(conn: psycopg.Connection[Any], schema: str, sink: str | None 
     return [Backfill(*r) for r in conn.execute(_backfill_query(schema, where), (sink,) if sink else ()).fetchall()]
 
 
-def transition_backfill(conn: psycopg.Connection[Any], schema: str, backfill_id: int, state: str,
-                        error: str | None = None) -> Backfill:
+def transition_backfill(
+    conn: psycopg.Connection[Any], schema: str, backfill_id: int, state: str, error: str | None = None
+) -> Backfill:
     """Move a backfill to ``state`` if its current state allows it (``BACKFILL_TRANSITIONS``)."""
     allowed = BACKFILL_TRANSITIONS.get(state)
     if allowed is None:
         raise BackfillError(f"unknown target state {state!r} (running | completed | failed | cancelled)")
-    stamps = {"running": "started_at = now(), ", "completed": "finished_at = now(), ", "failed": "finished_at = now(), ",
-              "cancelled": "finished_at = now(), "}[state]
+    stamps = {
+        "running": "started_at = now(), ",
+        "completed": "finished_at = now(), ",
+        "failed": "finished_at = now(), ",
+        "cancelled": "finished_at = now(), ",
+    }[state]
     with conn.transaction():
         durable_commit(conn)
-        row = conn.execute(sql.SQL(
-            "UPDATE {}.backfills SET state = %s, " + stamps + "error = coalesce(%s, error), updated_at = now()"
-            " WHERE id = %s AND state = ANY(%s) RETURNING id").format(ident(schema)),
-            (state, error, backfill_id, list(allowed))).fetchone()
+        row = conn.execute(
+            sql.SQL(
+                "UPDATE {}.backfills SET state = %s, " + stamps + "error = coalesce(%s, error), updated_at = now()"
+                " WHERE id = %s AND state = ANY(%s) RETURNING id"
+            ).format(ident(schema)),
+            (state, error, backfill_id, list(allowed)),
+        ).fetchone()
         if row is not None and state in ("failed", "cancelled"):
             # its pages in flight will not be emitted: hidden reads must not hold back their groups
             stale_backfill_pages(conn, ident(schema), backfill_id)
@@ -153,30 +193,38 @@ def transition_backfill(conn: psycopg.Connection[Any], schema: str, backfill_id:
     return get_backfill(conn, schema, backfill_id)
 
 
-def record_backfill_progress(conn: psycopg.Connection[Any], schema: str, backfill_id: int, cursor: Any,
-                             processed: int, emitted: int) -> None:
+def record_backfill_progress(
+    conn: psycopg.Connection[Any], schema: str, backfill_id: int, cursor: Any, processed: int, emitted: int
+) -> None:
     """Advance a running backfill's cursor and add to its row counts."""
     with conn.transaction():
-        done = conn.execute(sql.SQL(
-            "UPDATE {}.backfills SET cursor = %s, rows_processed = rows_processed + %s, rows_emitted = rows_emitted + %s,"
-            " updated_at = now() WHERE id = %s AND state = 'running' RETURNING id").format(ident(schema)),
-            (Jsonb(cursor), processed, emitted, backfill_id)).fetchone()
+        done = conn.execute(
+            sql.SQL(
+                "UPDATE {}.backfills SET cursor = %s, rows_processed = rows_processed + %s, rows_emitted = rows_emitted + %s,"
+                " updated_at = now() WHERE id = %s AND state = 'running' RETURNING id"
+            ).format(ident(schema)),
+            (Jsonb(cursor), processed, emitted, backfill_id),
+        ).fetchone()
     conn.commit()
     if done is None:
         raise BackfillError(f"backfill {backfill_id} is not running: progress not recorded")
 
 
-
 def new_sinks(conn: psycopg.Connection[Any], schema: str, sinks: Sequence[str]) -> list[str]:
     """Which of ``sinks`` were never set up before (without recording them: ``record_sink_setup``)."""
-    known = {r[0] for r in conn.execute(sql.SQL("SELECT sink FROM {}.sink_setups WHERE sink = ANY(%s)").format(
-        ident(schema)), (list(sinks),)).fetchall()}
+    known = {
+        r[0]
+        for r in conn.execute(
+            sql.SQL("SELECT sink FROM {}.sink_setups WHERE sink = ANY(%s)").format(ident(schema)), (list(sinks),)
+        ).fetchall()
+    }
     conn.commit()
     return [s for s in sinks if s not in known]
 
 
 def record_sink_setup(conn: psycopg.Connection[Any], schema: str, sink: str) -> None:
     """Remember that a sink has been set up (its initial backfills are created once)."""
-    conn.execute(sql.SQL("INSERT INTO {}.sink_setups (sink) VALUES (%s) ON CONFLICT DO NOTHING").format(ident(schema)),
-                 (sink,))
+    conn.execute(
+        sql.SQL("INSERT INTO {}.sink_setups (sink) VALUES (%s) ON CONFLICT DO NOTHING").format(ident(schema)), (sink,)
+    )
     conn.commit()

@@ -30,4 +30,3 @@ def durable_commit(conn: psycopg.Connection[Any]) -> None:
     crash of the store after its caller was told so (a chaos round's immediate restart, 1 s after
     ``create_backfill`` returned id 2, left the backfill app with "no backfill with id 2")."""
     conn.execute("SET LOCAL synchronous_commit = on")
-

@@ -14,7 +14,10 @@ from psycopg import sql
 from sequin_provider.store.connection import ident
 
 MIGRATIONS: tuple[tuple[int, str, str], ...] = (
-    (1, "stream messages and stream status", """
+    (
+        1,
+        "stream messages and stream status",
+        """
 CREATE TABLE IF NOT EXISTS {schema}.stream_messages (
     sink              text        NOT NULL,
     commit_lsn        bigint      NOT NULL,
@@ -48,8 +51,12 @@ CREATE TABLE IF NOT EXISTS {schema}.stream_status (
     total_rows        bigint NOT NULL DEFAULT 0,
     last_error        text
 );
-"""),
-    (2, "backfills", """
+""",
+    ),
+    (
+        2,
+        "backfills",
+        """
 CREATE TABLE IF NOT EXISTS {schema}.backfills (
     id              bigserial PRIMARY KEY,
     sink            text        NOT NULL,
@@ -74,15 +81,23 @@ CREATE TABLE IF NOT EXISTS {schema}.backfills (
 );
 CREATE UNIQUE INDEX IF NOT EXISTS backfills_one_active ON {schema}.backfills (sink, table_schema, table_name)
     WHERE state IN ('pending', 'running');
-"""),
-    (3, "stream visibility", """
+""",
+    ),
+    (
+        3,
+        "stream visibility",
+        """
 CREATE TABLE IF NOT EXISTS {schema}.stream_visibility (
     sink        text PRIMARY KEY,
     visible_lsn bigint      NOT NULL,
     updated_at  timestamptz NOT NULL DEFAULT now()
 );
-"""),
-    (4, "backfill ranges, pages and staged rows", """
+""",
+    ),
+    (
+        4,
+        "backfill ranges, pages and staged rows",
+        """
 CREATE TABLE IF NOT EXISTS {schema}.backfill_ranges (
     backfill_id     bigint  NOT NULL REFERENCES {schema}.backfills (id) ON DELETE CASCADE,
     range_idx       integer NOT NULL,
@@ -115,14 +130,22 @@ CREATE TABLE IF NOT EXISTS {schema}.backfill_rows (
     record          text    NOT NULL,
     PRIMARY KEY (page_id, ordinal)
 );
-"""),
-    (5, "sink setups", """
+""",
+    ),
+    (
+        5,
+        "sink setups",
+        """
 CREATE TABLE IF NOT EXISTS {schema}.sink_setups (
     sink        text PRIMARY KEY,
     created_at  timestamptz NOT NULL DEFAULT now()
 );
-"""),
-    (6, "api tokens, consumer visibility index, buffer of parked messages", """
+""",
+    ),
+    (
+        6,
+        "api tokens, consumer visibility index, buffer of parked messages",
+        """
 CREATE TABLE IF NOT EXISTS {schema}.api_tokens (
     name        text PRIMARY KEY,
     token_hash  text        NOT NULL UNIQUE,   -- sha256 hex of the token; the token itself is never stored
@@ -149,7 +172,8 @@ CREATE TABLE IF NOT EXISTS {schema}.buffered_messages (
 );
 CREATE INDEX IF NOT EXISTS buffered_messages_group ON {schema}.buffered_messages (sink, group_id, commit_lsn, commit_idx)
     WHERE state = 'parked';
-"""),
+""",
+    ),
     # Receiving a message updates no indexed column, so the update is HOT (no index entries, the
     # new version on the same page, which the fillfactor leaves room for):
     # - an ack id encodes its message's position and a random nonce (stream_queue.ack_id), so an ack
@@ -158,7 +182,10 @@ CREATE INDEX IF NOT EXISTS buffered_messages_group ON {schema}.buffered_messages
     #   ack and nack: no index on state.
     # Messages received before this migration have no nonce: their old ack ids match nothing, and
     # they come back after their visibility timeout (at least once).
-    (7, "HOT receives: ack ids derived from the position, a pending counter", """
+    (
+        7,
+        "HOT receives: ack ids derived from the position, a pending counter",
+        """
 DROP INDEX IF EXISTS {schema}.stream_messages_ack_id;
 DROP INDEX IF EXISTS {schema}.stream_messages_outstanding;
 ALTER TABLE {schema}.stream_messages DROP COLUMN IF EXISTS ack_id;
@@ -172,25 +199,38 @@ CREATE TABLE IF NOT EXISTS {schema}.stream_pending (
 INSERT INTO {schema}.stream_pending (sink, pending)
     SELECT sink, count(*) FROM {schema}.stream_messages WHERE state = 'delivered' GROUP BY sink
     ON CONFLICT (sink) DO NOTHING;
-"""),
+""",
+    ),
     # A page rendered by the source's SQL arrives as COPY bytes (backfill.source_sql); its last row carries
     # the page's order key, the range's next cursor, so the bytes need not be parsed.
-    (8, "backfill rows carry the order key of a page's last row", """
+    (
+        8,
+        "backfill rows carry the order key of a page's last row",
+        """
 ALTER TABLE {schema}.backfill_rows ADD COLUMN IF NOT EXISTS order_key text[];
-"""),
+""",
+    ),
     # A plain Sequin Stream sink's reads are written by the backfill task as it stages the page, at
     # the page's read position (just after its low watermark), hidden until the stream app closes
     # the page's window (DESIGN §7, docs/backfills.md): the close then takes back only the reads
     # whose key changed inside the window, instead of writing every read on the stream's path.
-    (9, "backfill reads written by the task, hidden until their window closes", """
+    (
+        9,
+        "backfill reads written by the task, hidden until their window closes",
+        """
 ALTER TABLE {schema}.stream_messages ADD COLUMN IF NOT EXISTS backfill_page bigint;
 ALTER TABLE {schema}.backfill_pages ADD COLUMN IF NOT EXISTS read_lsn bigint;
-"""),
+""",
+    ),
     # Who asked for a backfill (an Airflow task instance: dag/task/run[map index]): a retry of that
     # task finds the backfill its earlier try started and resumes it instead of being refused.
-    (10, "backfills record who requested them", """
+    (
+        10,
+        "backfills record who requested them",
+        """
 ALTER TABLE {schema}.backfills ADD COLUMN IF NOT EXISTS requested_by text;
-"""),
+""",
+    ),
     # The cheapest message row: every change of a Sequin Stream sink is one, and its write is the
     # largest cost of the stream and of a backfill (docs/performance.md). A receive finds each
     # group's first message in the stream's head (stream_queue.receive), so no index on groups is
@@ -198,21 +238,29 @@ ALTER TABLE {schema}.backfills ADD COLUMN IF NOT EXISTS requested_by text;
     # JSON by construction (the compiled renderer, held equal to its Python reference, or
     # json.dumps of a transform's result), and the pull API splices it into its answers as it is.
     # Changing the column's type rewrites the table once (ACCESS EXCLUSIVE while it runs).
-    (11, "stream messages without a group index, data as text", """
+    (
+        11,
+        "stream messages without a group index, data as text",
+        """
 DROP INDEX IF EXISTS {schema}.stream_messages_group;
 ALTER TABLE {schema}.stream_messages ALTER COLUMN data TYPE text;
-"""),
+""",
+    ),
     # A truncate message is a barrier for its table (docs/stream-behaviour.md: TRUNCATE). Its
     # ``barrier`` is the group-id prefix of its table's messages for its sink ("schema.table:",
     # or "" when the sink does not group: then the whole sink), null for every other message, so
     # a receive (stream_queue) and a push or retry (delivery, buffer) can tell which earlier and
     # later messages it separates without storing the table of every message.
-    (12, "truncate messages are barriers for their table", """
+    (
+        12,
+        "truncate messages are barriers for their table",
+        """
 ALTER TABLE {schema}.stream_messages ADD COLUMN IF NOT EXISTS barrier text;
 ALTER TABLE {schema}.buffered_messages ADD COLUMN IF NOT EXISTS barrier text;
 CREATE INDEX IF NOT EXISTS buffered_messages_barrier ON {schema}.buffered_messages (sink)
     WHERE barrier IS NOT NULL AND state = 'parked';
-"""),
+""",
+    ),
     # An acked message never comes back (docs/stream-behaviour.md: "Acked messages never come
     # back"). An ack deletes its messages, so a micro-batch replayed after a crash between its store
     # commit and Spark's offset commit would write them again; the ack also records their positions
@@ -224,7 +272,10 @@ CREATE INDEX IF NOT EXISTS buffered_messages_barrier ON {schema}.buffered_messag
     # row and one index entry, not 100 (the ack's median time: +10 %, against +55 % for a row per
     # message, measured). A write looks up the entries whose range meets its own: none for a batch
     # that is not a replay, which lies above every acked position.
-    (13, "the acked ledger: positions acked and not yet passed by the slot", """
+    (
+        13,
+        "the acked ledger: positions acked and not yet passed by the slot",
+        """
 CREATE TABLE IF NOT EXISTS {schema}.stream_acked (
     sink        text      NOT NULL,
     min_lsn     bigint    NOT NULL,
@@ -234,7 +285,8 @@ CREATE TABLE IF NOT EXISTS {schema}.stream_acked (
 );
 CREATE INDEX IF NOT EXISTS stream_acked_range ON {schema}.stream_acked (max_lsn, min_lsn);
 ALTER TABLE {schema}.stream_visibility ADD COLUMN IF NOT EXISTS passed_lsn bigint NOT NULL DEFAULT 0;
-"""),
+""",
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
@@ -246,16 +298,21 @@ def migrate(conn: psycopg.Connection[Any], schema: str = "sequin") -> list[int]:
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(hashtext('sequin-migrate:' || %s))", (schema,))
         conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident(schema)))
-        conn.execute(sql.SQL(
-            "CREATE TABLE IF NOT EXISTS {}.schema_migrations (version integer PRIMARY KEY, name text NOT NULL,"
-            " applied_at timestamptz NOT NULL DEFAULT now())").format(ident(schema)))
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {}.schema_migrations (version integer PRIMARY KEY, name text NOT NULL,"
+                " applied_at timestamptz NOT NULL DEFAULT now())"
+            ).format(ident(schema))
+        )
         done = {v for (v,) in conn.execute(sql.SQL("SELECT version FROM {}.schema_migrations").format(ident(schema)))}
         for version, name, body in MIGRATIONS:
             if version in done:
                 continue
             conn.execute(sql.SQL(body).format(schema=ident(schema)))  # type: ignore[arg-type]
-            conn.execute(sql.SQL("INSERT INTO {}.schema_migrations (version, name) VALUES (%s, %s)").format(
-                ident(schema)), (version, name))
+            conn.execute(
+                sql.SQL("INSERT INTO {}.schema_migrations (version, name) VALUES (%s, %s)").format(ident(schema)),
+                (version, name),
+            )
             applied.append(version)
     return applied
 
@@ -265,7 +322,7 @@ def schema_version(conn: psycopg.Connection[Any], schema: str = "sequin") -> int
     exists = conn.execute("SELECT to_regclass(%s)", (f"{schema}.schema_migrations",)).fetchone()
     if not exists or exists[0] is None:
         return 0
-    row = conn.execute(sql.SQL("SELECT coalesce(max(version), 0) FROM {}.schema_migrations").format(ident(schema))).fetchone()
+    row = conn.execute(
+        sql.SQL("SELECT coalesce(max(version), 0) FROM {}.schema_migrations").format(ident(schema))
+    ).fetchone()
     return int(row[0]) if row else 0
-
-

@@ -9,12 +9,21 @@ from psycopg import sql
 
 from sequin_provider.store.connection import ident
 
-STATUS_FIELDS = ("slot", "app_started_at", "heartbeat_at", "last_batch_id", "last_batch_at", "last_commit_lsn",
-                 "batch_rows", "batch_latency_ms", "rows_per_sec", "last_error")
+STATUS_FIELDS = (
+    "slot",
+    "app_started_at",
+    "heartbeat_at",
+    "last_batch_id",
+    "last_batch_at",
+    "last_commit_lsn",
+    "batch_rows",
+    "batch_latency_ms",
+    "rows_per_sec",
+    "last_error",
+)
 
 
-def update_status(conn: psycopg.Connection[Any], schema: str, database: str, add_rows: int = 0,
-                  **fields: Any) -> None:
+def update_status(conn: psycopg.Connection[Any], schema: str, database: str, add_rows: int = 0, **fields: Any) -> None:
     """Upsert the stream status row of ``database`` (only the given fields change)."""
     unknown = set(fields) - set(STATUS_FIELDS)
     if unknown:
@@ -24,9 +33,12 @@ def update_status(conn: psycopg.Connection[Any], schema: str, database: str, add
     vals = sql.SQL(", ").join(sql.Placeholder() for _ in range(len(names) + 1))
     sets = [sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(n)) for n in names]
     sets.append(sql.SQL("total_rows = {}.stream_status.total_rows + %s").format(ident(schema)))
-    conn.execute(sql.SQL("INSERT INTO {}.stream_status ({}, total_rows) VALUES ({}, %s) ON CONFLICT (database) DO UPDATE SET {}").format(
-        ident(schema), cols, vals, sql.SQL(", ").join(sets)),
-        (database, *fields.values(), add_rows, add_rows))
+    conn.execute(
+        sql.SQL(
+            "INSERT INTO {}.stream_status ({}, total_rows) VALUES ({}, %s) ON CONFLICT (database) DO UPDATE SET {}"
+        ).format(ident(schema), cols, vals, sql.SQL(", ").join(sets)),
+        (database, *fields.values(), add_rows, add_rows),
+    )
     conn.commit()
 
 

@@ -65,10 +65,13 @@ _RECEIVE = """
 def receive_start(conn: psycopg.Connection[Any], schema: str, sink: str) -> tuple[int, int] | None:
     """(visible LSN, pending count) of ``sink`` as a receive starts, in the caller's transaction;
     None while none of its messages is visible (no visibility watermark yet)."""
-    row = conn.execute(sql.SQL(
-        "SELECT (SELECT visible_lsn FROM {0}.stream_visibility WHERE sink = %(sink)s),"
-        " (SELECT pending FROM {0}.stream_pending WHERE sink = %(sink)s)").format(ident(schema)),
-        {"sink": sink}).fetchone()
+    row = conn.execute(
+        sql.SQL(
+            "SELECT (SELECT visible_lsn FROM {0}.stream_visibility WHERE sink = %(sink)s),"
+            " (SELECT pending FROM {0}.stream_pending WHERE sink = %(sink)s)"
+        ).format(ident(schema)),
+        {"sink": sink},
+    ).fetchone()
     if row is None or row[0] is None:
         return None
     return int(row[0]), int(row[1] or 0)
@@ -78,17 +81,29 @@ def recount_pending(conn: psycopg.Connection[Any], schema: str, sink: str, count
     """The exact pending count of ``sink``, written back to its counter; ``counted`` when the last
     recount is under ``every`` seconds old. Exact because the counter row stays locked while
     counting: a receive, ack or nack changes its rows and the counter in one transaction."""
-    row = conn.execute(sql.SQL(
-        "UPDATE {0}.stream_pending SET pending = (SELECT count(*) FROM {0}.stream_messages"
-        " WHERE sink = %(sink)s AND state = 'delivered'), checked_at = now()"
-        " WHERE sink = %(sink)s AND checked_at < now() - %(every)s * interval '1 second'"
-        " RETURNING pending").format(ident(schema)), {"sink": sink, "every": every}).fetchone()
+    row = conn.execute(
+        sql.SQL(
+            "UPDATE {0}.stream_pending SET pending = (SELECT count(*) FROM {0}.stream_messages"
+            " WHERE sink = %(sink)s AND state = 'delivered'), checked_at = now()"
+            " WHERE sink = %(sink)s AND checked_at < now() - %(every)s * interval '1 second'"
+            " RETURNING pending"
+        ).format(ident(schema)),
+        {"sink": sink, "every": every},
+    ).fetchone()
     return int(row[0]) if row else counted
 
 
-def claim_from_head(conn: psycopg.Connection[Any], schema: str, sink: str, visible: int, head: int,
-                    only_redeliveries: bool, limit: int, visibility_timeout: float, nonces: int
-                    ) -> tuple[list[Claimed], int]:
+def claim_from_head(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    sink: str,
+    visible: int,
+    head: int,
+    only_redeliveries: bool,
+    limit: int,
+    visibility_timeout: float,
+    nonces: int,
+) -> tuple[list[Claimed], int]:
     """Claim up to ``limit`` deliverable messages among the first ``head`` of ``sink`` at or below
     commit LSN ``visible``, for ``visibility_timeout`` seconds, in the caller's transaction; returns
     them and how many messages the head held (fewer than ``head``: it held every visible one).
@@ -100,16 +115,34 @@ def claim_from_head(conn: psycopg.Connection[Any], schema: str, sink: str, visib
     another), each with a new random nonce below ``nonces``, and the newly pending ones are added
     to the sink's pending counter in the same statement."""
     s = ident(schema)
-    ready = sql.SQL("(m.not_visible_until IS NULL OR m.not_visible_until <= now())"
-                    " AND (NOT %(only_redeliveries)s OR m.deliver_count > 0) AND {}").format(sql.SQL(READS_RELEASED).format(s=s))
-    rows = conn.execute(sql.SQL(_RECEIVE).format(s=s, ready=ready), {
-        "sink": sink, "visible": visible, "head": head, "only_redeliveries": only_redeliveries,
-        "limit": limit, "timeout": visibility_timeout, "nonces": nonces}).fetchall()
+    ready = sql.SQL(
+        "(m.not_visible_until IS NULL OR m.not_visible_until <= now())"
+        " AND (NOT %(only_redeliveries)s OR m.deliver_count > 0) AND {}"
+    ).format(sql.SQL(READS_RELEASED).format(s=s))
+    rows = conn.execute(
+        sql.SQL(_RECEIVE).format(s=s, ready=ready),
+        {
+            "sink": sink,
+            "visible": visible,
+            "head": head,
+            "only_redeliveries": only_redeliveries,
+            "limit": limit,
+            "timeout": visibility_timeout,
+            "nonces": nonces,
+        },
+    ).fetchall()
     return [r[:4] for r in rows if r[0] is not None], rows[0][4]
 
 
-def _settle(conn: psycopg.Connection[Any], schema: str, sink: str, deliveries: Deliveries,
-            change: sql.Composable, then: sql.Composable | None = None, durable: bool = False) -> int:
+def _settle(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    sink: str,
+    deliveries: Deliveries,
+    change: sql.Composable,
+    then: sql.Composable | None = None,
+    durable: bool = False,
+) -> int:
     """Apply ``change`` (a DELETE or UPDATE of the messages matched by ``a``, returning their
     positions) to the pending messages of ``deliveries``, and take them off the sink's pending
     counter in the same transaction; ``then`` adds CTEs on ``settled``; ``durable``: the commit is
@@ -119,20 +152,23 @@ def _settle(conn: psycopg.Connection[Any], schema: str, sink: str, deliveries: D
     with conn.transaction():
         if durable:
             durable_commit(conn)
-        row = conn.execute(sql.SQL("""
+        row = conn.execute(
+            sql.SQL("""
             WITH settled AS ({change}),{then}
             n AS (SELECT count(*) AS n FROM settled),
             counted AS (UPDATE {s}.stream_pending p SET pending = greatest(p.pending - n.n, 0)
                           FROM n WHERE p.sink = %(sink)s AND n.n > 0)
             SELECT n FROM n""").format(change=change, then=then or sql.SQL(""), s=s),
-            {"sink": sink, "lsns": lsns, "idxs": idxs, "nonces": nonces}).fetchone()
+            {"sink": sink, "lsns": lsns, "idxs": idxs, "nonces": nonces},
+        ).fetchone()
     return int(row[0]) if row else 0
 
 
 _MATCH = sql.SQL(
     " unnest(%(lsns)s::bigint[], %(idxs)s::integer[], %(nonces)s::integer[]) a(lsn, idx, nonce)"
     " WHERE m.sink = %(sink)s AND m.commit_lsn = a.lsn AND m.commit_idx = a.idx AND m.ack_nonce = a.nonce"
-    " AND m.state = 'delivered' RETURNING m.commit_lsn, m.commit_idx")
+    " AND m.state = 'delivered' RETURNING m.commit_lsn, m.commit_idx"
+)
 
 _LEDGER = """
             ledger AS (INSERT INTO {s}.stream_acked (sink, min_lsn, max_lsn, lsns, idxs)
@@ -152,30 +188,56 @@ def ack_messages(conn: psycopg.Connection[Any], schema: str, sink: str, deliveri
     a micro-batch replayed after a crash of the stream app skips them; and the ack is durable when
     it returns (a crash of the store does not undo an ack its consumer was told of)."""
     s = ident(schema)
-    return _settle(conn, schema, sink, deliveries, sql.SQL("DELETE FROM {}.stream_messages m USING").format(s) + _MATCH,
-                   sql.SQL(_LEDGER).format(s=s), durable=True)
+    return _settle(
+        conn,
+        schema,
+        sink,
+        deliveries,
+        sql.SQL("DELETE FROM {}.stream_messages m USING").format(s) + _MATCH,
+        sql.SQL(_LEDGER).format(s=s),
+        durable=True,
+    )
 
 
 def nack_messages(conn: psycopg.Connection[Any], schema: str, sink: str, deliveries: Deliveries) -> int:
     """Make the pending messages of ``deliveries`` visible again at once (their ack nonces cleared)."""
-    return _settle(conn, schema, sink, deliveries, sql.SQL(
-        "UPDATE {}.stream_messages m SET ack_nonce = NULL, state = 'available', not_visible_until = NULL FROM").format(
-        ident(schema)) + _MATCH)
+    return _settle(
+        conn,
+        schema,
+        sink,
+        deliveries,
+        sql.SQL(
+            "UPDATE {}.stream_messages m SET ack_nonce = NULL, state = 'available', not_visible_until = NULL FROM"
+        ).format(ident(schema))
+        + _MATCH,
+    )
 
 
 def release_messages(conn: psycopg.Connection[Any], schema: str, sink: str, deliveries: Deliveries) -> int:
     """A nack of ``deliveries`` that also takes back their delivery count (nobody received them);
     a message claimed again since, with another nonce, is left alone."""
-    return _settle(conn, schema, sink, deliveries, sql.SQL(
-        "UPDATE {}.stream_messages m SET ack_nonce = NULL, state = 'available', not_visible_until = NULL,"
-        " deliver_count = greatest(m.deliver_count - 1, 0) FROM").format(ident(schema)) + _MATCH)
+    return _settle(
+        conn,
+        schema,
+        sink,
+        deliveries,
+        sql.SQL(
+            "UPDATE {}.stream_messages m SET ack_nonce = NULL, state = 'available', not_visible_until = NULL,"
+            " deliver_count = greatest(m.deliver_count - 1, 0) FROM"
+        ).format(ident(schema))
+        + _MATCH,
+    )
 
 
 def stream_counts(conn: psycopg.Connection[Any], schema: str, sink: str) -> dict[str, int]:
     """Messages of a sink: total, visible, outstanding (received and not yet acked)."""
-    row = conn.execute(sql.SQL(
-        "SELECT count(*), count(*) FILTER (WHERE commit_lsn <= coalesce((SELECT visible_lsn FROM {0}.stream_visibility"
-        " WHERE sink = %s), -1)), count(*) FILTER (WHERE not_visible_until > now())"
-        " FROM {0}.stream_messages WHERE sink = %s").format(ident(schema)), (sink, sink)).fetchone()
+    row = conn.execute(
+        sql.SQL(
+            "SELECT count(*), count(*) FILTER (WHERE commit_lsn <= coalesce((SELECT visible_lsn FROM {0}.stream_visibility"
+            " WHERE sink = %s), -1)), count(*) FILTER (WHERE not_visible_until > now())"
+            " FROM {0}.stream_messages WHERE sink = %s"
+        ).format(ident(schema)),
+        (sink, sink),
+    ).fetchone()
     total, visible, outstanding = row if row else (0, 0, 0)
     return {"total": int(total), "visible": int(visible), "outstanding": int(outstanding)}

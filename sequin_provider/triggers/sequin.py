@@ -81,8 +81,13 @@ class SequinPollingTrigger(BaseTrigger):
     :param end_time: epoch seconds after which a ``timeout`` event is sent (None: never).
     """
 
-    def __init__(self, *, sequin_conn_id: str = SequinHook.default_conn_name, poke_interval: float = 60.0,
-                 end_time: float | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        sequin_conn_id: str = SequinHook.default_conn_name,
+        poke_interval: float = 60.0,
+        end_time: float | None = None,
+    ) -> None:
         super().__init__()
         self.sequin_conn_id = sequin_conn_id
         self.poke_interval = float(poke_interval)
@@ -106,9 +111,15 @@ class SequinPollingTrigger(BaseTrigger):
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         """Class path and the keyword arguments that rebuild this trigger."""
-        return (f"{type(self).__module__}.{type(self).__qualname__}",
-                {**self.condition_kwargs(), "sequin_conn_id": self.sequin_conn_id,
-                 "poke_interval": self.poke_interval, "end_time": self.end_time})
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {
+                **self.condition_kwargs(),
+                "sequin_conn_id": self.sequin_conn_id,
+                "poke_interval": self.poke_interval,
+                "end_time": self.end_time,
+            },
+        )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """Poll until done, timed out or failed; yield one event."""
@@ -154,14 +165,21 @@ class SlotLagTrigger(SequinPollingTrigger):
 
     def evaluate(self, value: int | None) -> Observation:
         if value is None:
-            raise SequinConditionError(f"replication slot {self.slot!r} does not exist (or has no confirmed position)",
-                                       {"slot": self.slot})
+            raise SequinConditionError(
+                f"replication slot {self.slot!r} does not exist (or has no confirmed position)", {"slot": self.slot}
+            )
         exceeded = value > self.threshold_bytes
         word = "above" if exceeded else "within"
-        return Observation(exceeded == (self.fire_when == "exceeds"),
-                           f"slot {self.slot!r} lags {value} bytes, {word} the threshold of {self.threshold_bytes}",
-                           {"slot": self.slot, "lag_bytes": value, "threshold_bytes": self.threshold_bytes,
-                            "fire_when": self.fire_when})
+        return Observation(
+            exceeded == (self.fire_when == "exceeds"),
+            f"slot {self.slot!r} lags {value} bytes, {word} the threshold of {self.threshold_bytes}",
+            {
+                "slot": self.slot,
+                "lag_bytes": value,
+                "threshold_bytes": self.threshold_bytes,
+                "fire_when": self.fire_when,
+            },
+        )
 
 
 class HeartbeatTrigger(SequinPollingTrigger):
@@ -187,18 +205,25 @@ class HeartbeatTrigger(SequinPollingTrigger):
         stale = value is None or value > self.max_age_seconds
         seen = "no heartbeat recorded" if value is None else f"last heartbeat {value:.1f}s ago"
         word = "stale" if stale else "fresh"
-        return Observation(stale == (self.fire_when == "exceeds"),
-                           f"stream of database {self.database!r}: {seen}, {word} (max age {self.max_age_seconds:g}s)",
-                           {"database": self.database, "age_seconds": value, "max_age_seconds": self.max_age_seconds,
-                            "fire_when": self.fire_when})
+        return Observation(
+            stale == (self.fire_when == "exceeds"),
+            f"stream of database {self.database!r}: {seen}, {word} (max age {self.max_age_seconds:g}s)",
+            {
+                "database": self.database,
+                "age_seconds": value,
+                "max_age_seconds": self.max_age_seconds,
+                "fire_when": self.fire_when,
+            },
+        )
 
 
 class ParkedMessagesTrigger(SequinPollingTrigger):
     """Fires when more than ``threshold`` messages are parked in the buffer, for ``sink`` or for all
     sinks together (``fire_when="within"``: when at most ``threshold`` are, e.g. drained to 0)."""
 
-    def __init__(self, *, sink: str | None = None, threshold: int = 0, fire_when: str = "exceeds",
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *, sink: str | None = None, threshold: int = 0, fire_when: str = "exceeds", **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.sink = sink or None
         self.threshold = int(check_non_negative("threshold", threshold))
@@ -220,10 +245,18 @@ class ParkedMessagesTrigger(SequinPollingTrigger):
         exceeded = parked > self.threshold
         scope = f"sink {self.sink!r}" if self.sink else "all sinks"
         word = "above" if exceeded else "within"
-        return Observation(exceeded == (self.fire_when == "exceeds"),
-                           f"{parked} parked messages in {scope}, {word} the threshold of {self.threshold}",
-                           {"sink": self.sink, "parked": parked, "discarded": discarded, "parked_by_sink": by_sink,
-                            "threshold": self.threshold, "fire_when": self.fire_when})
+        return Observation(
+            exceeded == (self.fire_when == "exceeds"),
+            f"{parked} parked messages in {scope}, {word} the threshold of {self.threshold}",
+            {
+                "sink": self.sink,
+                "parked": parked,
+                "discarded": discarded,
+                "parked_by_sink": by_sink,
+                "threshold": self.threshold,
+                "fire_when": self.fire_when,
+            },
+        )
 
 
 class BackfillCompletedTrigger(SequinPollingTrigger):
@@ -245,11 +278,19 @@ class BackfillCompletedTrigger(SequinPollingTrigger):
 
     def evaluate(self, value: store.Backfill) -> Observation:
         progress = progress_line(value)
-        payload = {"backfill_id": value.id, "state": value.state, "sink": value.sink,
-                   "table": f"{value.table_schema}.{value.table_name}", "rows_initial": value.rows_initial,
-                   "rows_processed": value.rows_processed, "rows_emitted": value.rows_emitted,
-                   "error": value.error, "progress": progress}
+        payload = {
+            "backfill_id": value.id,
+            "state": value.state,
+            "sink": value.sink,
+            "table": f"{value.table_schema}.{value.table_name}",
+            "rows_initial": value.rows_initial,
+            "rows_processed": value.rows_processed,
+            "rows_emitted": value.rows_emitted,
+            "error": value.error,
+            "progress": progress,
+        }
         if value.state in BACKFILL_FAILED_STATES:
-            raise SequinConditionError(f"backfill {value.id} {value.state}: {value.error or 'no error recorded'}",
-                                       payload)
+            raise SequinConditionError(
+                f"backfill {value.id} {value.state}: {value.error or 'no error recorded'}", payload
+            )
         return Observation(value.state == "completed", f"backfill {value.id}: {progress}", payload)

@@ -47,24 +47,40 @@ def test_copy_binary_rows_load_exactly_and_incomplete_rows_are_left_out(tmp_path
     empty strings, multi-byte text and the largest positions; rows with no message are not written."""
     data = pa.array([json.dumps({"k": k}, ensure_ascii=False) for k in HOSTILE[:-1]] + [None], pa.string())
     n = len(data)
-    rows = RenderedRows(pa.array([2**63 - 1 - j for j in range(n)], pa.int64()), pa.array([2**31 - 1 - j for j in range(n)], pa.int32()),
-                        pa.array(HOSTILE[:-1] + ["g"], pa.string()), pa.array([""] + HOSTILE[1:], pa.string()), data)
+    rows = RenderedRows(
+        pa.array([2**63 - 1 - j for j in range(n)], pa.int64()),
+        pa.array([2**31 - 1 - j for j in range(n)], pa.int32()),
+        pa.array(HOSTILE[:-1] + ["g"], pa.string()),
+        pa.array([""] + HOSTILE[1:], pa.string()),
+        data,
+    )
     payload = stream_rows_copy_binary("sïnk", rows)
     extra = copy_binary_tuple(("sïnk", -1, 0, "", "k", "{}"))  # the per-row form (transform sinks)
     with psycopg.connect(dsn) as conn:
         store.migrate(conn, "sequin")
-        written = store.insert_stream_copy(conn, "sequin", [COPY_BINARY_HEADER, memoryview(payload), extra,
-                                                            COPY_BINARY_TRAILER], binary=True)
-        back = conn.execute("SELECT sink, commit_lsn, commit_idx, group_id, idempotency_key, data::text"
-                            " FROM sequin.stream_messages ORDER BY commit_lsn DESC").fetchall()
+        written = store.insert_stream_copy(
+            conn, "sequin", [COPY_BINARY_HEADER, memoryview(payload), extra, COPY_BINARY_TRAILER], binary=True
+        )
+        back = conn.execute(
+            "SELECT sink, commit_lsn, commit_idx, group_id, idempotency_key, data::text"
+            " FROM sequin.stream_messages ORDER BY commit_lsn DESC"
+        ).fetchall()
         # a replay of the same stream hits the positions and adds nothing
-        again = store.insert_stream_copy(conn, "sequin", [COPY_BINARY_HEADER, memoryview(payload), extra,
-                                                          COPY_BINARY_TRAILER], binary=True)
-    expected = [("sïnk", 2**63 - 1 - j, 2**31 - 1 - j, HOSTILE[j], ([""] + HOSTILE[1:])[j], data[j].as_py())
-                for j in range(n - 1)]
+        again = store.insert_stream_copy(
+            conn, "sequin", [COPY_BINARY_HEADER, memoryview(payload), extra, COPY_BINARY_TRAILER], binary=True
+        )
+    expected = [
+        ("sïnk", 2**63 - 1 - j, 2**31 - 1 - j, HOSTILE[j], ([""] + HOSTILE[1:])[j], data[j].as_py())
+        for j in range(n - 1)
+    ]
     assert written == n and again == 0
     assert back == expected + [("sïnk", -1, 0, "", "k", "{}")]
-    assert stream_rows_copy_binary("s", RenderedRows(*(a[:0] for a in (rows.commit_lsn, rows.commit_idx, rows.group_id,
-                                                                        rows.idempotency_key, rows.data)))).size == 0
-
-
+    assert (
+        stream_rows_copy_binary(
+            "s",
+            RenderedRows(
+                *(a[:0] for a in (rows.commit_lsn, rows.commit_idx, rows.group_id, rows.idempotency_key, rows.data))
+            ),
+        ).size
+        == 0
+    )

@@ -22,9 +22,17 @@ FAST_TRIGGER = {"sequin_conn_id": "sequin_trig", "poke_interval": 0.05}
 def sequin_connection(dsn: str, **extra: Any) -> str:
     """``AIRFLOW_CONN_<ID>`` (JSON form) of a ``sequin`` connection to ``dsn``."""
     parts = conninfo_to_dict(dsn)
-    return json.dumps({"conn_type": "sequin", "host": parts.get("host"), "port": int(parts.get("port") or 5432),
-                       "login": parts.get("user"), "password": parts.get("password"), "schema": parts.get("dbname"),
-                       "extra": extra})
+    return json.dumps(
+        {
+            "conn_type": "sequin",
+            "host": parts.get("host"),
+            "port": int(parts.get("port") or 5432),
+            "login": parts.get("user"),
+            "password": parts.get("password"),
+            "schema": parts.get("dbname"),
+            "extra": extra,
+        }
+    )
 
 
 class Webhook:

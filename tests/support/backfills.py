@@ -12,8 +12,15 @@ from sequin_provider.config import load_config
 from sequin_provider.store import Backfill
 
 
-def backfill(dsn: str, config_path: Path, sink: str, table: str, sort_column: str | None = None,
-             start_position: str | None = None, max_query_ms: int = 5000) -> Backfill:
+def backfill(
+    dsn: str,
+    config_path: Path,
+    sink: str,
+    table: str,
+    sort_column: str | None = None,
+    start_position: str | None = None,
+    max_query_ms: int = 5000,
+) -> Backfill:
     """Record a backfill as the CLI and the operator do."""
     config = load_config(config_path)
     with psycopg.connect(dsn, autocommit=True) as source, psycopg.connect(dsn) as conn:

@@ -17,8 +17,9 @@ class KeyWorkload:
     """Random transactions on ``table (id int PRIMARY KEY, v int)`` from a thread; records what committed,
     per key, in commit order. ``state`` starts from the rows already in the table (``{id: v}``)."""
 
-    def __init__(self, dsn: str, keys: int = 200, seed: int = 7, state: dict[int, int] | None = None,
-                 table: str = "kv") -> None:
+    def __init__(
+        self, dsn: str, keys: int = 200, seed: int = 7, state: dict[int, int] | None = None, table: str = "kv"
+    ) -> None:
         self.dsn = dsn
         self.table = table
         self.keys = keys

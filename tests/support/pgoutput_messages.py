@@ -7,8 +7,10 @@ import struct
 
 def relation_message(relid: int, columns: list[tuple[str, int]]) -> bytes:
     """A pgoutput Relation message of public.t with ``columns`` (name, type oid); the first is the key."""
-    body = b"".join(bytes([1 if i == 0 else 0]) + name.encode() + b"\0" + struct.pack(">Ii", oid, -1)
-                    for i, (name, oid) in enumerate(columns))
+    body = b"".join(
+        bytes([1 if i == 0 else 0]) + name.encode() + b"\0" + struct.pack(">Ii", oid, -1)
+        for i, (name, oid) in enumerate(columns)
+    )
     return b"R" + struct.pack(">I", relid) + b"public\0t\0d" + struct.pack(">h", len(columns)) + body
 
 

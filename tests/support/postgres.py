@@ -28,10 +28,24 @@ def sink_messages(dsn: str, sink: str, schema: str = "sequin") -> list[dict[str,
 
 def put_stream_messages(dsn: str, sink: str, messages: list[tuple[int, int, str]], visible: bool = True) -> None:
     """Write (commit_lsn, commit_idx, group) messages as the stream app does, then make them visible."""
-    rows = [(sink, lsn, idx, group, f"{lsn}:{idx}", json.dumps({"record": {"lsn": lsn, "idx": idx, "g": group},
-                                                                "action": "insert", "changes": None,
-                                                                "metadata": {"commit_lsn": lsn, "commit_idx": idx}}))
-            for lsn, idx, group in messages]
+    rows = [
+        (
+            sink,
+            lsn,
+            idx,
+            group,
+            f"{lsn}:{idx}",
+            json.dumps(
+                {
+                    "record": {"lsn": lsn, "idx": idx, "g": group},
+                    "action": "insert",
+                    "changes": None,
+                    "metadata": {"commit_lsn": lsn, "commit_idx": idx},
+                }
+            ),
+        )
+        for lsn, idx, group in messages
+    ]
     with psycopg.connect(dsn) as conn:
         store.insert_stream_messages(conn, "sequin", rows)
         if visible:

@@ -20,8 +20,9 @@ class ApiServer:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=self.port,
-                                                    log_level="warning", access_log=False))
+        self.server = uvicorn.Server(
+            uvicorn.Config(create_app(config), host="127.0.0.1", port=self.port, log_level="warning", access_log=False)
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property

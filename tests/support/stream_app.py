@@ -34,5 +34,10 @@ def spark_jvm_arguments(app: StreamAppProcess) -> list[str]:
 
 def cli(config: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``sequin --config <config> <args>`` in a child interpreter; its output is captured as text."""
-    return subprocess.run([sys.executable, "-m", "sequin_provider.cli", "--config", str(config), *args],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "sequin_provider.cli", "--config", str(config), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )

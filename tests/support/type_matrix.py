@@ -13,8 +13,11 @@ TYPE_MATRIX: list[tuple[str, str, Any]] = [
     ("int2", "32767", 32767),
     ("int4", "-2147483648", -2147483648),
     ("int8", "9223372036854775807", 9223372036854775807),
-    ("numeric", "12345678901234567890.123456789012345678901234567890",
-     Decimal("12345678901234567890.123456789012345678901234567890")),
+    (
+        "numeric",
+        "12345678901234567890.123456789012345678901234567890",
+        Decimal("12345678901234567890.123456789012345678901234567890"),
+    ),
     ("numeric", "'NaN'", "NaN"),
     ("numeric(10,3)", "1.5", Decimal("1.500")),
     ("float4", "1.5", Decimal("1.5")),
@@ -37,8 +40,8 @@ TYPE_MATRIX: list[tuple[str, str, Any]] = [
     ("timestamptz", "'2024-01-02 03:04:05+02'", "2024-01-02T01:04:05Z"),
     ("timestamptz", "'infinity'", "infinity"),
     ("interval", "'1 year 2 months 3 days 04:05:06.5'", "P1Y2M3DT4H5M6.5S"),
-    ("json", "'{\"b\": 1,  \"a\": [1.10, null]}'", {"b": 1, "a": [Decimal("1.10"), None]}),
-    ("jsonb", "'{\"b\": 1, \"a\": [1.10, null, \"x\"]}'", {"a": [Decimal("1.10"), None, "x"], "b": 1}),
+    ("json", '\'{"b": 1,  "a": [1.10, null]}\'', {"b": 1, "a": [Decimal("1.10"), None]}),
+    ("jsonb", '\'{"b": 1, "a": [1.10, null, "x"]}\'', {"a": [Decimal("1.10"), None, "x"], "b": 1}),
     ("bytea", "'\\x00ff10'::bytea", "\\x00ff10"),
     ("int4[]", "'{{1,NULL},{3,4}}'", [[1, None], [3, 4]]),
     ("text[]", "ARRAY['a,b', 'c\"d', NULL, 'NULL', '{x}']", ["a,b", 'c"d', None, "NULL", "{x}"]),
@@ -64,7 +67,9 @@ SETUP = [
     "CREATE TYPE mood AS ENUM ('sad', 'happy')",
     "CREATE DOMAIN posint AS int CHECK (VALUE > 0)",
     "CREATE DOMAIN email AS text",
-    "CREATE TABLE matrix (id int PRIMARY KEY, " + ", ".join(f"c{i} {typ}" for i, (typ, _, _) in enumerate(TYPE_MATRIX)) + ")",
+    "CREATE TABLE matrix (id int PRIMARY KEY, "
+    + ", ".join(f"c{i} {typ}" for i, (typ, _, _) in enumerate(TYPE_MATRIX))
+    + ")",
 ]
 INSERT = "INSERT INTO matrix VALUES (1, " + ", ".join(value for _, value, _ in TYPE_MATRIX) + ")"
 

@@ -46,15 +46,23 @@ class Deployment:
 def deployment(pg: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     """A table, the stream app streaming it, and ``airflow standalone`` configured for both."""
     dsn = pg.create_database("standalone_e2e")
-    execute(dsn, "CREATE TABLE items (id int PRIMARY KEY, name text NOT NULL)",
-            f"INSERT INTO items SELECT g, 'item ' || g FROM generate_series(1, {ROWS}) g", "ANALYZE items")
+    execute(
+        dsn,
+        "CREATE TABLE items (id int PRIMARY KEY, name text NOT NULL)",
+        f"INSERT INTO items SELECT g, 'item ' || g FROM generate_series(1, {ROWS}) g",
+        "ANALYZE items",
+    )
     tmp = tmp_path_factory.mktemp("standalone")
     config = write_config(tmp / "sequin.yaml", CONFIG.format(dsn=dsn, ckpt=tmp / "ckpt"))
     app = StreamApp(config, tmp / "stream-app.log").start()
     port = free_port()
     home = tmp / "airflow"
-    airflow = AirflowStandalone(home, airflow_env(home, dsn, config, port=port, database="app",
-                                                  slot="slot_standalone"), port=port, log_path=tmp / "airflow.log")
+    airflow = AirflowStandalone(
+        home,
+        airflow_env(home, dsn, config, port=port, database="app", slot="slot_standalone"),
+        port=port,
+        log_path=tmp / "airflow.log",
+    )
     try:
         airflow.start()  # both start at once: neither waits for the other until a backfill runs
         app.wait_streaming(dsn)
@@ -95,7 +103,12 @@ def test_backfill_triggered_over_the_rest_api_is_read_through_the_plugin(deploym
     with psycopg.connect(deployment.dsn) as conn:
         record = store.list_backfills(conn, "sequin", "items_sink")[0]
     assert (record.state, record.table_schema, record.table_name, record.rows_processed, record.max_query_ms) == (
-        "completed", "public", "items", ROWS, 2000)
+        "completed",
+        "public",
+        "items",
+        ROWS,
+        2000,
+    )
 
     plugin = f"{airflow.base_url}/sequin"  # the Sequin Stream API inside Airflow's API server
     assert httpx.post(f"{plugin}/api/sequin_streams/items_sink/receive").status_code == 401

@@ -34,11 +34,16 @@ transaction into chunks of at most one, so this, not the transaction, sets the p
 
 def config_for(tmp_path: Path, dsn: str, db: str, tables: tuple[str, ...] = ("items",)) -> Path:
     """A config with one Sequin Stream sink per table, named after it."""
-    sinks = "".join(f"""
+    sinks = "".join(
+        f"""
           - name: {table}
             tables: [{table}]
-            destination: {{type: sequin_stream}}""" for table in tables)
-    return write_config(tmp_path / "sequin.yaml", f"""
+            destination: {{type: sequin_stream}}"""
+        for table in tables
+    )
+    return write_config(
+        tmp_path / "sequin.yaml",
+        f"""
         databases:
           - name: shop
             dsn: {dsn}
@@ -47,10 +52,11 @@ def config_for(tmp_path: Path, dsn: str, db: str, tables: tuple[str, ...] = ("it
             heartbeat_interval: 1s
         sinks:{sinks}
         stream:
-          checkpoint_location: {tmp_path / 'ckpt'}
+          checkpoint_location: {tmp_path / "ckpt"}
           max_batch_wait: 100ms
           max_batch_rows: {BATCH_ROWS}
-        """)
+        """,
+    )
 
 
 PINNED_HEAP = "1536m"
@@ -73,7 +79,9 @@ def shared(pg: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory) -> It
     """A database with ``items`` (the memory test's) and ``crashed`` (the crash test's), and the stream app."""
     db = "large_transactions"
     dsn = pg.create_database(db)
-    execute(dsn, "CREATE TABLE items (id int PRIMARY KEY, qty int)", "CREATE TABLE crashed (id int PRIMARY KEY, qty int)")
+    execute(
+        dsn, "CREATE TABLE items (id int PRIMARY KEY, qty int)", "CREATE TABLE crashed (id int PRIMARY KEY, qty int)"
+    )
     tmp = tmp_path_factory.mktemp("large_transactions")
     app = StreamApp(config_for(tmp, dsn, db, ("items", "crashed")), tmp / "stream-app.log", PINNED_HEAP_ENV)
     try:
@@ -105,6 +113,7 @@ def update_all_in_one_transaction(dsn: str, first: int, rows: int, app: Any, tim
         def done() -> bool:
             app.check_alive()
             return stored_count(dsn, "items") >= before + rows
+
         wait_for(done, timeout, interval=1.0, what=f"the {rows:,}-row transaction in the sink")
     print(f"{rows:,} rows: peak {sampler.peak / 2**20:,.0f} MiB ({sampler.breakdown()})")
     return sampler.peak
@@ -115,16 +124,20 @@ def check_peak_memory(dsn: str, app: Any, large_rows: int) -> None:
     (within 15 %)."""
     small = update_all_in_one_transaction(dsn, 1, 200_000, app)
     large = update_all_in_one_transaction(dsn, 200_001, large_rows, app, timeout=3600)
-    print(f"peak RSS of the stream app's processes: 200,000 rows {small / 2**20:,.0f} MiB, "
-          f"{large_rows:,} rows {large / 2**20:,.0f} MiB")
-    assert large <= small * 1.15, (f"peak RSS {large / 2**20:,.0f} MiB at {large_rows:,} rows vs "
-                                   f"{small / 2**20:,.0f} MiB at 200,000")
+    print(
+        f"peak RSS of the stream app's processes: 200,000 rows {small / 2**20:,.0f} MiB, "
+        f"{large_rows:,} rows {large / 2**20:,.0f} MiB"
+    )
+    assert large <= small * 1.15, (
+        f"peak RSS {large / 2**20:,.0f} MiB at {large_rows:,} rows vs {small / 2**20:,.0f} MiB at 200,000"
+    )
     # every change arrived once
     total = 2 * (200_000 + large_rows)
     with psycopg.connect(dsn) as conn:
         counts = conn.execute(
-            "SELECT count(*), count(DISTINCT idempotency_key), count(*) FILTER (WHERE data LIKE '%\"action\":\"update\"%')"
-            " FROM sequin.stream_messages WHERE sink = 'items'").fetchone()
+            'SELECT count(*), count(DISTINCT idempotency_key), count(*) FILTER (WHERE data LIKE \'%"action":"update"%\')'
+            " FROM sequin.stream_messages WHERE sink = 'items'"
+        ).fetchone()
     assert counts == (total, total, total // 2)
 
 
@@ -138,8 +151,9 @@ def test_peak_memory_does_not_grow_with_the_size_of_a_transaction(shared: tuple[
 
 @pytest.mark.skipif(not os.environ.get("SEQUIN_SOAK"), reason="make soak: 10,000,000 rows take too long for CI")
 @pytest.mark.timeout(7200)  # 20,400,000 messages through the store: longer than the suite's 900 s per test
-def test_soak_a_10m_row_transaction_in_the_peak_memory_of_200k(tmp_path: Path, dsn: str, dbname: str,
-                                                                stream_app: Any) -> None:
+def test_soak_a_10m_row_transaction_in_the_peak_memory_of_200k(
+    tmp_path: Path, dsn: str, dbname: str, stream_app: Any
+) -> None:
     execute(dsn, "CREATE TABLE items (id int PRIMARY KEY, qty int)")
     app = stream_app(config_for(tmp_path, dsn, dbname), PINNED_HEAP_ENV)
     app.wait_streaming(dsn)
@@ -147,27 +161,37 @@ def test_soak_a_10m_row_transaction_in_the_peak_memory_of_200k(tmp_path: Path, d
 
 
 def test_sigkill_in_the_middle_of_a_large_transaction_loses_and_duplicates_nothing(
-        shared: tuple[str, StreamApp]) -> None:
+    shared: tuple[str, StreamApp],
+) -> None:
     dsn, app = shared
     rows = 6 * BATCH_ROWS
     execute(dsn, "INSERT INTO crashed VALUES (0, 0)")
     execute(dsn, f"INSERT INTO crashed SELECT g, g FROM generate_series(1, {rows}) g")
     execute(dsn, "UPDATE crashed SET qty = -1 WHERE id = 0")
     # part of the large transaction is in the store, and none of it may be served yet
-    seen = wait_for(lambda: (lambda n: n if 1 + BATCH_ROWS <= n < 1 + rows else None)(stored_count(dsn, "crashed")),
-                    300, interval=0.05, what="part of the large transaction in the store")
+    seen = wait_for(
+        lambda: (lambda n: n if 1 + BATCH_ROWS <= n < 1 + rows else None)(stored_count(dsn, "crashed")),
+        300,
+        interval=0.05,
+        what="part of the large transaction in the store",
+    )
     visible = sink_messages(dsn, "crashed")
     assert [m["record"]["id"] for m in visible] == [0], f"{len(visible)} visible with {seen} stored"
     app.kill()
     time.sleep(1.0)
     app.start()
-    got = wait_for(lambda: (lambda m: m if len(m) >= rows + 2 else None)(sink_messages(dsn, "crashed")), 600,
-                   interval=1.0, what="the whole transaction in the sink after the restart")
+    got = wait_for(
+        lambda: (lambda m: m if len(m) >= rows + 2 else None)(sink_messages(dsn, "crashed")),
+        600,
+        interval=1.0,
+        what="the whole transaction in the sink after the restart",
+    )
     time.sleep(2.0)  # a duplicate would show up now
     assert stored_count(dsn, "crashed") == rows + 2
     got = sink_messages(dsn, "crashed")
     assert [(m["action"], m["record"]["id"]) for m in got] == (
-        [("insert", 0)] + [("insert", i) for i in range(1, rows + 1)] + [("update", 0)])
+        [("insert", 0)] + [("insert", i) for i in range(1, rows + 1)] + [("update", 0)]
+    )
     large = got[1:-1]
     assert len({m["metadata"]["commit_lsn"] for m in large}) == 1
     assert [m["metadata"]["commit_idx"] for m in large] == list(range(rows))

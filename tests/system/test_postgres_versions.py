@@ -138,12 +138,17 @@ def test_init_creates_what_the_version_needs(deployment: Deployment, capsys: pyt
     assert cli_main(["--config", str(d.config), "init"]) == 0
     assert "replication slot" in capsys.readouterr().out
     with psycopg.connect(d.dsn) as conn:
-        published = {r[0] for r in conn.execute(
-            "SELECT tablename FROM pg_publication_tables WHERE pubname = 'pub_matrix'").fetchall()}
+        published = {
+            r[0]
+            for r in conn.execute("SELECT tablename FROM pg_publication_tables WHERE pubname = 'pub_matrix'").fetchall()
+        }
         heartbeat_table = conn.execute("SELECT to_regclass('public.sequin_heartbeat') IS NOT NULL").fetchone()[0]
         info = slot_info(conn, "slot_matrix")
-        failover = (conn.execute("SELECT failover FROM pg_replication_slots WHERE slot_name = 'slot_matrix'")
-                    .fetchone()[0] if d.major >= 17 else None)
+        failover = (
+            conn.execute("SELECT failover FROM pg_replication_slots WHERE slot_name = 'slot_matrix'").fetchone()[0]
+            if d.major >= 17
+            else None
+        )
     assert info is not None and info.plugin == "pgoutput"
     tables = {"kv", "accounts", "orders", "busy", "matrix"}
     if d.major < 14:  # no logical messages in pgoutput: heartbeats are upserts into a published table
@@ -183,11 +188,15 @@ def test_three_tables_survive_a_sigkill_with_nothing_lost(deployment: Deployment
     time.sleep(2)  # a duplicate would show up now
     check_against_workload(d.messages("kv"), workload)
     assert [(m["action"], m["record"]) for m in d.messages("accounts")] == [
-        ("insert", {"id": 1, "name": "ada", "balance": 10.5}), ("insert", {"id": 2, "name": "bob", "balance": 0}),
-        ("delete", {"id": 2})]
+        ("insert", {"id": 1, "name": "ada", "balance": 10.5}),
+        ("insert", {"id": 2, "name": "bob", "balance": 0}),
+        ("delete", {"id": 2}),
+    ]
     orders = d.messages("orders")
     assert [(m["action"], m["record"]["status"], m["changes"]) for m in orders] == [
-        ("insert", "new", None), ("update", "paid", {"status": "new"})]
+        ("insert", "new", None),
+        ("update", "paid", {"status": "new"}),
+    ]
     assert orders[0]["record"]["tags"] == ["a", None]
 
 
@@ -221,12 +230,15 @@ def test_heartbeats_keep_an_idle_slot_bounded(deployment: Deployment) -> None:
 
 
 def test_a_backfill_races_writes_or_is_refused_with_the_reason(
-        deployment: Deployment, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]) -> None:
+    deployment: Deployment, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
+) -> None:
     d = deployment
     if d.major < 14:  # watermarks are logical messages, which pgoutput streams from 14 on
         assert cli_main(["--config", str(d.config), "backfill", "start", "busy", "busy", "--no-run"]) != 0
-        assert f"backfills need PostgreSQL 14 or later (logical messages in pgoutput); the source is {d.major}" \
+        assert (
+            f"backfills need PostgreSQL 14 or later (logical messages in pgoutput); the source is {d.major}"
             in capsys.readouterr().err
+        )
         with psycopg.connect(d.store_dsn) as conn:
             assert store.list_backfills(conn, "sequin") == []
         return
@@ -236,8 +248,9 @@ def test_a_backfill_races_writes_or_is_refused_with_the_reason(
     config = load_config(d.config)
     with psycopg.connect(d.dsn, autocommit=True) as source, psycopg.connect(d.store_dsn) as conn:
         created = create_backfill(source, conn, config, "busy", "busy", max_query_ms=50)
-    workload = KeyWorkload(d.dsn, keys=BUSY_ROWS + 1, seed=d.major, state={k: 0 for k in range(1, BUSY_ROWS + 1)},
-                           table="busy")
+    workload = KeyWorkload(
+        d.dsn, keys=BUSY_ROWS + 1, seed=d.major, state={k: 0 for k in range(1, BUSY_ROWS + 1)}, table="busy"
+    )
     workload.start()
     try:
         final = run_backfill(spark, str(d.config), created.id)
@@ -254,4 +267,3 @@ def test_a_backfill_races_writes_or_is_refused_with_the_reason(
         assert rows == {r[0]: {"id": r[0], "v": r[1]} for r in conn.execute("SELECT id, v FROM busy")}
     reads = [m["record"]["id"] for m in messages if m["action"] == "read"]
     assert len(reads) == len(set(reads)) == final.rows_emitted > 0
-

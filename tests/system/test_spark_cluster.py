@@ -42,11 +42,23 @@ class SparkCluster:
 
     def _daemon(self, name: str, *args: str) -> None:
         home = Path(pyspark.__file__).parent
-        env = {**os.environ, "SPARK_HOME": str(home), "SPARK_LOCAL_IP": "127.0.0.1",
-               "SPARK_WORKER_DIR": str(self.work / "worker"), "SPARK_LOG_DIR": str(self.work)}
+        env = {
+            **os.environ,
+            "SPARK_HOME": str(home),
+            "SPARK_LOCAL_IP": "127.0.0.1",
+            "SPARK_WORKER_DIR": str(self.work / "worker"),
+            "SPARK_LOG_DIR": str(self.work),
+        }
         log = open(self.work / f"{name}.log", "wb")  # noqa: SIM115 - the child owns it; closed when we exit
-        self.procs.append(subprocess.Popen([str(home / "bin" / "spark-class"), *args], env=env, stdout=log,
-                                           stderr=subprocess.STDOUT, start_new_session=True))
+        self.procs.append(
+            subprocess.Popen(
+                [str(home / "bin" / "spark-class"), *args],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
 
     def state(self) -> dict[str, Any] | None:
         """The master's JSON status page (workers, applications), or None while it does not answer."""
@@ -58,8 +70,16 @@ class SparkCluster:
 
     def start(self) -> SparkCluster:
         """Start the master (``wait_ready`` starts the worker once the master answers)."""
-        self._daemon("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port",
-                     str(self.port), "--webui-port", str(self.ui_port))
+        self._daemon(
+            "master",
+            "org.apache.spark.deploy.master.Master",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--webui-port",
+            str(self.ui_port),
+        )
         return self
 
     def wait_ready(self) -> SparkCluster:
@@ -67,10 +87,25 @@ class SparkCluster:
         5-15 s) and wait until it has registered."""
         wait_for(self.state, 180, interval=0.5, what="the Spark master")
         if len(self.procs) == 1:
-            self._daemon("worker", "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--webui-port",
-                         str(self.worker_ui_port), "--cores", "2", "--memory", "2g", self.url)
-        wait_for(lambda: (self.state() or {}).get("aliveworkers", 0) >= 1, 180, interval=0.5,
-                 what="the Spark worker to register")
+            self._daemon(
+                "worker",
+                "org.apache.spark.deploy.worker.Worker",
+                "--host",
+                "127.0.0.1",
+                "--webui-port",
+                str(self.worker_ui_port),
+                "--cores",
+                "2",
+                "--memory",
+                "2g",
+                self.url,
+            )
+        wait_for(
+            lambda: (self.state() or {}).get("aliveworkers", 0) >= 1,
+            180,
+            interval=0.5,
+            what="the Spark worker to register",
+        )
         return self
 
     def stop(self) -> None:
@@ -92,27 +127,40 @@ def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkClu
         cluster.stop()
 
 
-def test_backfill_operator_runs_on_a_spark_standalone_master(spark_cluster: SparkCluster, dsn: str, dbname: str,
-                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    execute(dsn, "CREATE TABLE items (id int PRIMARY KEY, name text NOT NULL)",
-            f"INSERT INTO items SELECT g, 'item ' || g FROM generate_series(1, {ROWS}) g", "ANALYZE items")
-    config = write_config(tmp_path / "sequin.yaml", f"""
+def test_backfill_operator_runs_on_a_spark_standalone_master(
+    spark_cluster: SparkCluster, dsn: str, dbname: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    execute(
+        dsn,
+        "CREATE TABLE items (id int PRIMARY KEY, name text NOT NULL)",
+        f"INSERT INTO items SELECT g, 'item ' || g FROM generate_series(1, {ROWS}) g",
+        "ANALYZE items",
+    )
+    config = write_config(
+        tmp_path / "sequin.yaml",
+        f"""
         databases: [{{name: app, dsn: "{dsn}", slot: {{name: slot_{dbname}}}, publication: {{name: pub_{dbname}}},
                      heartbeat_interval: 1s}}]
         sinks: [{{name: items_sink, tables: [items], destination: {{type: sequin_stream}}}}]
-        stream: {{checkpoint_location: "{tmp_path / 'ckpt'}"}}
-        """)
+        stream: {{checkpoint_location: "{tmp_path / "ckpt"}"}}
+        """,
+    )
     monkeypatch.setenv("AIRFLOW_CONN_SEQUIN_DEFAULT", sequin_connection(dsn, config_path=str(config)))
-    monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": "spark://127.0.0.1",
-                                                                 "port": spark_cluster.port}))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_SPARK_DEFAULT",
+        json.dumps({"conn_type": "spark", "host": "spark://127.0.0.1", "port": spark_cluster.port}),
+    )
     app = StreamApp(config, tmp_path / "stream-app.log").start()  # the stream side runs locally
     try:
         before = {app["id"] for app in (spark_cluster.wait_ready().state() or {}).get("completedapps", [])}
         app.wait_streaming(dsn)
         op = SequinBackfillOperator(task_id="backfill", sink="items_sink", table="items", max_query_ms=2000)
         backfill_id = op.execute(context={})
-        reads = wait_for(lambda: [m for m in sink_messages(dsn, "items_sink") if m["action"] == "read"], 60,
-                         what="the reads in the sink")
+        reads = wait_for(
+            lambda: [m for m in sink_messages(dsn, "items_sink") if m["action"] == "read"],
+            60,
+            what="the reads in the sink",
+        )
     finally:
         app.stop()
     with psycopg.connect(dsn) as conn:

@@ -33,8 +33,19 @@ from tests.support.stream_app import StreamApp
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = 300
-BUILD_IGNORE = shutil.ignore_patterns(".git", ".venv", "var", "build", "dist", "*.egg-info", "__pycache__", "*.so",
-                                      "spark-warehouse", "metastore_db", ".pytest_cache")
+BUILD_IGNORE = shutil.ignore_patterns(
+    ".git",
+    ".venv",
+    "var",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    "*.so",
+    "spark-warehouse",
+    "metastore_db",
+    ".pytest_cache",
+)
 SPARK_SCRIPTS = ("spark-submit", "spark-class", "find-spark-home", "find_spark_home.py", "load-spark-env.sh")
 
 CONFIG = """
@@ -78,8 +89,12 @@ def build_wheel(out: Path) -> Path:
     source = out / "source"
     shutil.copytree(ROOT, source, ignore=BUILD_IGNORE)
     isolation = [] if needs_build_isolation() else ["--no-build-isolation"]
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", "-w", str(out / "dist"),
-                    str(source)], check=True, cwd=out, timeout=600)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", "-w", str(out / "dist"), str(source)],
+        check=True,
+        cwd=out,
+        timeout=600,
+    )
     (wheel,) = (out / "dist").glob("sequin_provider-*.whl")
     return wheel
 
@@ -100,11 +115,21 @@ def fresh_venv(at: Path, deps: Path, wheel: Path) -> Path:
     """A venv with the wheel installed and ``deps`` on its path; returns its python."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(at)], check=True, timeout=120)
     python = at / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             check=True, capture_output=True, text=True, env=clean_env(at)).stdout.strip()
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=clean_env(at),
+    ).stdout.strip()
     (Path(purelib) / "_dependencies.pth").write_text(f"{deps}\n")
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q",
-                    str(wheel)], check=True, timeout=300, cwd=at, env=clean_env(at))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q", str(wheel)],
+        check=True,
+        timeout=300,
+        cwd=at,
+        env=clean_env(at),
+    )
     for script in SPARK_SCRIPTS:  # pyspark's launchers, where a pip install of pyspark puts them
         (at / "bin" / script).symlink_to(Path(sys.executable).parent / script)
     return python
@@ -128,10 +153,14 @@ class WheelStreamApp(StreamApp):
     def start(self) -> WheelStreamApp:
         venv = self.python.parent.parent
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                         cwd=self.config.parent,
-                                         env=clean_env(venv, PYSPARK_PYTHON=str(self.python),
-                                                       PYSPARK_DRIVER_PYTHON=str(self.python)))
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=self.config.parent,
+                env=clean_env(venv, PYSPARK_PYTHON=str(self.python), PYSPARK_DRIVER_PYTHON=str(self.python)),
+            )
         return self
 
     def command(self) -> list[str]:
@@ -150,13 +179,24 @@ def test_the_wheel_holds_the_product_and_no_dev_tooling(wheel: Path) -> None:
         entry_points = next(archive.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt"))
     tops = {name.split("/")[0] for name in names}
     assert tops == {"sequin_provider", f"sequin_provider-{wheel.name.split('-')[1]}.dist-info"}, tops
-    assert {"sequin_provider/spark_apps/__init__.py", "sequin_provider/spark_apps/backfill.py",
-            "sequin_provider/spark_apps/replication_stream.py", "sequin_provider/operators/backfill.py",
-            "sequin_provider/_pgoutput_c.c"} <= set(names)
+    assert {
+        "sequin_provider/spark_apps/__init__.py",
+        "sequin_provider/spark_apps/backfill.py",
+        "sequin_provider/spark_apps/replication_stream.py",
+        "sequin_provider/operators/backfill.py",
+        "sequin_provider/_pgoutput_c.c",
+    } <= set(names)
     for dev in ("devtools/", "tests/", "bench/", "spark_apps/", "dags/"):
         assert not [n for n in names if n.startswith(dev)], dev
-    for gone in ("demo", "demo_airflow", "up", "airflow_standalone", "stream_process", "embedded_postgres",
-                 "postgres_binaries"):
+    for gone in (
+        "demo",
+        "demo_airflow",
+        "up",
+        "airflow_standalone",
+        "stream_process",
+        "embedded_postgres",
+        "postgres_binaries",
+    ):
         assert f"sequin_provider/{gone}.py" not in names
     assert "sequin = sequin_provider.cli:main" in entry_points
     assert "provider_info = sequin_provider:get_provider_info" in entry_points
@@ -164,26 +204,37 @@ def test_the_wheel_holds_the_product_and_no_dev_tooling(wheel: Path) -> None:
 
 
 def test_installed_wheel_runs_a_backfill_through_the_operator_and_spark_submit(
-        wheel: Path, pg: EmbeddedPostgres, tmp_path: Path) -> None:
+    wheel: Path, pg: EmbeddedPostgres, tmp_path: Path
+) -> None:
     python = fresh_venv(tmp_path / "venv", dependencies_without_the_checkout(tmp_path / "deps"), wheel)
     dsn = pg.create_database("wheel_install")
-    execute(dsn, "CREATE TABLE items (id int PRIMARY KEY, name text NOT NULL)",
-            f"INSERT INTO items SELECT g, 'item ' || g FROM generate_series(1, {ROWS}) g")
+    execute(
+        dsn,
+        "CREATE TABLE items (id int PRIMARY KEY, name text NOT NULL)",
+        f"INSERT INTO items SELECT g, 'item ' || g FROM generate_series(1, {ROWS}) g",
+    )
     work = tmp_path / "work"
     work.mkdir()
     config = write_config(work / "sequin.yaml", CONFIG.format(dsn=dsn, ckpt=work / "ckpt"))
-    env = clean_env(tmp_path / "venv", AIRFLOW_HOME=str(tmp_path / "airflow"),
-                    AIRFLOW_CONN_SEQUIN_DEFAULT=sequin_connection(dsn, config_path=str(config)),
-                    AIRFLOW_CONN_SPARK_DEFAULT=json.dumps({"conn_type": "spark", "host": "local[1]"}))
+    env = clean_env(
+        tmp_path / "venv",
+        AIRFLOW_HOME=str(tmp_path / "airflow"),
+        AIRFLOW_CONN_SEQUIN_DEFAULT=sequin_connection(dsn, config_path=str(config)),
+        AIRFLOW_CONN_SPARK_DEFAULT=json.dumps({"conn_type": "spark", "host": "local[1]"}),
+    )
     app = WheelStreamApp(python, config, tmp_path / "stream-app.log").start()
     try:
         app.wait_streaming(dsn)
-        done = subprocess.run([str(python), "-c", RUN_BACKFILL], cwd=work, env=env, capture_output=True, text=True,
-                              timeout=600)
+        done = subprocess.run(
+            [str(python), "-c", RUN_BACKFILL], cwd=work, env=env, capture_output=True, text=True, timeout=600
+        )
         assert done.returncode == 0, done.stderr[-4000:]
         ran = json.loads(done.stdout.strip().splitlines()[-1])
-        reads = wait_for(lambda: [m for m in sink_messages(dsn, "items_sink") if m["action"] == "read"], 60,
-                         what="the reads in the sink")
+        reads = wait_for(
+            lambda: [m for m in sink_messages(dsn, "items_sink") if m["action"] == "read"],
+            60,
+            what="the reads in the sink",
+        )
     finally:
         app.stop()
     venv = str((tmp_path / "venv").resolve())

@@ -9,8 +9,14 @@ import pytest
 from sequin_provider.backfill import PageSizeOptimizer
 
 
-def simulate(optimizer: PageSizeOptimizer, ms_per_row: float, overhead_ms: float = 2.0, steps: int = 60,
-             noise: float = 0.0, seed: int = 1) -> list[tuple[int, float, bool]]:
+def simulate(
+    optimizer: PageSizeOptimizer,
+    ms_per_row: float,
+    overhead_ms: float = 2.0,
+    steps: int = 60,
+    noise: float = 0.0,
+    seed: int = 1,
+) -> list[tuple[int, float, bool]]:
     """Run pages against a linear cost model; a page over the budget times out."""
     rng = random.Random(seed)
     trace = []
@@ -46,7 +52,7 @@ def test_shrinks_on_timeouts_by_at_most_half_a_step_and_settles_under_the_budget
 
 def test_a_timeout_is_a_measurement_at_the_budget_not_ignored() -> None:
     opt = PageSizeOptimizer(max_query_ms=100, initial_size=1000)
-    opt.observe(1000, 10)            # fast: would grow to 2000
+    opt.observe(1000, 10)  # fast: would grow to 2000
     assert opt.size == 2000
     opt.observe(2000, 0, timed_out=True)  # elapsed reported as 0 must not look fast
     assert opt.size <= 1000
@@ -70,10 +76,15 @@ def test_noisy_timings_still_respect_budget_most_of_the_time() -> None:
     assert min(s for s, _, _ in trace[50:]) >= 500  # and pages stay large: 2,000 rows is the target
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"max_query_ms": 0}, "max_query_ms"), ({"target_fraction": 1.5}, "target_fraction"),
-    ({"min_size": 0}, "min_size"), ({"min_size": 10, "max_size": 5}, "min_size"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_query_ms": 0}, "max_query_ms"),
+        ({"target_fraction": 1.5}, "target_fraction"),
+        ({"min_size": 0}, "min_size"),
+        ({"min_size": 10, "max_size": 5}, "min_size"),
+    ],
+)
 def test_bad_settings(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         PageSizeOptimizer(**kwargs)  # type: ignore[arg-type]

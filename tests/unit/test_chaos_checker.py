@@ -8,29 +8,50 @@ from tests.support.chaos.checker import check_sink
 from tests.support.chaos.workload import row_key
 
 
-def msg(action: str, id_: int, ver: int, lsn: int, idx: int = 0, key: str | None = None, balance: int = 0) -> dict[str, Any]:
-    return {"action": action, "record": {"id": id_, "ver": ver, "balance": balance},
-            "metadata": {"table_name": "accounts", "commit_lsn": lsn, "commit_idx": idx,
-                         "idempotency_key": key or f"{lsn}:{idx}"}}
+def msg(
+    action: str, id_: int, ver: int, lsn: int, idx: int = 0, key: str | None = None, balance: int = 0
+) -> dict[str, Any]:
+    return {
+        "action": action,
+        "record": {"id": id_, "ver": ver, "balance": balance},
+        "metadata": {
+            "table_name": "accounts",
+            "commit_lsn": lsn,
+            "commit_idx": idx,
+            "idempotency_key": key or f"{lsn}:{idx}",
+        },
+    }
 
 
-COMMITTED = [("accounts", "1", "insert", 1), ("accounts", "1", "update", 2), ("accounts", "2", "insert", 3),
-             ("accounts", "2", "delete", 3)]
-GOOD = [msg("insert", 1, 1, 10), msg("insert", 2, 3, 10, 1), msg("update", 1, 2, 20), msg("delete", 2, 3, 30),
-        msg("read", 7, 0, 40, 0, "backfill:1:[\"7\"]")]
+COMMITTED = [
+    ("accounts", "1", "insert", 1),
+    ("accounts", "1", "update", 2),
+    ("accounts", "2", "insert", 3),
+    ("accounts", "2", "delete", 3),
+]
+GOOD = [
+    msg("insert", 1, 1, 10),
+    msg("insert", 2, 3, 10, 1),
+    msg("update", 1, 2, 20),
+    msg("delete", 2, 3, 30),
+    msg("read", 7, 0, 40, 0, 'backfill:1:["7"]'),
+]
 FINAL = {("accounts", "1"): {"id": 1, "ver": 2, "balance": 0}, ("accounts", "7"): {"id": 7, "ver": 0, "balance": 0}}
 
 
-def check(deliveries: list[dict[str, Any]], final: dict[Any, Any] | None = None,
-          acked: dict[str, int] | None = None) -> Any:
+def check(
+    deliveries: list[dict[str, Any]], final: dict[Any, Any] | None = None, acked: dict[str, int] | None = None
+) -> Any:
     return check_sink("s", COMMITTED, deliveries, FINAL if final is None else final, row_key, acked)
 
 
 def test_a_clean_run_passes_and_counts() -> None:
     report = check(GOOD + [GOOD[2]])  # a redelivery of the update: a duplicate, allowed
     assert report.ok and (report.committed, report.delivered, report.reads, report.duplicates) == (4, 4, 1, 1)
-    assert report.line() == ("sink s: changes committed 4, delivered 4 (+1 reads), lost 0, order violations 0,"
-                             " duplicates 1 (after ack 0), unexpected 0, state mismatches 0")
+    assert report.line() == (
+        "sink s: changes committed 4, delivered 4 (+1 reads), lost 0, order violations 0,"
+        " duplicates 1 (after ack 0), unexpected 0, state mismatches 0"
+    )
 
 
 def test_a_lost_change_fails() -> None:
@@ -45,7 +66,7 @@ def test_a_reordered_group_fails() -> None:
 
 
 def test_a_read_after_a_newer_change_fails() -> None:
-    stale_read = msg("read", 1, 1, 15, 0, "backfill:1:[\"1\"]")
+    stale_read = msg("read", 1, 1, 15, 0, 'backfill:1:["1"]')
     report = check(GOOD[:3] + [stale_read] + GOOD[3:])
     assert not report.ok and report.order_violations == 1
 

@@ -22,13 +22,29 @@ def env(service: dict[str, Any]) -> dict[str, str]:
 
 def test_services_and_images() -> None:
     services = compose()["services"]
-    assert set(services) == {"postgres", "airflow-init", "airflow-api-server", "airflow-scheduler",
-                             "airflow-dag-processor", "airflow-triggerer", "spark-master", "spark-worker", "stream-api"}
+    assert set(services) == {
+        "postgres",
+        "airflow-init",
+        "airflow-api-server",
+        "airflow-scheduler",
+        "airflow-dag-processor",
+        "airflow-triggerer",
+        "spark-master",
+        "spark-worker",
+        "stream-api",
+    }
     assert "wal_level=logical" in services["postgres"]["command"]
     assert services["spark-master"]["image"].startswith("apache/spark:4.2.0")
     built = [n for n, s in services.items() if s.get("image") == "sequin-provider-airflow:latest"]
-    assert set(built) >= {"airflow-api-server", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer",
-                          "spark-worker", "stream-api", "airflow-init"}
+    assert set(built) >= {
+        "airflow-api-server",
+        "airflow-scheduler",
+        "airflow-dag-processor",
+        "airflow-triggerer",
+        "spark-worker",
+        "stream-api",
+        "airflow-init",
+    }
     for name in ("airflow-api-server", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer"):
         assert services[name]["command"][:2] == ["airflow", name.removeprefix("airflow-")]
         assert services[name]["depends_on"]["airflow-init"] == {"condition": "service_completed_successfully"}

@@ -61,16 +61,25 @@ def test_env_substitution_and_conn_id(tmp_path: Path) -> None:
     text = GOOD.replace("dsn: ${SRC_DSN:-postgresql://postgres@127.0.0.1:5432/app}", "conn_id: sequin_source")
     env = {"AIRFLOW_CONN_SEQUIN_SOURCE": "postgres://bob:p%40ss@db:6543/shop"}
     assert load_config(write(tmp_path, text), environ=env).database().dsn == "postgresql://bob:p%40ss@db:6543/shop"
-    assert dsn_from_airflow_conn("x", {"AIRFLOW_CONN_X": '{"conn_type": "postgres", "host": "h", "login": "u",'
-                                           ' "password": "p w", "port": 5, "schema": "d"}'}) == "postgresql://u:p%20w@h:5/d"
-
+    assert (
+        dsn_from_airflow_conn(
+            "x",
+            {
+                "AIRFLOW_CONN_X": '{"conn_type": "postgres", "host": "h", "login": "u",'
+                ' "password": "p w", "port": 5, "schema": "d"}'
+            },
+        )
+        == "postgresql://u:p%20w@h:5/d"
+    )
 
 
 def test_conn_ids_go_through_the_resolver_given_and_are_recorded(tmp_path: Path) -> None:
     """Inside Airflow the hook passes a resolver backed by Airflow; the config remembers which
     connections it named, so the operators can hand them to the Spark apps."""
-    text = GOOD.replace("dsn: ${SRC_DSN:-postgresql://postgres@127.0.0.1:5432/app}", "conn_id: src") + \
-        "store:\n  conn_id: st\n"
+    text = (
+        GOOD.replace("dsn: ${SRC_DSN:-postgresql://postgres@127.0.0.1:5432/app}", "conn_id: src")
+        + "store:\n  conn_id: st\n"
+    )
     known = {"src": "host=db port=6543 user=bob password=p@ss:w dbname=shop", "st": "postgresql://s@store/st"}
     asked: list[str] = []
 
@@ -93,8 +102,11 @@ def test_conn_ids_go_through_the_resolver_given_and_are_recorded(tmp_path: Path)
 def test_dsn_uri_is_the_airflow_conn_form_and_resolves_back_to_the_same_connection() -> None:
     from psycopg.conninfo import conninfo_to_dict
 
-    for dsn in ("host=db port=6543 user=bob password='p@ss:/w x' dbname=shop sslmode=require connect_timeout=10",
-                "postgresql://u@h:1/d?application_name=a", "host=/tmp/pg dbname=x"):
+    for dsn in (
+        "host=db port=6543 user=bob password='p@ss:/w x' dbname=shop sslmode=require connect_timeout=10",
+        "postgresql://u@h:1/d?application_name=a",
+        "host=/tmp/pg dbname=x",
+    ):
         uri = dsn_uri(dsn)
         assert uri.startswith("postgresql://")
         assert conninfo_to_dict(dsn_from_airflow_conn("c", {"AIRFLOW_CONN_C": uri})) == conninfo_to_dict(dsn)
@@ -105,47 +117,144 @@ def test_dsn_uri_is_the_airflow_conn_form_and_resolves_back_to_the_same_connecti
     [
         ("databases: [ {name: app", "", "malformed YAML at line"),
         ("", "", "the file is empty"),
-        (GOOD.replace("    slot: {name: my_slot}", "    slot: {name: my_slot, colour: red}"), "databases[0].slot.colour", "unknown key"),
+        (
+            GOOD.replace("    slot: {name: my_slot}", "    slot: {name: my_slot, colour: red}"),
+            "databases[0].slot.colour",
+            "unknown key",
+        ),
         (GOOD + "extra: 1\n", "extra", "unknown key"),
-        (GOOD.replace("actions: [insert, update]", "actions: [insert, upsert]"), "sinks[0].actions[1]", "unknown action 'upsert'"),
-        (GOOD.replace("type: sequin_stream", "type: kafka"), "sinks[0].destination.type",
-         "unknown destination type 'kafka' (sequin_stream | webhook)"),
-        (GOOD.replace("heartbeat_interval: 500ms", "heartbeat_interval: soon"), "databases[0].heartbeat_interval", "not a duration"),
+        (
+            GOOD.replace("actions: [insert, update]", "actions: [insert, upsert]"),
+            "sinks[0].actions[1]",
+            "unknown action 'upsert'",
+        ),
+        (
+            GOOD.replace("type: sequin_stream", "type: kafka"),
+            "sinks[0].destination.type",
+            "unknown destination type 'kafka' (sequin_stream | webhook)",
+        ),
+        (
+            GOOD.replace("heartbeat_interval: 500ms", "heartbeat_interval: soon"),
+            "databases[0].heartbeat_interval",
+            "not a duration",
+        ),
         (GOOD.replace("max_ack_pending: 5", "max_ack_pending: 0"), "sinks[0].destination.max_ack_pending", "must be"),
-        (GOOD.replace("max_ack_pending: 5", "max_ack_pending: true"), "sinks[0].destination.max_ack_pending", "expected an integer"),
+        (
+            GOOD.replace("max_ack_pending: 5", "max_ack_pending: true"),
+            "sinks[0].destination.max_ack_pending",
+            "expected an integer",
+        ),
         (GOOD.replace("name: public.orders", "name: a.b.c"), "sinks[0].tables[0].name", "is not a table name"),
-        (GOOD.replace("name: my_slot", "name: 'bad slot'"), "databases[0].slot.name", "not a valid Postgres identifier"),
-        (GOOD.replace("dsn: ${SRC_DSN:-postgresql://postgres@127.0.0.1:5432/app}", "dsn: ${NOPE}"), "databases[0].dsn", "NOPE is not set"),
-        (GOOD.replace("dsn: ${SRC_DSN:-postgresql://postgres@127.0.0.1:5432/app}", "conn_id: missing"), "databases[0].conn_id", "AIRFLOW_CONN_MISSING"),
-        (GOOD.replace("    tables:", "    database: other\n    tables:"), "sinks[0].database", "no database named 'other'"),
-        (GOOD.replace("message_grouping", "x") + "    message_kind: rows\n", "sinks[0].message_kind", "expected change or record"),
+        (
+            GOOD.replace("name: my_slot", "name: 'bad slot'"),
+            "databases[0].slot.name",
+            "not a valid Postgres identifier",
+        ),
+        (
+            GOOD.replace("dsn: ${SRC_DSN:-postgresql://postgres@127.0.0.1:5432/app}", "dsn: ${NOPE}"),
+            "databases[0].dsn",
+            "NOPE is not set",
+        ),
+        (
+            GOOD.replace("dsn: ${SRC_DSN:-postgresql://postgres@127.0.0.1:5432/app}", "conn_id: missing"),
+            "databases[0].conn_id",
+            "AIRFLOW_CONN_MISSING",
+        ),
+        (
+            GOOD.replace("    tables:", "    database: other\n    tables:"),
+            "sinks[0].database",
+            "no database named 'other'",
+        ),
+        (
+            GOOD.replace("message_grouping", "x") + "    message_kind: rows\n",
+            "sinks[0].message_kind",
+            "expected change or record",
+        ),
         (GOOD + "    transform: 'not a spec'\n", "sinks[0].transform", "module:function"),
-        (GOOD + "    initial_backfill: {table: nope}\n", "sinks[0].initial_backfill.table", "not one of this sink's tables"),
-        (GOOD + "    initial_backfill: [{table: public.orders, sort_column: at}]\n", "sinks[0].initial_backfill[0]",
-         "needs both sort_column and start_position"),
+        (
+            GOOD + "    initial_backfill: {table: nope}\n",
+            "sinks[0].initial_backfill.table",
+            "not one of this sink's tables",
+        ),
+        (
+            GOOD + "    initial_backfill: [{table: public.orders, sort_column: at}]\n",
+            "sinks[0].initial_backfill[0]",
+            "needs both sort_column and start_position",
+        ),
         (GOOD + "    initial_backfill: yes please\n", "sinks[0].initial_backfill", "expected true"),
-        (GOOD + "    initial_backfill: {table: public.orders, max_query_ms: 0}\n",
-         "sinks[0].initial_backfill.max_query_ms", "must be"),
-        (GOOD.replace("{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}", "{type: webhook}"),
-         "sinks[0].destination.url", "is required"),
-        (GOOD.replace("{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
-                      "{type: webhook, url: 'ftp://x'}"), "sinks[0].destination.url", "http:// or https://"),
-        (GOOD.replace("{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
-                      "{type: webhook, url: 'http://x', batch_size: 0}"), "sinks[0].destination.batch_size", "must be"),
-        (GOOD.replace("{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
-                      "{type: webhook, url: 'http://x', headers: [a]}"), "sinks[0].destination.headers", "mapping"),
-        (GOOD.replace("{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
-                      "{type: webhook, url: 'http://x', timeout: never}"), "sinks[0].destination.timeout", "duration"),
-        (GOOD.replace("{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
-                      "{type: webhook, url: 'http://x:99999/hook'}"), "sinks[0].destination.url", "http:// or https://"),
-        (GOOD.replace("{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
-                      "{type: webhook, url: \"http://x/a\\r\\nX-Evil: 1\"}"), "sinks[0].destination.url", "http:// or https://"),
-        (GOOD.replace("{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
-                      "{type: webhook, url: 'http://x', headers: {X-A: \"v\\r\\nX-Evil: 1\"}}"),
-         "sinks[0].destination.headers", "not a valid HTTP header"),
-        (GOOD.replace("{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
-                      "{type: webhook, url: 'http://x', headers: {'Bad Name': v}}"),
-         "sinks[0].destination.headers", "not a valid HTTP header"),
+        (
+            GOOD + "    initial_backfill: {table: public.orders, max_query_ms: 0}\n",
+            "sinks[0].initial_backfill.max_query_ms",
+            "must be",
+        ),
+        (
+            GOOD.replace("{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}", "{type: webhook}"),
+            "sinks[0].destination.url",
+            "is required",
+        ),
+        (
+            GOOD.replace(
+                "{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}", "{type: webhook, url: 'ftp://x'}"
+            ),
+            "sinks[0].destination.url",
+            "http:// or https://",
+        ),
+        (
+            GOOD.replace(
+                "{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
+                "{type: webhook, url: 'http://x', batch_size: 0}",
+            ),
+            "sinks[0].destination.batch_size",
+            "must be",
+        ),
+        (
+            GOOD.replace(
+                "{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
+                "{type: webhook, url: 'http://x', headers: [a]}",
+            ),
+            "sinks[0].destination.headers",
+            "mapping",
+        ),
+        (
+            GOOD.replace(
+                "{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
+                "{type: webhook, url: 'http://x', timeout: never}",
+            ),
+            "sinks[0].destination.timeout",
+            "duration",
+        ),
+        (
+            GOOD.replace(
+                "{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
+                "{type: webhook, url: 'http://x:99999/hook'}",
+            ),
+            "sinks[0].destination.url",
+            "http:// or https://",
+        ),
+        (
+            GOOD.replace(
+                "{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
+                '{type: webhook, url: "http://x/a\\r\\nX-Evil: 1"}',
+            ),
+            "sinks[0].destination.url",
+            "http:// or https://",
+        ),
+        (
+            GOOD.replace(
+                "{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
+                "{type: webhook, url: 'http://x', headers: {X-A: \"v\\r\\nX-Evil: 1\"}}",
+            ),
+            "sinks[0].destination.headers",
+            "not a valid HTTP header",
+        ),
+        (
+            GOOD.replace(
+                "{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
+                "{type: webhook, url: 'http://x', headers: {'Bad Name': v}}",
+            ),
+            "sinks[0].destination.headers",
+            "not a valid HTTP header",
+        ),
         ("databases: []\n", "databases", "non-empty list"),
         ("- a\n- b\n", "", "expected a mapping"),
     ],
@@ -161,11 +270,20 @@ def test_bad_config_names_file_path_and_reason(tmp_path: Path, text: str, path: 
 
 
 def test_webhook_destination_defaults(tmp_path: Path) -> None:
-    text = GOOD.replace("{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
-                        "{type: webhook, url: 'https://h.example/x', headers: {X-A: 1}}")
+    text = GOOD.replace(
+        "{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
+        "{type: webhook, url: 'https://h.example/x', headers: {X-A: 1}}",
+    )
     options = load_config(write(tmp_path, text), environ={}).sinks[0].destination.options
-    assert options == WebhookOptions(url="https://h.example/x", headers={"X-A": "1"}, batch=True, batch_size=10,
-                                     timeout=30.0, secret=None, concurrency=8)
+    assert options == WebhookOptions(
+        url="https://h.example/x",
+        headers={"X-A": "1"},
+        batch=True,
+        batch_size=10,
+        timeout=30.0,
+        secret=None,
+        concurrency=8,
+    )
 
 
 def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
@@ -174,12 +292,16 @@ def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_duplicate_sink_names() -> None:
-    data = {"databases": [{"name": "a", "dsn": "postgresql://x/y"}],
-            "sinks": [{"name": "s", "tables": ["t"], "destination": {"type": "sequin_stream"}}] * 2}
+    data = {
+        "databases": [{"name": "a", "dsn": "postgresql://x/y"}],
+        "sinks": [{"name": "s", "tables": ["t"], "destination": {"type": "sequin_stream"}}] * 2,
+    }
     with pytest.raises(ConfigError, match="sink names must be unique"):
         parse_config(data)
 
 
-@pytest.mark.parametrize(("value", "seconds"), [(15, 15.0), ("15s", 15.0), ("500ms", 0.5), ("2m", 120.0), ("1h", 3600.0)])
+@pytest.mark.parametrize(
+    ("value", "seconds"), [(15, 15.0), ("15s", 15.0), ("500ms", 0.5), ("2m", 120.0), ("1h", 3600.0)]
+)
 def test_durations(value: object, seconds: float) -> None:
     assert parse_duration(value) == seconds

@@ -33,11 +33,18 @@ DESTINATION_EXAMPLES: dict[str, dict[str, Any]] = {
 def minimal_config(destination: dict[str, Any]) -> dict[str, Any]:
     """A config with every mapping present, so an unknown key can be put into any of them."""
     return {
-        "databases": [{"name": "shop", "dsn": "postgresql://127.0.0.1/shop", "slot": {"name": "s"},
-                       "publication": {"name": "p"}}],
+        "databases": [
+            {"name": "shop", "dsn": "postgresql://127.0.0.1/shop", "slot": {"name": "s"}, "publication": {"name": "p"}}
+        ],
         "store": {"schema": "sequin"},
-        "sinks": [{"name": "orders", "tables": [{"name": "public.orders"}], "destination": destination,
-                   "initial_backfill": {"table": "public.orders"}}],
+        "sinks": [
+            {
+                "name": "orders",
+                "tables": [{"name": "public.orders"}],
+                "destination": destination,
+                "initial_backfill": {"table": "public.orders"},
+            }
+        ],
         "stream": {"max_batch_rows": 1000},
     }
 
@@ -110,8 +117,10 @@ def reference_sections() -> dict[str, tuple[str, str | None]]:
         "sinks.tables": (parts["sinks"], "tables"),
         "sinks.initial_backfill": (parts["sinks"], "initial_backfill"),
         "stream": (parts["stream"], None),
-        **{f"destination:{kind}": (section(text, rf"^`destination` of `type: {kind}`"), None)
-           for kind in registry.names()},
+        **{
+            f"destination:{kind}": (section(text, rf"^`destination` of `type: {kind}`"), None)
+            for kind in registry.names()
+        },
     }
 
 

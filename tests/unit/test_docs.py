@@ -52,8 +52,7 @@ def heading_text(raw: str) -> str:
 
 def github_slug(text: str) -> str:
     """GitHub's anchor for a heading (github-slugger): lower case, punctuation dropped, each space a '-'."""
-    kept = "".join(ch for ch in text.lower()
-                   if ch in " -_" or unicodedata.category(ch)[0] in ("L", "N", "M"))
+    kept = "".join(ch for ch in text.lower() if ch in " -_" or unicodedata.category(ch)[0] in ("L", "N", "M"))
     return kept.replace(" ", "-")
 
 
@@ -75,8 +74,10 @@ def anchors(path: Path) -> tuple[set[str], set[str]]:
         if not match:
             continue
         text = heading_text(match.group(2))
-        for slug, seen, out, sep in ((github_slug(text), github, github_out, "-"),
-                                     (mkdocs_slug(text), mkdocs, mkdocs_out, "_")):
+        for slug, seen, out, sep in (
+            (github_slug(text), github, github_out, "-"),
+            (mkdocs_slug(text), mkdocs, mkdocs_out, "_"),
+        ):
             count = seen.get(slug, 0)
             seen[slug] = count + 1
             out.add(slug if count == 0 else f"{slug}{sep}{count}")
@@ -133,8 +134,9 @@ def test_every_relative_link_points_to_an_existing_file_and_heading(path: Path) 
         if anchor and destination.suffix == ".md":
             github, mkdocs = anchors(destination)
             if anchor not in github or anchor not in mkdocs:
-                broken.append(f"{where}: no heading with that anchor on GitHub and on MkDocs "
-                              f"(GitHub's: {sorted(github)})")
+                broken.append(
+                    f"{where}: no heading with that anchor on GitHub and on MkDocs (GitHub's: {sorted(github)})"
+                )
     assert not broken, "broken links:\n" + "\n".join(broken)
 
 
@@ -155,16 +157,24 @@ def test_the_readme_is_a_front_page() -> None:
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= README_MAX_LINES, (
         f"README.md has {len(lines)} lines (at most {README_MAX_LINES}): reference goes in docs/, history "
-        "in CHANGELOG.md")
+        "in CHANGELOG.md"
+    )
 
 
-@pytest.mark.parametrize("heading, github, mkdocs", [
-    ("Configure: `sequin.yaml`", "configure-sequinyaml", "configure-sequinyaml"),
-    ("The pull API's store side", "the-pull-apis-store-side", "the-pull-apis-store-side"),
-    ("`idle_replication_slot_timeout` (18)", "idle_replication_slot_timeout-18", "idle_replication_slot_timeout-18"),
-    ("A & B", "a--b", "a-b"),
-    ("Trying it: `make up` and the demo", "trying-it-make-up-and-the-demo", "trying-it-make-up-and-the-demo"),
-])
+@pytest.mark.parametrize(
+    "heading, github, mkdocs",
+    [
+        ("Configure: `sequin.yaml`", "configure-sequinyaml", "configure-sequinyaml"),
+        ("The pull API's store side", "the-pull-apis-store-side", "the-pull-apis-store-side"),
+        (
+            "`idle_replication_slot_timeout` (18)",
+            "idle_replication_slot_timeout-18",
+            "idle_replication_slot_timeout-18",
+        ),
+        ("A & B", "a--b", "a-b"),
+        ("Trying it: `make up` and the demo", "trying-it-make-up-and-the-demo", "trying-it-make-up-and-the-demo"),
+    ],
+)
 def test_slugs_follow_github_and_mkdocs(heading: str, github: str, mkdocs: str) -> None:
     text = heading_text(heading)
     assert (github_slug(text), mkdocs_slug(text)) == (github, mkdocs)

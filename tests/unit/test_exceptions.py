@@ -14,13 +14,22 @@ from sequin_provider.sinks.sequin_stream import StoreUnavailableError
 from sequin_provider.triggers.sequin import SequinConditionError
 
 
-@pytest.mark.parametrize("cls, builtin", [
-    (config.ConfigError, ValueError), (store.BackfillError, ValueError), (store.BackfillConflict, ValueError),
-    (replication.ReplicationError, RuntimeError), (replication.SourceUnavailableError, RuntimeError),
-    (buffer.DeliveryError, RuntimeError), (delivery.TransformError, RuntimeError),
-    (StoreUnavailableError, RuntimeError), (stream_queue.TokenError, ValueError), (pgoutput.DecodeError, ValueError),
-    (SequinConditionError, Exception),
-])
+@pytest.mark.parametrize(
+    "cls, builtin",
+    [
+        (config.ConfigError, ValueError),
+        (store.BackfillError, ValueError),
+        (store.BackfillConflict, ValueError),
+        (replication.ReplicationError, RuntimeError),
+        (replication.SourceUnavailableError, RuntimeError),
+        (buffer.DeliveryError, RuntimeError),
+        (delivery.TransformError, RuntimeError),
+        (StoreUnavailableError, RuntimeError),
+        (stream_queue.TokenError, ValueError),
+        (pgoutput.DecodeError, ValueError),
+        (SequinConditionError, Exception),
+    ],
+)
 def test_domain_errors_are_sequin_errors_and_keep_their_builtin_base(cls: type, builtin: type) -> None:
     assert issubclass(cls, exceptions.SequinError)
     assert issubclass(cls, builtin)
@@ -33,18 +42,22 @@ def test_unknown_sink_is_a_config_error_naming_the_configured_sinks() -> None:
     assert exceptions.UnknownSinkError("x.yaml", "nope", []).reason == "unknown sink 'nope' (configured sinks: none)"
 
 
-@pytest.mark.parametrize("error, airflow_type", [
-    (config.ConfigError("sequin.yaml", "sinks", "bad"), AirflowFailException),
-    (store.BackfillError("max_query_ms must be an integer between 1 and 600000"), AirflowFailException),
-    (exceptions.LockHeldError("already supervised"), AirflowFailException),
-    (exceptions.StoreUnavailableError("cannot reach the store: refused"), AirflowException),
-    (replication.ReplicationError("slot gone"), AirflowException),
-    (buffer.DeliveryError("HTTP 500"), AirflowException),
-    (exceptions.SupervisionError("giving up after 5 consecutive restarts"), AirflowException),
-    (SequinConditionError("backfill 3 failed: boom", {"backfill_id": 3}), AirflowException),
-])
-def test_errors_a_retry_cannot_fix_fail_the_task_others_let_airflow_retry(error: exceptions.SequinError,
-                                                                         airflow_type: type) -> None:
+@pytest.mark.parametrize(
+    "error, airflow_type",
+    [
+        (config.ConfigError("sequin.yaml", "sinks", "bad"), AirflowFailException),
+        (store.BackfillError("max_query_ms must be an integer between 1 and 600000"), AirflowFailException),
+        (exceptions.LockHeldError("already supervised"), AirflowFailException),
+        (exceptions.StoreUnavailableError("cannot reach the store: refused"), AirflowException),
+        (replication.ReplicationError("slot gone"), AirflowException),
+        (buffer.DeliveryError("HTTP 500"), AirflowException),
+        (exceptions.SupervisionError("giving up after 5 consecutive restarts"), AirflowException),
+        (SequinConditionError("backfill 3 failed: boom", {"backfill_id": 3}), AirflowException),
+    ],
+)
+def test_errors_a_retry_cannot_fix_fail_the_task_others_let_airflow_retry(
+    error: exceptions.SequinError, airflow_type: type
+) -> None:
     mapped = airflow_exception(error)
     assert type(mapped) is airflow_type
     assert str(mapped) == str(error)
@@ -62,10 +75,18 @@ def test_other_exceptions_pass_the_edge_unchanged() -> None:
 
 # -- finding a sink by name: one lookup, one error ------------------------------------------------
 
+
 def two_sinks() -> config.SequinConfig:
-    return config.parse_config({"databases": [{"name": "a", "dsn": "postgresql://x/y"}],
-                                "sinks": [{"name": name, "tables": ["t"], "destination": {"type": "sequin_stream"}}
-                                          for name in ("orders", "users")]}, source="app.yaml")
+    return config.parse_config(
+        {
+            "databases": [{"name": "a", "dsn": "postgresql://x/y"}],
+            "sinks": [
+                {"name": name, "tables": ["t"], "destination": {"type": "sequin_stream"}}
+                for name in ("orders", "users")
+            ],
+        },
+        source="app.yaml",
+    )
 
 
 def test_sink_by_name_or_an_error_naming_the_configured_sinks() -> None:
@@ -80,8 +101,9 @@ def test_sink_by_name_or_an_error_naming_the_configured_sinks() -> None:
             cfg.sink("nope")
 
 
-def test_backfill_and_cli_report_an_unknown_sink_the_same_way(tmp_path: Path,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_backfill_and_cli_report_an_unknown_sink_the_same_way(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from sequin_provider.backfill import plan_backfill
     from sequin_provider.cli import main
 
@@ -89,14 +111,23 @@ def test_backfill_and_cli_report_an_unknown_sink_the_same_way(tmp_path: Path,
     with pytest.raises(store.BackfillError, match=r"^unknown sink 'nope' \(configured sinks: orders, users\)$"):
         plan_backfill(None, cfg, "nope", "t")  # type: ignore[arg-type]  # fails before any query
     path = tmp_path / "app.yaml"  # the same two sinks, through the CLI: it fails before connecting
-    path.write_text(yaml.safe_dump({"databases": [{"name": "a", "dsn": "postgresql://x/y"}],
-                                    "sinks": [{"name": name, "tables": ["t"], "destination": {"type": "sequin_stream"}}
-                                              for name in ("orders", "users")]}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "databases": [{"name": "a", "dsn": "postgresql://x/y"}],
+                "sinks": [
+                    {"name": name, "tables": ["t"], "destination": {"type": "sequin_stream"}}
+                    for name in ("orders", "users")
+                ],
+            }
+        )
+    )
     assert main(["--config", str(path), "backfill", "start", "nope", "t", "--no-run"]) == 2
     assert capsys.readouterr().err == f"error: {path}: sinks: unknown sink 'nope' (configured sinks: orders, users)\n"
 
 
 # -- supervision: one backoff, the restart budget, the stall timeout ------------------------------
+
 
 def test_one_backoff_formula_for_restarts_and_redeliveries() -> None:
     import random
@@ -108,9 +139,9 @@ def test_one_backoff_formula_for_restarts_and_redeliveries() -> None:
     assert [backoff_delay(n, 0.5, 3) for n in (1, 2, 3, 4)] == [0.5, 1.0, 2.0, 3.0]
     spread = [exponential_backoff(3, 1, 60, 0.15, random.Random(n)) for n in range(100)]
     assert all(4 * 0.85 <= d <= 4 * 1.15 for d in spread) and len(set(spread)) > 50
-    assert buffer.backoff_seconds(3, random.Random(7)) == exponential_backoff(3, buffer.BACKOFF_BASE,
-                                                                              buffer.BACKOFF_CAP, buffer.JITTER,
-                                                                              random.Random(7))
+    assert buffer.backoff_seconds(3, random.Random(7)) == exponential_backoff(
+        3, buffer.BACKOFF_BASE, buffer.BACKOFF_CAP, buffer.JITTER, random.Random(7)
+    )
 
 
 def test_restart_budget_backs_off_gives_up_and_resets_after_a_healthy_run() -> None:

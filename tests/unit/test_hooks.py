@@ -21,16 +21,40 @@ def test_hook_does_no_io_until_used(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_settings_from_json_and_uri_connections(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AIRFLOW_CONN_SEQ_JSON", json.dumps({
-        "conn_type": "sequin", "host": "db.example", "port": 6543, "login": "rep", "password": "s3cret pw",
-        "schema": "shop", "extra": {"store_dsn": "postgresql://st@store.example/ops", "store_schema": "cdc",
-                                    "config_path": "/etc/sequin.yaml", "sslmode": "require"}}))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_SEQ_JSON",
+        json.dumps(
+            {
+                "conn_type": "sequin",
+                "host": "db.example",
+                "port": 6543,
+                "login": "rep",
+                "password": "s3cret pw",
+                "schema": "shop",
+                "extra": {
+                    "store_dsn": "postgresql://st@store.example/ops",
+                    "store_schema": "cdc",
+                    "config_path": "/etc/sequin.yaml",
+                    "sslmode": "require",
+                },
+            }
+        ),
+    )
     settings = SequinHook("seq_json").settings
-    assert conninfo_to_dict(settings.source_dsn) == {"host": "db.example", "port": "6543", "user": "rep",
-                                                     "password": "s3cret pw", "dbname": "shop",
-                                                     "connect_timeout": "10", "sslmode": "require"}
+    assert conninfo_to_dict(settings.source_dsn) == {
+        "host": "db.example",
+        "port": "6543",
+        "user": "rep",
+        "password": "s3cret pw",
+        "dbname": "shop",
+        "connect_timeout": "10",
+        "sslmode": "require",
+    }
     assert (settings.store_dsn, settings.store_schema, settings.config_path) == (
-        "postgresql://st@store.example/ops", "cdc", "/etc/sequin.yaml")
+        "postgresql://st@store.example/ops",
+        "cdc",
+        "/etc/sequin.yaml",
+    )
     assert "s3cret" not in repr(settings)
 
     # URI form, no extras: the store is the source database, schema "sequin".
@@ -43,8 +67,13 @@ def test_settings_from_json_and_uri_connections(monkeypatch: pytest.MonkeyPatch)
 def test_settings_accept_prefixed_extras() -> None:
     from airflow.sdk import Connection
 
-    conn = Connection(conn_id="x", conn_type="sequin", host="h", schema="d",
-                      extra=json.dumps({"extra__sequin__store_schema": "old_ui", "store_dsn": ""}))
+    conn = Connection(
+        conn_id="x",
+        conn_type="sequin",
+        host="h",
+        schema="d",
+        extra=json.dumps({"extra__sequin__store_schema": "old_ui", "store_dsn": ""}),
+    )
     settings = SequinConnectionSettings.from_connection(conn)
     assert settings.store_schema == "old_ui"
     assert settings.store_dsn == settings.source_dsn  # an empty extra means "not set"

@@ -43,7 +43,7 @@ def _absolute(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
     if not node.level:
         return node.module or ""
     base = importer.split(".")
-    base = base[:len(base) - node.level + (1 if is_package else 0)]
+    base = base[: len(base) - node.level + (1 if is_package else 0)]
     return ".".join(base + ([node.module] if node.module else []))
 
 
@@ -71,12 +71,18 @@ def private_uses(source: str, importer: str, is_package: bool = False) -> list[s
                 if not _is_private(alias.name):
                     continue
                 own_private_module = _is_private_submodule(source, alias.name) and (
-                    importer.rpartition(".")[0] == source or importer == source)
+                    importer.rpartition(".")[0] == source or importer == source
+                )
                 if not own_private_module:
                     found.append(f"{node.lineno}: from {source} import {alias.name}")
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
-                and _is_private(node.attr) and modules[node.value.id] != importer):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+            and _is_private(node.attr)
+            and modules[node.value.id] != importer
+        ):
             found.append(f"{node.lineno}: {modules[node.value.id]}.{node.attr}")
     return sorted(found, key=lambda hit: int(hit.split(":")[0]))
 
@@ -84,26 +90,34 @@ def private_uses(source: str, importer: str, is_package: bool = False) -> list[s
 def test_no_module_imports_a_private_name_of_another() -> None:
     files = [p for top in SCANNED for p in sorted((ROOT / top).rglob("*.py"))]
     assert len(files) > 50
-    offences = {str(p.relative_to(ROOT)): hits for p in files
-                if (hits := private_uses(p.read_text(), _module_name(p), p.name == "__init__.py"))}
+    offences = {
+        str(p.relative_to(ROOT)): hits
+        for p in files
+        if (hits := private_uses(p.read_text(), _module_name(p), p.name == "__init__.py"))
+    }
     assert offences == {}
 
 
 def test_the_check_sees_each_kind_of_private_use() -> None:
-    source = ("from sequin_provider.replication import _Hidden, Public\n"
-              "from sequin_provider import store, _pgoutput_c\n"
-              "from . import backoff\n"
-              "import sequin_provider.pgoutput as pg\n"
-              "store._secret(1)\n"
-              "pg._render\n"
-              "backoff.__name__\n")
+    source = (
+        "from sequin_provider.replication import _Hidden, Public\n"
+        "from sequin_provider import store, _pgoutput_c\n"
+        "from . import backoff\n"
+        "import sequin_provider.pgoutput as pg\n"
+        "store._secret(1)\n"
+        "pg._render\n"
+        "backoff.__name__\n"
+    )
     # a module of the package may import the package's private extension; one of a subpackage may not
     assert private_uses(source, "sequin_provider.probe") == [
-        "1: from sequin_provider.replication import _Hidden", "5: sequin_provider.store._secret",
-        "6: sequin_provider.pgoutput._render"]
+        "1: from sequin_provider.replication import _Hidden",
+        "5: sequin_provider.store._secret",
+        "6: sequin_provider.pgoutput._render",
+    ]
     assert private_uses(source, "sequin_provider.spark.probe")[1] == "2: from sequin_provider import _pgoutput_c"
     assert private_uses("from ..store import _ident\n", "sequin_provider.spark.probe") == [
-        "1: from sequin_provider.store import _ident"]
+        "1: from sequin_provider.store import _ident"
+    ]
 
 
 def _is_test_module(module: str) -> bool:
@@ -122,28 +136,37 @@ def imported_test_modules(source: str, importer: str, is_package: bool = False) 
             if _is_test_module(source_module):
                 found.append(f"{node.lineno}: from {source_module} import {', '.join(a.name for a in node.names)}")
             else:
-                found += [f"{node.lineno}: from {source_module} import {a.name}" for a in node.names
-                          if _is_test_module(f"{source_module}.{a.name}")]
+                found += [
+                    f"{node.lineno}: from {source_module} import {a.name}"
+                    for a in node.names
+                    if _is_test_module(f"{source_module}.{a.name}")
+                ]
     return found
 
 
 def test_no_test_module_imports_another() -> None:
     files = sorted((ROOT / "tests").rglob("*.py"))
     assert len([p for p in files if p.name.startswith("test_")]) > 50
-    offences = {str(p.relative_to(ROOT)): hits for p in files
-                if (hits := imported_test_modules(p.read_text(), _module_name(p), p.name == "__init__.py"))}
+    offences = {
+        str(p.relative_to(ROOT)): hits
+        for p in files
+        if (hits := imported_test_modules(p.read_text(), _module_name(p), p.name == "__init__.py"))
+    }
     assert offences == {}
 
 
 def test_the_test_import_check_sees_each_form() -> None:
-    source = ("import tests.integration.sinks.test_webhook\n"
-              "from tests.integration.airflow.test_operators import sequin_connection\n"
-              "from tests.unit import test_docs\n"
-              "from .test_stream_api import ApiServer\n"
-              "from tests.support.airflow import Webhook\n"
-              "import tests.support.receiver\n")
+    source = (
+        "import tests.integration.sinks.test_webhook\n"
+        "from tests.integration.airflow.test_operators import sequin_connection\n"
+        "from tests.unit import test_docs\n"
+        "from .test_stream_api import ApiServer\n"
+        "from tests.support.airflow import Webhook\n"
+        "import tests.support.receiver\n"
+    )
     assert imported_test_modules(source, "tests.integration.sinks.probe") == [
         "1: import tests.integration.sinks.test_webhook",
         "2: from tests.integration.airflow.test_operators import sequin_connection",
         "3: from tests.unit import test_docs",
-        "4: from tests.integration.sinks.test_stream_api import ApiServer"]
+        "4: from tests.integration.sinks.test_stream_api import ApiServer",
+    ]

@@ -37,28 +37,35 @@ def test_spark_connection_with_local_master_and_client_env(monkeypatch: pytest.M
 
 
 def test_the_configs_connections_reach_the_app_as_environment_only_where_the_hook_keeps_them_off_the_command_line(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     connections = {"pg_src": "host=db port=5 user=u password=secret-pw dbname=d"}
     env = submit_env(SparkTarget("local[1]", None), {"AIRFLOW_CONN_OTHER": "x"}, connections)
     assert env is not None and env["AIRFLOW_CONN_PG_SRC"] == "postgresql://u:secret-pw@db:5/d"
     assert env["AIRFLOW_CONN_OTHER"] == "x"
     assert submit_env(SparkTarget("spark://m:7077", None), None, connections)["AIRFLOW_CONN_PG_SRC"]  # type: ignore[index]
     # YARN and Kubernetes: SparkSubmitHook turns env_vars into --conf on the command line; cluster mode: not here
-    for target in (SparkTarget("yarn", None), SparkTarget("k8s://https://k:443", None),
-                   SparkTarget("spark://m:7077", "cluster")):
+    for target in (
+        SparkTarget("yarn", None),
+        SparkTarget("k8s://https://k:443", None),
+        SparkTarget("spark://m:7077", "cluster"),
+    ):
         assert not any(k.startswith("AIRFLOW_CONN_") for k in (submit_env(target, None, connections) or {}))
     assert "pg_src" in caplog.text and "secret-pw" not in caplog.text
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"kind": "sideways"}, "kind must be 'full' or 'partial'"),
-    ({"kind": "full", "sort_column": "updated_at"}, "a full backfill takes no sort column"),
-    ({"kind": "partial"}, "a partial backfill needs a sort column"),
-    ({"sort_column": "updated_at"}, "a partial backfill needs a sort column and a start position"),
-    ({"max_query_ms": 0}, "max_query_ms must be an integer between 1 and 600000"),
-    ({"max_query_ms": "fast"}, "max_query_ms must be an integer"),
-    ({"sink": ""}, "a backfill needs a sink and a table"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"kind": "sideways"}, "kind must be 'full' or 'partial'"),
+        ({"kind": "full", "sort_column": "updated_at"}, "a full backfill takes no sort column"),
+        ({"kind": "partial"}, "a partial backfill needs a sort column"),
+        ({"sort_column": "updated_at"}, "a partial backfill needs a sort column and a start position"),
+        ({"max_query_ms": 0}, "max_query_ms must be an integer between 1 and 600000"),
+        ({"max_query_ms": "fast"}, "max_query_ms must be an integer"),
+        ({"sink": ""}, "a backfill needs a sink and a table"),
+    ],
+)
 def test_backfill_request_is_checked_before_any_io(kwargs: dict[str, Any], message: str) -> None:
     op = SequinBackfillOperator(task_id="b", **{"sink": "s", "table": "t", "sequin_conn_id": "missing", **kwargs})
     with pytest.raises(AirflowFailException, match=message):
@@ -66,10 +73,22 @@ def test_backfill_request_is_checked_before_any_io(kwargs: dict[str, Any], messa
 
 
 def test_backfill_request_from_templates_normalises_values() -> None:
-    op = SequinBackfillOperator(task_id="b", sink="s", table="t", kind="", sort_column="updated_at",
-                                start_position="2025-01-01", max_query_ms="250")
-    assert op.request() == {"sink": "s", "table": "t", "sort_column": "updated_at", "start_position": "2025-01-01",
-                            "max_query_ms": 250}  # kind inferred: partial
+    op = SequinBackfillOperator(
+        task_id="b",
+        sink="s",
+        table="t",
+        kind="",
+        sort_column="updated_at",
+        start_position="2025-01-01",
+        max_query_ms="250",
+    )
+    assert op.request() == {
+        "sink": "s",
+        "table": "t",
+        "sort_column": "updated_at",
+        "start_position": "2025-01-01",
+        "max_query_ms": 250,
+    }  # kind inferred: partial
 
 
 def test_heartbeat_watch_judges_by_change_on_its_own_clock() -> None:
@@ -101,8 +120,11 @@ def test_provider_info_declares_the_operators() -> None:
     jsonschema.validate(info, schema)
     (entry,) = info["operators"]
     assert entry["python-modules"] == ["sequin_provider.operators.sequin"]
-    assert set(operators.__all__) == {"SequinBackfillOperator", "SequinBufferRetryOperator",
-                                      "SequinReplicationOperator"}
+    assert set(operators.__all__) == {
+        "SequinBackfillOperator",
+        "SequinBufferRetryOperator",
+        "SequinReplicationOperator",
+    }
 
 
 def test_a_connection_and_config_naming_different_servers_is_warned_about() -> None:
@@ -119,5 +141,7 @@ def test_a_connection_and_config_naming_different_servers_is_warned_about() -> N
     warn_if_elsewhere(log, "store", "host=db port=5432 dbname=shop user=a", "postgresql://b@db:5432/shop")
     assert log.lines == []  # same server and database, other credentials
     warn_if_elsewhere(log, "store", "host=db port=5432 dbname=shop", "postgresql://db:5432/ops")
-    assert log.lines == ["the store of the sequin connection (db:5432/shop) differs from the config's (db:5432/ops):"
-                         " the operator and the Spark app must reach the same database"]
+    assert log.lines == [
+        "the store of the sequin connection (db:5432/shop) differs from the config's (db:5432/ops):"
+        " the operator and the Spark app must reach the same database"
+    ]

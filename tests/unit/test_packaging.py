@@ -18,7 +18,9 @@ def test_pyspark_is_whole_and_matches_pyspark_client() -> None:
 
 
 def test_provider_entry_point() -> None:
-    (entry,) = [e for e in metadata.entry_points(group="apache_airflow_provider") if e.value.startswith("sequin_provider")]
+    (entry,) = [
+        e for e in metadata.entry_points(group="apache_airflow_provider") if e.value.startswith("sequin_provider")
+    ]
     info = entry.load()()
     assert info["package-name"] == "sequin-provider"
     assert info["versions"] == [sequin_provider.__version__]

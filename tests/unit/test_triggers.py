@@ -18,13 +18,17 @@ from sequin_provider.triggers.sequin import (
 from tests.support.airflow import FAST_TRIGGER as FAST
 
 
-@pytest.mark.parametrize("trigger", [
-    SlotLagTrigger(slot="s", threshold_bytes=1024, fire_when="within", end_time=123.5, **FAST),
-    HeartbeatTrigger(database="shop", max_age_seconds=30, **FAST),
-    ParkedMessagesTrigger(sink="orders", threshold=5, end_time=None, **FAST),
-    ParkedMessagesTrigger(**FAST),
-    BackfillCompletedTrigger(backfill_id=7, end_time=99.0, **FAST),
-], ids=lambda t: type(t).__name__)
+@pytest.mark.parametrize(
+    "trigger",
+    [
+        SlotLagTrigger(slot="s", threshold_bytes=1024, fire_when="within", end_time=123.5, **FAST),
+        HeartbeatTrigger(database="shop", max_age_seconds=30, **FAST),
+        ParkedMessagesTrigger(sink="orders", threshold=5, end_time=None, **FAST),
+        ParkedMessagesTrigger(**FAST),
+        BackfillCompletedTrigger(backfill_id=7, end_time=99.0, **FAST),
+    ],
+    ids=lambda t: type(t).__name__,
+)
 def test_serialize_round_trips(trigger: SequinPollingTrigger) -> None:
     classpath, kwargs = trigger.serialize()
     module, _, name = classpath.rpartition(".")

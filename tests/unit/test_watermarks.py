@@ -11,7 +11,7 @@ from sequin_provider.backfill.watermarks import (
     watermark_content,
 )
 
-MARK = Watermark(7, 42, 1, "public", "we\"ird", ("id", "k"))
+MARK = Watermark(7, 42, 1, "public", 'we"ird', ("id", "k"))
 
 
 def _row(action: str, prefix: str = "", content: str = "") -> tuple:
@@ -20,7 +20,7 @@ def _row(action: str, prefix: str = "", content: str = "") -> tuple:
 
 def test_payload_round_trips_and_marks_only_a_range_end() -> None:
     assert parse_watermark(watermark_content(MARK)) == MARK
-    last = Watermark(7, 42, 1, "public", "we\"ird", ("id", "k"), last=True)
+    last = Watermark(7, 42, 1, "public", 'we"ird', ("id", "k"), last=True)
     assert parse_watermark(watermark_content(last)) == last
     assert '"last"' not in watermark_content(MARK)  # a plain mark reads the same as before the flag existed
     assert parse_watermark("not json") is None and parse_watermark('{"page": 1}') is None
@@ -29,7 +29,9 @@ def test_payload_round_trips_and_marks_only_a_range_end() -> None:
 def test_only_logical_messages_other_than_a_range_end_may_wait() -> None:
     assert holdable(_row("message", LOW_PREFIX, watermark_content(MARK)))
     assert holdable(_row("message", HIGH_PREFIX, watermark_content(MARK)))
-    assert not holdable(_row("message", HIGH_PREFIX, watermark_content(Watermark(7, 42, 1, "public", "t", ("id",), last=True))))
+    assert not holdable(
+        _row("message", HIGH_PREFIX, watermark_content(Watermark(7, 42, 1, "public", "t", ("id",), last=True)))
+    )
     assert holdable(_row("message", HIGH_PREFIX, "{malformed"))  # ignored by the tracker too
     for action in ("insert", "update", "delete", "read"):
         assert not holdable(_row(action))

@@ -40,7 +40,7 @@ def test_first_tasks_freeze_what_is_alive_and_later_tasks_do_not() -> None:
     assert result["before"] == 0
     assert counts[0] > 5000  # the worker's modules and the 5,000 kept lists
     # each freezing task adds what the previous task kept (1,001 lists; lists are always tracked)
-    for earlier, later in zip(counts[:FREEZE_TASKS - 1], counts[1:FREEZE_TASKS]):
+    for earlier, later in zip(counts[: FREEZE_TASKS - 1], counts[1:FREEZE_TASKS]):
         assert later >= earlier + 1000
     # after FREEZE_TASKS tasks nothing more is frozen
     assert counts[FREEZE_TASKS:] == [counts[FREEZE_TASKS - 1]] * 2

@@ -98,8 +98,13 @@ def test_dags_folder_imports_the_five_dags_with_their_schedules() -> None:
     assert bag.import_errors == {}
     assert set(bag.dag_ids) == DAG_IDS
     schedules = {dag_id: bag.dags[dag_id].schedule for dag_id in DAG_IDS}
-    assert schedules == {"sequin_backfill": None, "sequin_replay": "@daily", "sequin_replication": "@continuous",
-                         "sequin_monitoring": "*/5 * * * *", "sequin_buffer_retry": "* * * * *"}
+    assert schedules == {
+        "sequin_backfill": None,
+        "sequin_replay": "@daily",
+        "sequin_replication": "@continuous",
+        "sequin_monitoring": "*/5 * * * *",
+        "sequin_buffer_retry": "* * * * *",
+    }
     for dag_id in DAG_IDS - {"sequin_backfill"}:
         assert bag.dags[dag_id].max_active_runs == 1 and not bag.dags[dag_id].catchup, dag_id
 
@@ -112,8 +117,11 @@ def test_backfill_dag_form() -> None:
     assert not params["sink"].has_value and not params["table"].has_value  # required in the form
     assert params["kind"].value == "full" and params["kind"].schema["enum"] == ["full", "partial"]
     assert params["sort_column"].value is None and params["start_position"].value is None
-    assert (params["max_query_ms"].value, params["max_query_ms"].schema["minimum"],
-            params["max_query_ms"].schema["maximum"]) == (5000, 1, 600000)
+    assert (
+        params["max_query_ms"].value,
+        params["max_query_ms"].schema["minimum"],
+        params["max_query_ms"].schema["maximum"],
+    ) == (5000, 1, 600000)
     with pytest.raises(Exception, match="600001"):
         params["max_query_ms"].resolve(600001)
     with pytest.raises(Exception, match="sideways"):
@@ -133,8 +141,11 @@ def test_scheduled_dags_use_the_provider_operators_and_sensors() -> None:
     (retry,) = bag.dags["sequin_buffer_retry"].tasks
     assert isinstance(retry, SequinBufferRetryOperator)
     sensors = {t.task_id: t for t in bag.dags["sequin_monitoring"].tasks}
-    assert {type(t) for t in sensors.values()} == {ReplicationSlotLagSensor, StreamHeartbeatSensor,
-                                                   ParkedMessagesSensor}
+    assert {type(t) for t in sensors.values()} == {
+        ReplicationSlotLagSensor,
+        StreamHeartbeatSensor,
+        ParkedMessagesSensor,
+    }
     for sensor in sensors.values():
         assert sensor.deferrable and sensor.fire_when == "within" and not sensor.soft_fail
         assert sensor.timeout < 300 and sensor.on_failure_callback  # judged and alerted within the 5-minute slot
@@ -152,8 +163,12 @@ class Variables:
 
 def render(dag: Any, task: Any, **context: Any) -> Any:
     """Render ``task``'s templates as a run of ``dag`` would (params, Variables, data interval)."""
-    full = {"params": {name: dag.params[name] for name in dag.params}, "var": {"value": Variables()},
-            "data_interval_start": None, **context}
+    full = {
+        "params": {name: dag.params[name] for name in dag.params},
+        "var": {"value": Variables()},
+        "data_interval_start": None,
+        **context,
+    }
     task.render_template_fields(full, jinja_env=dag.get_template_env())
     return task
 
@@ -163,10 +178,19 @@ def test_replay_renders_a_partial_backfill_from_the_data_interval() -> None:
 
     dag = dagbag().dags["sequin_replay"]
     (task,) = dag.tasks
-    render(dag, task, var={"value": Variables(sequin_replay_sink="kv_sink")},
-           data_interval_start=datetime(2025, 3, 1, tzinfo=timezone.utc))
-    assert task.request() == {"sink": "kv_sink", "table": "public.orders", "sort_column": "updated_at",
-                              "start_position": "2025-03-01T00:00:00+00:00", "max_query_ms": 5000}
+    render(
+        dag,
+        task,
+        var={"value": Variables(sequin_replay_sink="kv_sink")},
+        data_interval_start=datetime(2025, 3, 1, tzinfo=timezone.utc),
+    )
+    assert task.request() == {
+        "sink": "kv_sink",
+        "table": "public.orders",
+        "sort_column": "updated_at",
+        "start_position": "2025-03-01T00:00:00+00:00",
+        "max_query_ms": 5000,
+    }
     (manual,) = dagbag().dags["sequin_replay"].tasks  # no data interval, no start position: a clear error
     with pytest.raises(Exception, match="a partial backfill needs a sort column and a start position"):
         render(dag, manual, params={"sink": "s", "table": "t", "sort_column": "at", "start_position": None}).request()
@@ -184,6 +208,7 @@ def test_monitoring_thresholds_render_into_the_triggers() -> None:
 
 def test_dag_files_do_no_io_at_parse_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Parsing must not touch Postgres, the network, the config file, connections or Variables."""
+
     def forbidden(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError(f"I/O at DAG parse time: {args!r}")
 
@@ -203,16 +228,25 @@ def test_dag_files_do_no_io_at_parse_time(monkeypatch: pytest.MonkeyPatch, tmp_p
 
 # -- dag.test() --------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="session")
 def airflow_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """``AIRFLOW_HOME`` in a temporary folder with a migrated SQLite metadata database."""
     home = tmp_path_factory.mktemp("airflow_home")
-    env = {"AIRFLOW_HOME": str(home), "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
-           "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-           "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    done = subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=600)
+    env = {
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "airflow", "db", "migrate"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return env
 
@@ -230,20 +264,38 @@ class DagRunner:
         """Start the interpreter unless it runs (it imports Airflow, then waits for runs)."""
         if self.proc is None or self.proc.poll() is not None:
             with open(self.log, "ab") as own_log:
-                self.proc = subprocess.Popen([sys.executable, "-c", RUNNER], env={**os.environ, **self.airflow_env},
-                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=own_log)
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-c", RUNNER],
+                    env={**os.environ, **self.airflow_env},
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=own_log,
+                )
         return self
 
-    def run(self, dag_id: str, conf: dict[str, Any], log: Path, dags: Path = DAGS,
-            connections: list[dict[str, Any]] | None = None, timeout: float = 1200.0) -> dict[str, Any]:
+    def run(
+        self,
+        dag_id: str,
+        conf: dict[str, Any],
+        log: Path,
+        dags: Path = DAGS,
+        connections: list[dict[str, Any]] | None = None,
+        timeout: float = 1200.0,
+    ) -> dict[str, Any]:
         """``dag.test(run_conf=conf)`` of a DAG in ``dags`` with this process's environment, in ``log``'s
         folder, after storing ``connections`` (``Connection`` fields) in the metadata database; returns
         the run's and tasks' states and XComs."""
         self.start()
         assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
-        request = {"dags": str(dags), "dag_id": dag_id, "conf": conf, "log": str(log), "cwd": str(log.parent),
-                   "connections": connections or [],
-                   "env": {**os.environ, **self.airflow_env, "AIRFLOW__CORE__DAGS_FOLDER": str(dags)}}
+        request = {
+            "dags": str(dags),
+            "dag_id": dag_id,
+            "conf": conf,
+            "log": str(log),
+            "cwd": str(log.parent),
+            "connections": connections or [],
+            "env": {**os.environ, **self.airflow_env, "AIRFLOW__CORE__DAGS_FOLDER": str(dags)},
+        }
         self.proc.stdin.write(json.dumps(request).encode() + b"\n")
         self.proc.stdin.flush()
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
@@ -272,8 +324,14 @@ def dag_runner(airflow_env: dict[str, str], tmp_path_factory: pytest.TempPathFac
     runner.stop()
 
 
-def dag_test(runner: DagRunner, dag_id: str, conf: dict[str, Any], log: Path, dags: Path = DAGS,
-             connections: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def dag_test(
+    runner: DagRunner,
+    dag_id: str,
+    conf: dict[str, Any],
+    log: Path,
+    dags: Path = DAGS,
+    connections: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """Run ``dag.test(run_conf=conf)`` (``DagRunner.run``); returns the run's and tasks' states and XComs.
     Airflow reads its DAG folder once per interpreter: a run of another folder gets an interpreter of its own."""
     if dags == DAGS:
@@ -304,11 +362,15 @@ stream:
 def streaming_db(pg: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """A database with two tables and the stream app running for it."""
     dsn = pg.create_database("dag_test")
-    execute(dsn, "CREATE TABLE items (id int PRIMARY KEY, name text)",
-            "INSERT INTO items SELECT g, 'item ' || g FROM generate_series(1, 3000) g",
-            "CREATE TABLE events (id int PRIMARY KEY, at timestamptz)",
-            "INSERT INTO events SELECT g, timestamptz '2025-01-01 00:00:00+00' + g * interval '1 hour'"
-            " FROM generate_series(1, 200) g", "ANALYZE")
+    execute(
+        dsn,
+        "CREATE TABLE items (id int PRIMARY KEY, name text)",
+        "INSERT INTO items SELECT g, 'item ' || g FROM generate_series(1, 3000) g",
+        "CREATE TABLE events (id int PRIMARY KEY, at timestamptz)",
+        "INSERT INTO events SELECT g, timestamptz '2025-01-01 00:00:00+00' + g * interval '1 hour'"
+        " FROM generate_series(1, 200) g",
+        "ANALYZE",
+    )
     tmp = tmp_path_factory.mktemp("dag_test")
     config = write_config(tmp / "sequin.yaml", CONFIG.format(dsn=dsn, ckpt=tmp / "ckpt"))
     app = StreamApp(config, tmp / "stream-app.log").start()
@@ -332,8 +394,9 @@ def backfill(dsn: str, backfill_id: int) -> store.Backfill:
         return store.get_backfill(conn, "sequin", backfill_id)
 
 
-def test_dag_test_full_backfill_delivers_every_row_as_a_read(dag_runner: DagRunner,
-                                                             connections: tuple[str, Path], tmp_path: Path) -> None:
+def test_dag_test_full_backfill_delivers_every_row_as_a_read(
+    dag_runner: DagRunner, connections: tuple[str, Path], tmp_path: Path
+) -> None:
     dsn, _ = connections
     result = dag_test(dag_runner, "sequin_backfill", {"sink": "items_sink", "table": "items"}, tmp_path / "dag.log")
     assert result["state"] == "success", result
@@ -342,18 +405,27 @@ def test_dag_test_full_backfill_delivers_every_row_as_a_read(dag_runner: DagRunn
     final = backfill(dsn, int(task["xcom"]))
     assert (final.state, final.kind, final.rows_processed, final.max_query_ms) == ("completed", "full", 3000, 5000)
     # the task instance that asked, as a retry of it would find the backfill (dag/task/run, no map index)
-    assert re.fullmatch(r"airflow:sequin_backfill/backfill/manual__[^/\[]+", final.requested_by or ""), final.requested_by
+    assert re.fullmatch(r"airflow:sequin_backfill/backfill/manual__[^/\[]+", final.requested_by or ""), (
+        final.requested_by
+    )
     reads = [m for m in sink_messages(dsn, "items_sink") if m["action"] == "read"]
     assert sorted(m["record"]["id"] for m in reads) == list(range(1, 3001))
     assert all(m["changes"] is None and m["record"]["name"] == f"item {m['record']['id']}" for m in reads)
     assert reads[0]["metadata"]["idempotency_key"].startswith(f"backfill:{final.id}:")
 
 
-def test_dag_test_partial_backfill_from_the_form(dag_runner: DagRunner, connections: tuple[str, Path],
-                                                 tmp_path: Path) -> None:
+def test_dag_test_partial_backfill_from_the_form(
+    dag_runner: DagRunner, connections: tuple[str, Path], tmp_path: Path
+) -> None:
     dsn, _ = connections
-    conf = {"sink": "events_sink", "table": "public.events", "kind": "partial", "sort_column": "at",
-            "start_position": "2025-01-08 00:00:00+00", "max_query_ms": 2000}
+    conf = {
+        "sink": "events_sink",
+        "table": "public.events",
+        "kind": "partial",
+        "sort_column": "at",
+        "start_position": "2025-01-08 00:00:00+00",
+        "max_query_ms": 2000,
+    }
     result = dag_test(dag_runner, "sequin_backfill", conf, tmp_path / "dag.log")
     assert result["state"] == "success", result
     final = backfill(dsn, int(result["tasks"]["backfill"]["xcom"]))
@@ -362,8 +434,9 @@ def test_dag_test_partial_backfill_from_the_form(dag_runner: DagRunner, connecti
     assert [m["record"]["id"] for m in reads] == list(range(168, 201))  # 2025-01-08 00:00 is id 168, in order
 
 
-def test_dag_test_bad_input_fails_the_run_and_records_nothing(dag_runner: DagRunner,
-                                                             connections: tuple[str, Path], tmp_path: Path) -> None:
+def test_dag_test_bad_input_fails_the_run_and_records_nothing(
+    dag_runner: DagRunner, connections: tuple[str, Path], tmp_path: Path
+) -> None:
     dsn, _ = connections
     with psycopg.connect(dsn) as conn:
         before = len(store.list_backfills(conn, "sequin"))
@@ -375,52 +448,73 @@ def test_dag_test_bad_input_fails_the_run_and_records_nothing(dag_runner: DagRun
         assert len(store.list_backfills(conn, "sequin")) == before
 
 
-def test_dag_test_monitoring_alerts_on_a_lagging_slot_and_only_then(dag_runner: DagRunner,
-                                                                    connections: tuple[str, Path], tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dag_test_monitoring_alerts_on_a_lagging_slot_and_only_then(
+    dag_runner: DagRunner, connections: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A slot nobody reads falls behind: ``slot_lag`` fails and its alert reaches the webhook; the
     healthy slot of the running stream app raises no alert at all."""
     dsn, _ = connections
     monkeypatch.setenv("SEQUIN_CHECK_TIMEOUT", "8")  # how long unhealthy may last before the alert
     monkeypatch.setenv("SEQUIN_CHECK_POKE_INTERVAL", "1")
-    execute(dsn, "SELECT pg_create_logical_replication_slot('lagging_slot', 'pgoutput')",
-            "CREATE TABLE ballast (id int PRIMARY KEY, pad text)",
-            "INSERT INTO ballast SELECT g, repeat('x', 200) FROM generate_series(1, 2000) g")  # ~0.5 MB of WAL
+    execute(
+        dsn,
+        "SELECT pg_create_logical_replication_slot('lagging_slot', 'pgoutput')",
+        "CREATE TABLE ballast (id int PRIMARY KEY, pad text)",
+        "INSERT INTO ballast SELECT g, repeat('x', 200) FROM generate_series(1, 2000) g",
+    )  # ~0.5 MB of WAL
     checks = {"database": "app", "max_heartbeat_age": 60, "max_parked": 0}
     try:
         with Webhook() as hook:
             monkeypatch.setenv("SEQUIN_ALERT_WEBHOOK_URL", f"{hook.url}/alerts")
-            healthy = dag_test(dag_runner, "sequin_monitoring",
-                               {**checks, "slot": "slot_dagtest", "max_lag_bytes": 64 << 20}, tmp_path / "ok.log")
+            healthy = dag_test(
+                dag_runner,
+                "sequin_monitoring",
+                {**checks, "slot": "slot_dagtest", "max_lag_bytes": 64 << 20},
+                tmp_path / "ok.log",
+            )
             assert healthy["state"] == "success", healthy
             assert {t: v["state"] for t, v in healthy["tasks"].items()} == {
-                "slot_lag": "success", "stream_heartbeat": "success", "parked_messages": "success"}
+                "slot_lag": "success",
+                "stream_heartbeat": "success",
+                "parked_messages": "success",
+            }
             assert hook.received == []  # healthy: nobody is paged
 
-            lagging = dag_test(dag_runner, "sequin_monitoring",
-                               {**checks, "slot": "lagging_slot", "max_lag_bytes": 100_000}, tmp_path / "lag.log")
+            lagging = dag_test(
+                dag_runner,
+                "sequin_monitoring",
+                {**checks, "slot": "lagging_slot", "max_lag_bytes": 100_000},
+                tmp_path / "lag.log",
+            )
             alerts = list(hook.received)
     finally:
         execute(dsn, "SELECT pg_drop_replication_slot('lagging_slot')")
     assert lagging["state"] == "failed", lagging
     assert {t: v["state"] for t, v in lagging["tasks"].items()} == {
-        "slot_lag": "failed", "stream_heartbeat": "success", "parked_messages": "success"}
+        "slot_lag": "failed",
+        "stream_heartbeat": "success",
+        "parked_messages": "success",
+    }
     assert [(a["path"], a["json"]["title"]) for a in alerts] == [("/alerts", "Sequin: replication slot lagging")]
     alert = alerts[0]["json"]
     assert (alert["dag_id"], alert["task_id"], alert["state"]) == ("sequin_monitoring", "slot_lag", "failed")
     assert "lagging_slot" in alert["message"] and "100000" in alert["message"], alert
 
 
-def test_dag_test_supervisor_that_gives_up_fails_and_alerts(dag_runner: DagRunner, dsn: str, dbname: str,
-                                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dag_test_supervisor_that_gives_up_fails_and_alerts(
+    dag_runner: DagRunner, dsn: str, dbname: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A stream app that cannot start: the supervisor gives up after its bounded restarts, the task
     fails and ``sequin_replication``'s failure alert is posted."""
     execute(dsn, "CREATE TABLE kv (id int PRIMARY KEY, v text)")
-    config = write_config(tmp_path / "sequin.yaml", f"""
+    config = write_config(
+        tmp_path / "sequin.yaml",
+        f"""
         databases: [{{name: app, dsn: "{dsn}", slot: {{name: slot_{dbname}}}, publication: {{name: pub_{dbname}}}}}]
         sinks: [{{name: kv_sink, tables: [kv], filter: "record.v ==== 'x'", destination: {{type: sequin_stream}}}}]
-        stream: {{checkpoint_location: "{tmp_path / 'ckpt'}"}}
-        """)  # valid YAML, invalid Spark SQL: the app exits with 2 at every start
+        stream: {{checkpoint_location: "{tmp_path / "ckpt"}"}}
+        """,
+    )  # valid YAML, invalid Spark SQL: the app exits with 2 at every start
     monkeypatch.setenv("AIRFLOW_CONN_SEQUIN_DEFAULT", sequin_connection(dsn, config_path=str(config)))
     monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": "local[1]"}))
     monkeypatch.setenv("SEQUIN_MAX_RESTARTS", "1")
@@ -488,13 +582,26 @@ def metadata_connections(dsn: str, config: Path) -> list[dict[str, Any]]:
     """``sequin_meta`` (naming the Postgres connections of the source and the store, and the config),
     ``pg_meta_source``/``pg_meta_store`` (role ``meta_user`` with a password) and ``spark_meta``."""
     parts = conninfo_to_dict(dsn)
-    postgres = {"conn_type": "postgres", "host": parts.get("host"), "port": int(parts.get("port") or 5432),
-                "login": "meta_user", "password": META_PASSWORD, "schema": parts.get("dbname")}
-    return [{"conn_id": "pg_meta_source", **postgres}, {"conn_id": "pg_meta_store", **postgres},
-            {"conn_id": "sequin_meta", "conn_type": "sequin",
-             "extra": json.dumps({"source_conn_id": "pg_meta_source", "store_conn_id": "pg_meta_store",
-                                  "config_path": str(config)})},
-            {"conn_id": "spark_meta", "conn_type": "spark", "host": "local[1]"}]
+    postgres = {
+        "conn_type": "postgres",
+        "host": parts.get("host"),
+        "port": int(parts.get("port") or 5432),
+        "login": "meta_user",
+        "password": META_PASSWORD,
+        "schema": parts.get("dbname"),
+    }
+    return [
+        {"conn_id": "pg_meta_source", **postgres},
+        {"conn_id": "pg_meta_store", **postgres},
+        {
+            "conn_id": "sequin_meta",
+            "conn_type": "sequin",
+            "extra": json.dumps(
+                {"source_conn_id": "pg_meta_source", "store_conn_id": "pg_meta_store", "config_path": str(config)}
+            ),
+        },
+        {"conn_id": "spark_meta", "conn_type": "spark", "host": "local[1]"},
+    ]
 
 
 def meta_dag(tmp_path: Path, backfill: bool) -> Path:
@@ -506,8 +613,11 @@ def meta_dag(tmp_path: Path, backfill: bool) -> Path:
 
 
 def meta_user(dsn: str) -> None:
-    execute(dsn, "DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'meta_user') THEN"
-                 f" CREATE ROLE meta_user LOGIN SUPERUSER PASSWORD '{META_PASSWORD}'; END IF; END $$")
+    execute(
+        dsn,
+        "DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'meta_user') THEN"
+        f" CREATE ROLE meta_user LOGIN SUPERUSER PASSWORD '{META_PASSWORD}'; END IF; END $$",
+    )
 
 
 def no_airflow_conn_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -517,23 +627,34 @@ def no_airflow_conn_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_hook_resolves_connections_stored_in_the_metadata_database(
-        dag_runner: DagRunner, dsn: str, dbname: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    dag_runner: DagRunner, dsn: str, dbname: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """No ``AIRFLOW_CONN_*`` variable anywhere: the ``sequin`` connection names the Postgres connections
     of the source and the store, and the config's ``conn_id``s are the same, all in the metadata DB."""
     no_airflow_conn_env(monkeypatch)
     meta_user(dsn)
     slot = f"slot_{dbname}"[:63]
-    execute(dsn, f"SELECT pg_create_logical_replication_slot('{slot}', 'pgoutput')",
-            "CREATE TABLE filler (id serial PRIMARY KEY, body text)",
-            "INSERT INTO filler (body) SELECT repeat('x', 200) FROM generate_series(1, 2000)")
+    execute(
+        dsn,
+        f"SELECT pg_create_logical_replication_slot('{slot}', 'pgoutput')",
+        "CREATE TABLE filler (id serial PRIMARY KEY, body text)",
+        "INSERT INTO filler (body) SELECT repeat('x', 200) FROM generate_series(1, 2000)",
+    )
     try:
         with psycopg.connect(dsn) as conn:
             store.migrate(conn, "sequin")
-        config = write_config(tmp_path / "sequin.yaml", META_CONFIG.format(slot=slot, publication="pub_meta",
-                                                                          ckpt=tmp_path / "ckpt"))
+        config = write_config(
+            tmp_path / "sequin.yaml", META_CONFIG.format(slot=slot, publication="pub_meta", ckpt=tmp_path / "ckpt")
+        )
         log = tmp_path / "dag.log"
-        result = dag_test(dag_runner, "sequin_meta_connections", {"slot": slot}, log,
-                          dags=meta_dag(tmp_path, backfill=False), connections=metadata_connections(dsn, config))
+        result = dag_test(
+            dag_runner,
+            "sequin_meta_connections",
+            {"slot": slot},
+            log,
+            dags=meta_dag(tmp_path, backfill=False),
+            connections=metadata_connections(dsn, config),
+        )
     finally:
         execute(dsn, f"SELECT pg_drop_replication_slot('{slot}')")
     assert result["state"] == "success", (result, log.read_text()[-4000:])
@@ -546,27 +667,38 @@ def test_the_hook_resolves_connections_stored_in_the_metadata_database(
 
 
 def test_a_backfill_with_only_metadata_database_connections_runs_through_spark_submit(
-        dag_runner: DagRunner, streaming_db: tuple[str, Path], tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    dag_runner: DagRunner, streaming_db: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The config names only ``conn_id``s stored in the metadata DB: the operator resolves them through
     Airflow and hands them to the submitted app (which has no Airflow) as ``AIRFLOW_CONN_*`` variables of
     its process; the password reaches neither the task log nor spark-submit's command line."""
     dsn, _ = streaming_db
     no_airflow_conn_env(monkeypatch)
     meta_user(dsn)
-    config = write_config(tmp_path / "sequin.yaml", META_CONFIG.format(slot="slot_dagtest", publication="pub_dagtest",
-                                                                      ckpt=tmp_path / "ckpt"))
+    config = write_config(
+        tmp_path / "sequin.yaml",
+        META_CONFIG.format(slot="slot_dagtest", publication="pub_dagtest", ckpt=tmp_path / "ckpt"),
+    )
     log = tmp_path / "dag.log"
-    result = dag_test(dag_runner, "sequin_meta_connections", {"slot": "slot_dagtest"}, log,
-                      dags=meta_dag(tmp_path, backfill=True), connections=metadata_connections(dsn, config))
+    result = dag_test(
+        dag_runner,
+        "sequin_meta_connections",
+        {"slot": "slot_dagtest"},
+        log,
+        dags=meta_dag(tmp_path, backfill=True),
+        connections=metadata_connections(dsn, config),
+    )
     text = log.read_text()
     assert result["state"] == "success", (result, text[-6000:])
     checked = result["tasks"]["hook_check"]["xcom"]
     assert checked["heartbeat_seen"] and checked["same_source"] and checked["same_store"], checked
     final = backfill(dsn, int(result["tasks"]["backfill"]["xcom"]))
     assert (final.state, final.rows_processed) == ("completed", 3000)
-    reads = [m for m in sink_messages(dsn, "items_sink") if m["action"] == "read"
-             and m["metadata"]["idempotency_key"].startswith(f"backfill:{final.id}:")]
+    reads = [
+        m
+        for m in sink_messages(dsn, "items_sink")
+        if m["action"] == "read" and m["metadata"]["idempotency_key"].startswith(f"backfill:{final.id}:")
+    ]
     assert sorted(m["record"]["id"] for m in reads) == list(range(1, 3001))
     assert all(m["record"]["name"] == f"item {m['record']['id']}" for m in reads)
     (command,) = [line for line in text.splitlines() if "Spark-Submit cmd:" in line]

@@ -19,7 +19,9 @@ from tests.support.airflow import sequin_connection
 
 def park(dsn: str, sink: str, n: int, schema: str = "sequin", start: int = 0) -> None:
     """Park ``n`` messages of ``sink`` in the buffer."""
-    rows = [buffer.ParkRow(sink, 100 + i, 0, f"g{i}", f"k{i}", "{}", None, 1, "HTTP 500") for i in range(start, start + n)]
+    rows = [
+        buffer.ParkRow(sink, 100 + i, 0, f"g{i}", f"k{i}", "{}", None, 1, "HTTP 500") for i in range(start, start + n)
+    ]
     with psycopg.connect(dsn) as conn:
         buffer.park(conn, schema, rows)
 
@@ -32,8 +34,9 @@ def slot(dsn: str, dbname: str) -> Iterator[str]:
         replication.create_slot(conn, name)
     yield name
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
-                     (name,))
+        conn.execute(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s", (name,)
+        )
 
 
 def write_wal(dsn: str, rows: int = 2000) -> None:
@@ -64,8 +67,9 @@ def test_slot_lag_grows_with_unconsumed_wal(hook: SequinHook, dsn: str, slot: st
     assert hook.slot_lag_bytes("no_such_slot") is None
 
 
-def test_heartbeat_age_reads_a_separate_store(pg: EmbeddedPostgres, dsn: str, dbname: str,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_heartbeat_age_reads_a_separate_store(
+    pg: EmbeddedPostgres, dsn: str, dbname: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store_dsn = pg.create_database(f"{dbname}_st"[:63])
     with psycopg.connect(store_dsn) as conn:
         store.migrate(conn, "ops")
@@ -115,8 +119,18 @@ def test_test_connection(hook: SequinHook, monkeypatch: pytest.MonkeyPatch) -> N
     ok, message = hook.test_connection()
     assert ok, message
     assert f"store schema version {store.SCHEMA_VERSION}" in message
-    monkeypatch.setenv("AIRFLOW_CONN_SEQ_DOWN", json.dumps({"conn_type": "sequin", "host": "127.0.0.1", "port": 1,
-                                                             "login": "x", "schema": "x",
-                                                             "extra": {"connect_timeout": 2}}))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_SEQ_DOWN",
+        json.dumps(
+            {
+                "conn_type": "sequin",
+                "host": "127.0.0.1",
+                "port": 1,
+                "login": "x",
+                "schema": "x",
+                "extra": {"connect_timeout": 2},
+            }
+        ),
+    )
     ok, message = SequinHook("seq_down").test_connection()
     assert not ok and "127.0.0.1" in message

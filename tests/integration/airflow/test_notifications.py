@@ -23,34 +23,54 @@ def webhook() -> Iterator[Webhook]:
 def failure_context() -> dict[str, Any]:
     """What Airflow passes to a task's ``on_failure_callback`` (the parts the notifier reads)."""
     dag = DAG("sequin_monitoring", schedule=None)
-    ti = SimpleNamespace(dag_id="sequin_monitoring", task_id="slot_lag", run_id="manual__1", try_number=2,
-                         map_index=-1, state="failed")
-    return {"dag": dag, "ti": ti, "task_instance": ti, "run_id": "manual__1",
-            "exception": RuntimeError("slot 'sequin_slot' lags 5 GB")}
+    ti = SimpleNamespace(
+        dag_id="sequin_monitoring", task_id="slot_lag", run_id="manual__1", try_number=2, map_index=-1, state="failed"
+    )
+    return {
+        "dag": dag,
+        "ti": ti,
+        "task_instance": ti,
+        "run_id": "manual__1",
+        "exception": RuntimeError("slot 'sequin_slot' lags 5 GB"),
+    }
 
 
 def test_posts_rendered_json_as_a_failure_callback(webhook: Webhook) -> None:
-    notifier = SequinNotifier(url=webhook.url + "/hooks/{{ dag.dag_id }}", title="Sequin: {{ ti.task_id }}",
-                              message="{{ ti.task_id }} failed in {{ dag.dag_id }}", details={"env": "test"},
-                              headers={"Authorization": "Bearer t0k3n"})
+    notifier = SequinNotifier(
+        url=webhook.url + "/hooks/{{ dag.dag_id }}",
+        title="Sequin: {{ ti.task_id }}",
+        message="{{ ti.task_id }} failed in {{ dag.dag_id }}",
+        details={"env": "test"},
+        headers={"Authorization": "Bearer t0k3n"},
+    )
     with capture_logs() as logs:
         notifier(failure_context())  # how Airflow invokes on_failure_callback
     (request,) = webhook.received
     assert request["path"] == "/hooks/sequin_monitoring"
     assert request["headers"]["Authorization"] == "Bearer t0k3n"
     body = request["json"]
-    assert {k: body[k] for k in ("title", "message", "dag_id", "task_id", "run_id", "try_number", "state",
-                                 "exception", "details")} == {
-        "title": "Sequin: slot_lag", "message": "slot_lag failed in sequin_monitoring", "dag_id": "sequin_monitoring",
-        "task_id": "slot_lag", "run_id": "manual__1", "try_number": 2, "state": "failed",
-        "exception": "RuntimeError: slot 'sequin_slot' lags 5 GB", "details": {"env": "test"}}
+    assert {
+        k: body[k]
+        for k in ("title", "message", "dag_id", "task_id", "run_id", "try_number", "state", "exception", "details")
+    } == {
+        "title": "Sequin: slot_lag",
+        "message": "slot_lag failed in sequin_monitoring",
+        "dag_id": "sequin_monitoring",
+        "task_id": "slot_lag",
+        "run_id": "manual__1",
+        "try_number": 2,
+        "state": "failed",
+        "exception": "RuntimeError: slot 'sequin_slot' lags 5 GB",
+        "details": {"env": "test"},
+    }
     assert any(log["log_level"] == "info" and "Sent notification" in log["event"] for log in logs)
 
 
 def test_default_message_says_what_happened(webhook: Webhook) -> None:
     SequinNotifier(url=webhook.url).notify(failure_context())
     assert webhook.received[0]["json"]["message"] == (
-        "task slot_lag of sequin_monitoring (run manual__1): RuntimeError: slot 'sequin_slot' lags 5 GB")
+        "task slot_lag of sequin_monitoring (run manual__1): RuntimeError: slot 'sequin_slot' lags 5 GB"
+    )
 
 
 def test_async_notify_posts_too(webhook: Webhook) -> None:

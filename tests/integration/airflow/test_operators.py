@@ -38,7 +38,7 @@ from tests.support.config import write_config
 from tests.support.postgres import execute
 from tests.support.receiver import Receiver
 
-FAKE_APP = '''\
+FAKE_APP = """\
 import os, signal, sys, time
 log = os.environ["FAKE_APP_LOG"]
 def note(text):
@@ -54,7 +54,7 @@ if os.environ.get("FAKE_APP_MODE") == "fail":
     sys.exit(3)
 while True:
     time.sleep(0.2)
-'''
+"""
 
 CONFIG = """
 databases:
@@ -80,8 +80,9 @@ class Env:
         self.dsn = dsn
         self.tmp = tmp
         self.receiver = Receiver().start()
-        self.config = write_config(tmp / "sequin.yaml", CONFIG.format(dsn=dsn, db=db, url=self.receiver.url,
-                                                                     ckpt=tmp / "ckpt"))
+        self.config = write_config(
+            tmp / "sequin.yaml", CONFIG.format(dsn=dsn, db=db, url=self.receiver.url, ckpt=tmp / "ckpt")
+        )
         self.app = tmp / "fake_app.py"
         self.app.write_text(FAKE_APP)
         self.app_log = tmp / "fake_app.log"
@@ -101,9 +102,12 @@ class Env:
 @pytest.fixture
 def env(dsn: str, dbname: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
     """Connections ``sequin_default`` (with ``config_path``) and ``spark_default`` (``local[1]``)."""
-    execute(dsn, "CREATE TABLE items (id int PRIMARY KEY, updated_at timestamptz)",
-            "INSERT INTO items SELECT g, timestamptz '2025-01-01 00:00:00+00' + g * interval '1 hour'"
-            " FROM generate_series(1, 50) g")
+    execute(
+        dsn,
+        "CREATE TABLE items (id int PRIMARY KEY, updated_at timestamptz)",
+        "INSERT INTO items SELECT g, timestamptz '2025-01-01 00:00:00+00' + g * interval '1 hour'"
+        " FROM generate_series(1, 50) g",
+    )
     e = Env(dsn, dbname, tmp_path)
     monkeypatch.setenv("AIRFLOW_CONN_SEQUIN_DEFAULT", sequin_connection(dsn, config_path=str(e.config)))
     monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": "local[1]"}))
@@ -132,26 +136,37 @@ def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
 
 # -- SequinBackfillOperator ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"sink": "nope", "table": "items"}, "unknown sink 'nope' (configured sinks: items_sink, hooks)"),
-    ({"sink": "items_sink", "table": "other"}, "sink 'items_sink' does not capture public.other"),
-    ({"sink": "items_sink", "table": "items", "sort_column": "nope", "start_position": "1"},
-     "sort column 'nope' is not a column of public.items"),
-    ({"sink": "items_sink", "table": "items", "sort_column": "updated_at", "start_position": "yesterday-ish"},
-     "start position 'yesterday-ish' is not a valid timestamp with time zone"),
-])
-def test_backfill_bad_input_fails_with_the_reason_and_records_nothing(env: Env, kwargs: dict[str, Any],
-                                                                       message: str) -> None:
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"sink": "nope", "table": "items"}, "unknown sink 'nope' (configured sinks: items_sink, hooks)"),
+        ({"sink": "items_sink", "table": "other"}, "sink 'items_sink' does not capture public.other"),
+        (
+            {"sink": "items_sink", "table": "items", "sort_column": "nope", "start_position": "1"},
+            "sort column 'nope' is not a column of public.items",
+        ),
+        (
+            {"sink": "items_sink", "table": "items", "sort_column": "updated_at", "start_position": "yesterday-ish"},
+            "start position 'yesterday-ish' is not a valid timestamp with time zone",
+        ),
+    ],
+)
+def test_backfill_bad_input_fails_with_the_reason_and_records_nothing(
+    env: Env, kwargs: dict[str, Any], message: str
+) -> None:
     op = SequinBackfillOperator(task_id="b", **kwargs)
     with pytest.raises(AirflowFailException, match=re.escape(message)):
         op.execute(context={})
     assert env.backfills() == []
 
 
-def test_backfill_config_and_connection_must_name_the_same_store_schema(env: Env,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AIRFLOW_CONN_SEQUIN_OTHER", sequin_connection(env.dsn, config_path=str(env.config),
-                                                                      store_schema="cdc"))
+def test_backfill_config_and_connection_must_name_the_same_store_schema(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_SEQUIN_OTHER", sequin_connection(env.dsn, config_path=str(env.config), store_schema="cdc")
+    )
     op = SequinBackfillOperator(task_id="b", sink="items_sink", table="items", sequin_conn_id="sequin_other")
     with pytest.raises(AirflowFailException, match="names store schema 'cdc' but .* has store.schema 'sequin'"):
         op.execute(context={})
@@ -254,8 +269,9 @@ def test_execute_complete_success_error_and_timeout(env: Env) -> None:
 
 
 def test_backfill_app_failure_through_spark_submit_fails_the_task_and_the_backfill(env: Env) -> None:
-    op = SequinBackfillOperator(task_id="b", sink="items_sink", table="items", application=str(env.app),
-                                env_vars=env.fake_env("fail"))
+    op = SequinBackfillOperator(
+        task_id="b", sink="items_sink", table="items", application=str(env.app), env_vars=env.fake_env("fail")
+    )
     with pytest.raises(AirflowException, match="the fake app failed on purpose"):
         op.execute(context={})
     (started,) = [e for e in env.app_events() if e[0] == "start"]
@@ -268,8 +284,9 @@ def test_backfill_app_failure_through_spark_submit_fails_the_task_and_the_backfi
 
 
 def test_backfill_on_kill_cancels_the_backfill_and_kills_the_job(env: Env) -> None:
-    op = SequinBackfillOperator(task_id="b", sink="items_sink", table="items", application=str(env.app),
-                                env_vars=env.fake_env())
+    op = SequinBackfillOperator(
+        task_id="b", sink="items_sink", table="items", application=str(env.app), env_vars=env.fake_env()
+    )
     thread, outcome = in_thread(lambda: op.execute(context={}))
     wait_for(lambda: any(e[0] == "start" for e in env.app_events()), 300, what="the app to start")
     pid = op._run.pid if op._run else None
@@ -301,18 +318,24 @@ def test_a_retry_resumes_the_backfill_its_earlier_try_started_and_others_are_sti
     mapped = {"ti": SimpleNamespace(dag_id="nightly", task_id="b", run_id="scheduled__2026-11-21", map_index=2)}
     for other in ({}, mapped, {"ti": SimpleNamespace(dag_id="nightly", task_id="b", run_id="manual__x", map_index=-1)}):
         op = SequinBackfillOperator(task_id="b", sink="items_sink", table="items", application=str(env.app))
-        with pytest.raises(AirflowFailException, match=f"already has an active backfill of public.items: backfill"
-                                                       f" {earlier.id} \\(running, requested by airflow:nightly/b/"):
+        with pytest.raises(
+            AirflowFailException,
+            match=f"already has an active backfill of public.items: backfill"
+            f" {earlier.id} \\(running, requested by airflow:nightly/b/",
+        ):
             op.execute(other)
-    changed = SequinBackfillOperator(task_id="b", sink="items_sink", table="items", max_query_ms=100,
-                                     application=str(env.app))
-    with pytest.raises(AirflowFailException, match="an earlier try of this task started it with max_query_ms 5000"
-                                                   " \\(now 100\\)"):
+    changed = SequinBackfillOperator(
+        task_id="b", sink="items_sink", table="items", max_query_ms=100, application=str(env.app)
+    )
+    with pytest.raises(
+        AirflowFailException, match="an earlier try of this task started it with max_query_ms 5000 \\(now 100\\)"
+    ):
         changed.execute(context)
     assert env.app_events() == [] and [b.id for b in env.backfills()] == [earlier.id]
     # the retry: same task instance, same request -> the same backfill goes to the app (which fails here)
-    retry = SequinBackfillOperator(task_id="b", sink="items_sink", table="items", application=str(env.app),
-                                   env_vars=env.fake_env("fail"))
+    retry = SequinBackfillOperator(
+        task_id="b", sink="items_sink", table="items", application=str(env.app), env_vars=env.fake_env("fail")
+    )
     with pytest.raises(AirflowException, match="the fake app failed on purpose"):
         retry.execute(context)
     assert retry.adopted and retry.backfill_id == earlier.id
@@ -327,8 +350,15 @@ def test_a_retry_waits_for_the_app_still_running_its_backfill_instead_of_startin
     app = run_lock(env.dsn, "sequin", earlier.id, "the earlier try's app")  # e.g. a driver in cluster mode
     assert app.acquire()
     try:
-        retry = SequinBackfillOperator(task_id="b", sink="items_sink", table="items", application=str(env.app),
-                                       env_vars=env.fake_env(), takeover_wait=0.5, poll_interval=1.0)
+        retry = SequinBackfillOperator(
+            task_id="b",
+            sink="items_sink",
+            table="items",
+            application=str(env.app),
+            env_vars=env.fake_env(),
+            takeover_wait=0.5,
+            poll_interval=1.0,
+        )
         with pytest.raises(TaskDeferred) as deferred:
             retry.execute(context)
     finally:
@@ -346,8 +376,15 @@ def test_with_a_backfill_server_up_the_operator_submits_nothing_and_waits_for_th
     server = server_lock(env.dsn, "sequin", "app", "a backfill server")
     assert server.acquire()
     try:
-        op = SequinBackfillOperator(task_id="b", sink="items_sink", table="items", application=str(env.app),
-                                    env_vars=env.fake_env(), deferrable=False, poll_interval=0.2)
+        op = SequinBackfillOperator(
+            task_id="b",
+            sink="items_sink",
+            table="items",
+            application=str(env.app),
+            env_vars=env.fake_env(),
+            deferrable=False,
+            poll_interval=0.2,
+        )
         thread, outcome = in_thread(lambda: op.execute({}))
         (recorded,) = wait_for(env.backfills, 60, what="the backfill to be recorded")
         with psycopg.connect(env.dsn) as conn:
@@ -371,9 +408,11 @@ def test_with_a_backfill_server_up_the_operator_submits_nothing_and_waits_for_th
 
 # -- SequinBufferRetryOperator ---------------------------------------------------------------------
 
+
 def park(dsn: str, sink: str, n: int) -> None:
-    rows = [buffer.ParkRow(sink, 100 + i, 0, "g1", f"k{i}", json.dumps({"n": i}), None, 1, "HTTP 500")
-            for i in range(n)]
+    rows = [
+        buffer.ParkRow(sink, 100 + i, 0, "g1", f"k{i}", json.dumps({"n": i}), None, 1, "HTTP 500") for i in range(n)
+    ]
     with psycopg.connect(dsn) as conn:
         buffer.park(conn, "sequin", rows)
 
@@ -383,15 +422,21 @@ def test_buffer_retry_delivers_parked_messages_in_order_and_reports(env: Env) ->
     result = SequinBufferRetryOperator(task_id="r", sink="hooks").execute(context={})
     assert result == {"delivered": 3, "still_parked": 0, "discarded": 0}
     assert [m["n"] for m in env.receiver.messages()] == [0, 1, 2]
-    assert SequinBufferRetryOperator(task_id="r").execute(context={}) == {"delivered": 0, "still_parked": 0,
-                                                                          "discarded": 0}
+    assert SequinBufferRetryOperator(task_id="r").execute(context={}) == {
+        "delivered": 0,
+        "still_parked": 0,
+        "discarded": 0,
+    }
 
 
 def test_buffer_retry_sink_down_keeps_messages_parked(env: Env) -> None:
     park(env.dsn, "hooks", 2)
     env.receiver.policy = lambda messages: (500, 0.0)
-    assert SequinBufferRetryOperator(task_id="r").execute(context={}) == {"delivered": 0, "still_parked": 2,
-                                                                          "discarded": 0}
+    assert SequinBufferRetryOperator(task_id="r").execute(context={}) == {
+        "delivered": 0,
+        "still_parked": 2,
+        "discarded": 0,
+    }
     with psycopg.connect(env.dsn) as conn:  # due again now, and this time the task must fail
         conn.execute("UPDATE sequin.buffered_messages SET next_attempt_at = now()")
     with pytest.raises(AirflowException, match="2 messages are still parked"):
@@ -406,6 +451,7 @@ def test_buffer_retry_unknown_sink_is_a_clear_error(env: Env) -> None:
 
 # -- SequinReplicationOperator: the parts that need no stream app ----------------------------------
 
+
 def test_replication_refuses_to_start_when_the_lock_is_held(env: Env) -> None:
     squatter = StreamLock(env.dsn, "sequin", "app", "someone else's supervisor")
     assert squatter.acquire()
@@ -419,8 +465,9 @@ def test_replication_refuses_to_start_when_the_lock_is_held(env: Env) -> None:
 
 
 def test_replication_on_kill_stops_the_app_cleanly_and_a_second_supervisor_fails_fast(env: Env) -> None:
-    op = SequinReplicationOperator(task_id="s", application=str(env.app), env_vars=env.fake_env(),
-                                   start_timeout=3600, poll_interval=0.2)
+    op = SequinReplicationOperator(
+        task_id="s", application=str(env.app), env_vars=env.fake_env(), start_timeout=3600, poll_interval=0.2
+    )
     thread, outcome = in_thread(lambda: op.execute(context={}))
     wait_for(lambda: any(e[0] == "start" for e in env.app_events()), 300, what="the app to start")
     (start,) = env.app_events()
@@ -439,9 +486,17 @@ def test_replication_on_kill_stops_the_app_cleanly_and_a_second_supervisor_fails
 
 def test_replication_restarts_a_stalled_app_then_fails_after_max_restarts(env: Env) -> None:
     # the stand-in never records a heartbeat: every run stalls at start_timeout
-    op = SequinReplicationOperator(task_id="s", application=str(env.app), env_vars=env.fake_env(),
-                                   start_timeout=1, stall_timeout=5, max_restarts=2, restart_backoff=0.1,
-                                   poll_interval=0.1, stop_grace_period=10)
+    op = SequinReplicationOperator(
+        task_id="s",
+        application=str(env.app),
+        env_vars=env.fake_env(),
+        start_timeout=1,
+        stall_timeout=5,
+        max_restarts=2,
+        restart_backoff=0.1,
+        poll_interval=0.1,
+        stop_grace_period=10,
+    )
     with pytest.raises(AirflowException, match=r"stalled \(no first heartbeat for .*giving up after 2 consecutive"):
         op.execute(context={})
     assert len(op.runs) == 3 and op.restarts == 2
@@ -450,12 +505,16 @@ def test_replication_restarts_a_stalled_app_then_fails_after_max_restarts(env: E
 
 
 def test_replication_run_for_stops_and_succeeds(env: Env) -> None:
-    op = SequinReplicationOperator(task_id="s", application=str(env.app), env_vars=env.fake_env(), run_for=0.5,
-                                   start_timeout=3600, poll_interval=0.1)
+    op = SequinReplicationOperator(
+        task_id="s",
+        application=str(env.app),
+        env_vars=env.fake_env(),
+        run_for=0.5,
+        start_timeout=3600,
+        poll_interval=0.1,
+    )
     result = op.execute(context={})
     assert result["database"] == "app" and result["restarts"] == 0
     (run,) = op.runs
     assert run.finished and no_process_left(run.pid)
     assert lock_is_free(env.dsn)
-
-

@@ -25,14 +25,21 @@ def test_plugin_is_registered_and_declares_the_app_and_the_view() -> None:
     assert view["href"] == f"{URL_PREFIX}/ui/" and view["destination"] == "nav"
 
 
-def test_mounted_app_serves_the_api_and_the_status_page(dsn: str, dbname: str, tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    execute(dsn, "CREATE TABLE kv (k int PRIMARY KEY, v int)", f"SELECT pg_create_logical_replication_slot('slot_{dbname}',"
-            " 'pgoutput')")
-    config = write_config(tmp_path / "sequin.yaml", f"""
+def test_mounted_app_serves_the_api_and_the_status_page(
+    dsn: str, dbname: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    execute(
+        dsn,
+        "CREATE TABLE kv (k int PRIMARY KEY, v int)",
+        f"SELECT pg_create_logical_replication_slot('slot_{dbname}', 'pgoutput')",
+    )
+    config = write_config(
+        tmp_path / "sequin.yaml",
+        f"""
         databases: [{{name: app, dsn: "{dsn}", slot: {{name: slot_{dbname}}}}}]
         sinks: [{{name: kv_stream, tables: [kv], destination: {{type: sequin_stream}}}}]
-        """)
+        """,
+    )
     with psycopg.connect(dsn) as conn:
         store.migrate(conn, "sequin")
         conn.commit()
@@ -48,9 +55,14 @@ def test_mounted_app_serves_the_api_and_the_status_page(dsn: str, dbname: str, t
         page = client.get(f"{URL_PREFIX}/ui/", params={"token": token})
         assert page.status_code == 200 and "kv_stream" in page.text and f"slot_{dbname}" in page.text
         assert "<td>1</td>" in page.text  # one visible message in kv_stream
-        assert client.get(f"{URL_PREFIX}/ui/").status_code == 200 and "kv_stream" in client.get(f"{URL_PREFIX}/ui/").text
-        got = client.post(f"{URL_PREFIX}/api/sequin_streams/kv_stream/receive", json={"batch_size": 5},
-                          headers={"Authorization": f"Bearer {token}"})
+        assert (
+            client.get(f"{URL_PREFIX}/ui/").status_code == 200 and "kv_stream" in client.get(f"{URL_PREFIX}/ui/").text
+        )
+        got = client.post(
+            f"{URL_PREFIX}/api/sequin_streams/kv_stream/receive",
+            json={"batch_size": 5},
+            headers={"Authorization": f"Bearer {token}"},
+        )
         assert got.status_code == 200 and [m["data"]["record"] for m in got.json()["data"]] == [{"k": 1}]
         assert client.post(f"{URL_PREFIX}/api/sequin_streams/kv_stream/receive").status_code == 401
 

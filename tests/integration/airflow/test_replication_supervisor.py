@@ -49,8 +49,9 @@ def setup(dsn: str, dbname: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": "local[2]"}))
 
     def configure(extra: str = "") -> Path:
-        config = write_config(tmp_path / "sequin.yaml", CONFIG.format(dsn=dsn, db=dbname, extra=extra,
-                                                                      ckpt=tmp_path / "ckpt"))
+        config = write_config(
+            tmp_path / "sequin.yaml", CONFIG.format(dsn=dsn, db=dbname, extra=extra, ckpt=tmp_path / "ckpt")
+        )
         monkeypatch.setenv("AIRFLOW_CONN_SEQUIN_DEFAULT", sequin_connection(dsn, config_path=str(config)))
         return config
 
@@ -76,14 +77,23 @@ def write(dsn: str, ids: range, value: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         for start in range(ids.start, ids.stop, 10):
             with conn.transaction():
-                conn.execute("INSERT INTO kv SELECT g, %s FROM generate_series(%s::int, %s::int) g",
-                             (value, start, min(start + 9, ids.stop - 1)))
+                conn.execute(
+                    "INSERT INTO kv SELECT g, %s FROM generate_series(%s::int, %s::int) g",
+                    (value, start, min(start + 9, ids.stop - 1)),
+                )
 
 
 def test_a_crashed_stream_app_is_restarted_and_no_change_is_lost(setup: Any, dsn: str) -> None:
     setup()
-    op = SequinReplicationOperator(task_id="supervise", stall_timeout=120, start_timeout=600, max_restarts=3,
-                                   restart_backoff=0.5, poll_interval=0.5, driver_memory="1g")
+    op = SequinReplicationOperator(
+        task_id="supervise",
+        stall_timeout=120,
+        start_timeout=600,
+        max_restarts=3,
+        restart_backoff=0.5,
+        poll_interval=0.5,
+        driver_memory="1g",
+    )
     outcome: dict[str, Any] = {}
 
     def supervise() -> None:
@@ -95,8 +105,9 @@ def test_a_crashed_stream_app_is_restarted_and_no_change_is_lost(setup: Any, dsn
     thread = threading.Thread(target=supervise, daemon=True)
     thread.start()
     try:
-        first = wait_for(lambda: outcome.get("error") or streaming_since(dsn, None), 600,
-                         what="the supervised app to stream")
+        first = wait_for(
+            lambda: outcome.get("error") or streaming_since(dsn, None), 600, what="the supervised app to stream"
+        )
         assert not isinstance(first, BaseException), first
         write(dsn, range(1, 101), "before")
         wait_for(lambda: len(sink_messages(dsn, "kv_sink")) >= 100, 300, what="the first changes in the sink")
@@ -106,8 +117,9 @@ def test_a_crashed_stream_app_is_restarted_and_no_change_is_lost(setup: Any, dsn
         os.killpg(crashed.pid, signal.SIGKILL)  # the whole app dies at once: JVM, driver, Python workers
         write(dsn, range(101, 201), "while down")  # committed while no app runs
 
-        second = wait_for(lambda: outcome.get("error") or streaming_since(dsn, first), 600,
-                          what="the restarted app to stream")
+        second = wait_for(
+            lambda: outcome.get("error") or streaming_since(dsn, first), 600, what="the restarted app to stream"
+        )
         assert not isinstance(second, BaseException), second
         assert op.restarts == 1 and len(op.runs) == 2 and crashed.finished
         write(dsn, range(201, 301), "after")
@@ -134,9 +146,10 @@ def test_a_crashed_stream_app_is_restarted_and_no_change_is_lost(setup: Any, dsn
 
 
 def test_an_app_that_fails_at_every_start_fails_the_task_after_bounded_restarts(setup: Any, dsn: str) -> None:
-    setup('filter: "record.v ==== \'x\'"')  # valid YAML, invalid Spark SQL: the app stops at start with exit 2
-    op = SequinReplicationOperator(task_id="supervise", max_restarts=2, restart_backoff=0.2, poll_interval=0.2,
-                                   driver_memory="1g")
+    setup("filter: \"record.v ==== 'x'\"")  # valid YAML, invalid Spark SQL: the app stops at start with exit 2
+    op = SequinReplicationOperator(
+        task_id="supervise", max_restarts=2, restart_backoff=0.2, poll_interval=0.2, driver_memory="1g"
+    )
     with pytest.raises(AirflowException) as failed:
         op.execute(context={})
     message = str(failed.value)

@@ -35,9 +35,19 @@ CONN = {"sequin_conn_id": "sequin_sens"}
 def conn_env(dsn: str, monkeypatch: pytest.MonkeyPatch) -> str:
     """Connection ``sequin_sens`` = the test database, with the store migrated into it."""
     parts = conninfo_to_dict(dsn)
-    monkeypatch.setenv("AIRFLOW_CONN_SEQUIN_SENS", json.dumps({
-        "conn_type": "sequin", "host": parts.get("host"), "port": int(parts.get("port") or 5432),
-        "login": parts.get("user"), "password": parts.get("password"), "schema": parts.get("dbname")}))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_SEQUIN_SENS",
+        json.dumps(
+            {
+                "conn_type": "sequin",
+                "host": parts.get("host"),
+                "port": int(parts.get("port") or 5432),
+                "login": parts.get("user"),
+                "password": parts.get("password"),
+                "schema": parts.get("dbname"),
+            }
+        ),
+    )
     with psycopg.connect(dsn) as conn:
         store.migrate(conn, "sequin")
     return dsn
@@ -59,6 +69,7 @@ def run_deferred(deferred: TaskDeferred) -> dict[str, Any]:
         async for event in trigger.run():
             return event.payload
         raise AssertionError("no event")
+
     return asyncio.run(asyncio.wait_for(first(), 30))
 
 
@@ -70,7 +81,11 @@ def test_defers_when_not_done_and_resumes_with_the_event(conn_env: str) -> None:
     trigger = deferred.value.trigger
     assert isinstance(trigger, ParkedMessagesTrigger)
     assert (trigger.sink, trigger.threshold, trigger.sequin_conn_id, trigger.poke_interval) == (
-        "orders", 1, "sequin_sens", 0.05)
+        "orders",
+        1,
+        "sequin_sens",
+        0.05,
+    )
     assert started + 20 <= trigger.end_time <= time.time() + 20
     assert deferred.value.method_name == "execute_complete"
     assert deferred.value.timeout == timedelta(seconds=20)
@@ -89,8 +104,9 @@ def test_returns_at_once_when_already_done(conn_env: str) -> None:
 
 
 def test_timeout_and_error_events_fail_the_task(conn_env: str) -> None:
-    sensor = StreamHeartbeatSensor(task_id="hb", database="shop", max_age_seconds=60, fire_when="within",
-                                   poke_interval=0.05, timeout=0.3, **CONN)
+    sensor = StreamHeartbeatSensor(
+        task_id="hb", database="shop", max_age_seconds=60, fire_when="within", poke_interval=0.05, timeout=0.3, **CONN
+    )
     with pytest.raises(TaskDeferred) as deferred:
         sensor.execute(context={})
     assert isinstance(deferred.value.trigger, HeartbeatTrigger)
@@ -109,8 +125,9 @@ def test_timeout_and_error_events_fail_the_task(conn_env: str) -> None:
 def test_backfill_sensor_defers_then_fails_with_the_backfill_error(conn_env: str) -> None:
     with psycopg.connect(conn_env) as conn:
         backfill = store.create_backfill(conn, "sequin", "orders", "public", "orders")
-    sensor = BackfillCompletedSensor(task_id="wait", backfill_id="{{ params.backfill_id }}", poke_interval=0.05,
-                                     timeout=20, **CONN)
+    sensor = BackfillCompletedSensor(
+        task_id="wait", backfill_id="{{ params.backfill_id }}", poke_interval=0.05, timeout=20, **CONN
+    )
     sensor.render_template_fields({"params": {"backfill_id": backfill.id}})
     with pytest.raises(TaskDeferred) as deferred:
         sensor.execute(context={})
@@ -130,20 +147,36 @@ def test_backfill_sensor_defers_then_fails_with_the_backfill_error(conn_env: str
 def test_poke_mode_waits_without_deferring(conn_env: str) -> None:
     with psycopg.connect(conn_env) as conn:
         store.update_status(conn, "sequin", "shop", heartbeat_at=datetime.now(timezone.utc) - timedelta(seconds=300))
-    stale = StreamHeartbeatSensor(task_id="stale", database="shop", max_age_seconds=60, deferrable=False,
-                                  poke_interval=0.05, timeout=5, **CONN)
+    stale = StreamHeartbeatSensor(
+        task_id="stale", database="shop", max_age_seconds=60, deferrable=False, poke_interval=0.05, timeout=5, **CONN
+    )
     result = stale.execute(context={})
     assert result["status"] == "success" and result["age_seconds"] >= 300
 
-    fresh = StreamHeartbeatSensor(task_id="fresh", database="shop", max_age_seconds=60, fire_when="within",
-                                  deferrable=False, poke_interval=0.05, timeout=0.3, **CONN)
+    fresh = StreamHeartbeatSensor(
+        task_id="fresh",
+        database="shop",
+        max_age_seconds=60,
+        fire_when="within",
+        deferrable=False,
+        poke_interval=0.05,
+        timeout=0.3,
+        **CONN,
+    )
     with pytest.raises(AirflowSensorTimeout):
         fresh.execute(context={})
 
 
 def test_slot_lag_sensor_fails_on_a_missing_slot(conn_env: str) -> None:
-    sensor = ReplicationSlotLagSensor(task_id="lag", slot="absent_slot", threshold_bytes="1024", deferrable=False,
-                                      poke_interval=0.05, timeout=5, **CONN)
+    sensor = ReplicationSlotLagSensor(
+        task_id="lag",
+        slot="absent_slot",
+        threshold_bytes="1024",
+        deferrable=False,
+        poke_interval=0.05,
+        timeout=5,
+        **CONN,
+    )
     assert sensor.build_trigger(None).threshold_bytes == 1024  # templated values arrive as strings
     with pytest.raises(AirflowException, match="replication slot 'absent_slot' does not exist"):
         sensor.execute(context={})

@@ -28,9 +28,19 @@ from tests.support.airflow import FAST_TRIGGER as FAST
 def conn_env(dsn: str, monkeypatch: pytest.MonkeyPatch) -> str:
     """Connection ``sequin_trig`` = the test database, with the store migrated into it."""
     parts = conninfo_to_dict(dsn)
-    monkeypatch.setenv("AIRFLOW_CONN_SEQUIN_TRIG", json.dumps({
-        "conn_type": "sequin", "host": parts.get("host"), "port": int(parts.get("port") or 5432),
-        "login": parts.get("user"), "password": parts.get("password"), "schema": parts.get("dbname")}))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_SEQUIN_TRIG",
+        json.dumps(
+            {
+                "conn_type": "sequin",
+                "host": parts.get("host"),
+                "port": int(parts.get("port") or 5432),
+                "login": parts.get("user"),
+                "password": parts.get("password"),
+                "schema": parts.get("dbname"),
+            }
+        ),
+    )
     with psycopg.connect(dsn) as conn:
         store.migrate(conn, "sequin")
     return dsn
@@ -46,16 +56,19 @@ def slot(dsn: str, dbname: str) -> Iterator[str]:
         conn.execute("INSERT INTO filler SELECT repeat('x', 200) FROM generate_series(1, 1000)")
     yield name
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
-                     (name,))
+        conn.execute(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s", (name,)
+        )
 
 
 def first_event(trigger: SequinPollingTrigger, limit: float = 30.0) -> dict[str, Any]:
     """Run the trigger as the triggerer would and return its first event's payload."""
+
     async def first() -> dict[str, Any]:
         async for event in trigger.run():
             return event.payload
         raise AssertionError("the trigger ended without an event")
+
     return asyncio.run(asyncio.wait_for(first(), limit))
 
 
@@ -83,8 +96,11 @@ def test_slot_lag_success_timeout_and_missing_slot(conn_env: str, slot: str) -> 
     assert event["status"] == "success" and event["fire_when"] == "within"
 
     event = first_event(SlotLagTrigger(slot="gone", threshold_bytes=0, end_time=soon(), **FAST))
-    assert event == {"slot": "gone", "status": "error",
-                     "message": "replication slot 'gone' does not exist (or has no confirmed position)"}
+    assert event == {
+        "slot": "gone",
+        "status": "error",
+        "message": "replication slot 'gone' does not exist (or has no confirmed position)",
+    }
 
 
 def test_heartbeat_stale_fresh_and_missing(conn_env: str) -> None:
@@ -142,15 +158,21 @@ def test_backfill_completed_failed_cancelled_missing(conn_env: str) -> None:
         waiting = asyncio.create_task(anext(trigger.run()))
         await asyncio.sleep(0.3)
         assert not waiting.done()  # still running
+
         def complete() -> None:
             with psycopg.connect(conn_env) as conn:
                 store.transition_backfill(conn, "sequin", done.id, "completed")
+
         await asyncio.to_thread(complete)
         return (await asyncio.wait_for(waiting, 10)).payload
 
     event = asyncio.run(complete_later_then_wait())
     assert (event["status"], event["backfill_id"], event["state"], event["rows_processed"]) == (
-        "success", done.id, "completed", 4)
+        "success",
+        done.id,
+        "completed",
+        4,
+    )
     assert event["progress"].startswith("completed, 4/4 rows (100.0%)")
 
     event = first_event(BackfillCompletedTrigger(backfill_id=running.id, end_time=soon(), **FAST))
@@ -175,7 +197,18 @@ def test_failures_become_error_events(conn_env: str, monkeypatch: pytest.MonkeyP
     event = first_event(HeartbeatTrigger(database="shop", max_age_seconds=1, sequin_conn_id="nope", poke_interval=0.05))
     assert event["status"] == "error" and "nope" in event["message"]
 
-    monkeypatch.setenv("AIRFLOW_CONN_DOWN", json.dumps({"conn_type": "sequin", "host": "127.0.0.1", "port": 1,
-                                                         "login": "x", "schema": "x", "extra": {"connect_timeout": 2}}))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_DOWN",
+        json.dumps(
+            {
+                "conn_type": "sequin",
+                "host": "127.0.0.1",
+                "port": 1,
+                "login": "x",
+                "schema": "x",
+                "extra": {"connect_timeout": 2},
+            }
+        ),
+    )
     event = first_event(ParkedMessagesTrigger(sequin_conn_id="down", poke_interval=0.05, end_time=soon()))
     assert event["status"] == "error" and "OperationalError" in event["message"]

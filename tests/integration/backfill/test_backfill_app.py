@@ -119,7 +119,8 @@ def reads_of(dsn: str, sink: str) -> list[dict[str, Any]]:
 
 
 def test_full_backfill_delivers_every_row_once_in_key_order_per_range(
-        app_db: tuple[str, StreamApp, Path], spark: Any) -> None:
+    app_db: tuple[str, StreamApp, Path], spark: Any
+) -> None:
     dsn, app, config = app_db
     created = backfill(dsn, config, "big_sink", "big")
     assert created.state == "pending" and 90_000 <= (created.rows_initial or 0) <= 110_000  # planner estimate
@@ -137,8 +138,10 @@ def test_full_backfill_delivers_every_row_once_in_key_order_per_range(
         ranges = store.backfill_ranges(conn, "sequin", created.id)
     assert len(ranges) == 2 and all(r.done for r in ranges)
     # the stream app's source runs in a Python worker of its own; its lines reach the app's log
-    assert re.search(f"backfill {created.id} page [0-9]+: [0-9]+ reads released \\(written by the task\\)",
-                     app.log_path.read_text(errors="replace")), app.log_tail()
+    assert re.search(
+        f"backfill {created.id} page [0-9]+: [0-9]+ reads released \\(written by the task\\)",
+        app.log_path.read_text(errors="replace"),
+    ), app.log_tail()
     assert sum(r.rows_processed for r in ranges) == 100_000
     # in key order within each range: position order == key order
     bound = int(ranges[0].upper_key[0])  # type: ignore[index]
@@ -149,8 +152,11 @@ def test_full_backfill_delivers_every_row_once_in_key_order_per_range(
     # the pages were staged and emitted: nothing left in staging
     with psycopg.connect(dsn) as conn:
         assert conn.execute("SELECT count(*) FROM sequin.backfill_rows").fetchone()[0] == 0
-        states = dict(conn.execute("SELECT state, count(*) FROM sequin.backfill_pages WHERE backfill_id = %s"
-                                   " GROUP BY state", (created.id,)).fetchall())
+        states = dict(
+            conn.execute(
+                "SELECT state, count(*) FROM sequin.backfill_pages WHERE backfill_id = %s GROUP BY state", (created.id,)
+            ).fetchall()
+        )
     assert set(states) <= {"emitted", "stale"} and states["emitted"] >= 2
 
 
@@ -177,7 +183,8 @@ def _workload(dsn: str, stop: threading.Event, seed: int, counts: dict[str, int]
 
 
 def test_backfill_racing_a_random_workload_replays_to_the_final_state(
-        app_db: tuple[str, StreamApp, Path], spark: Any) -> None:
+    app_db: tuple[str, StreamApp, Path], spark: Any
+) -> None:
     dsn, app, config = app_db
     with psycopg.connect(dsn) as conn:
         initial = {r[0] for r in conn.execute("SELECT id FROM busy").fetchall()}
@@ -196,8 +203,11 @@ def test_backfill_racing_a_random_workload_replays_to_the_final_state(
     assert final.state == "completed", final.error
     assert counts["update"] > 100 and counts["delete"] > 20, counts  # the race really happened
     execute(dsn, "UPDATE busy SET s = 'the end' WHERE id = 1")  # a last change, to know the stream caught up
-    wait_for(lambda: any(m["record"].get("s") == "the end" for m in sink_messages(dsn, "busy_sink")[-50:]),
-             180, what="the final marker change")
+    wait_for(
+        lambda: any(m["record"].get("s") == "the end" for m in sink_messages(dsn, "busy_sink")[-50:]),
+        180,
+        what="the final marker change",
+    )
     messages = sink_messages(dsn, "busy_sink")
     with psycopg.connect(dsn) as conn:
         final_rows = {r[0]: {"id": r[0], "n": r[1], "s": r[2]} for r in conn.execute("SELECT id, n, s FROM busy")}
@@ -224,18 +234,33 @@ def test_backfill_racing_a_random_workload_replays_to_the_final_state(
     assert len(reads) == len({m["record"]["id"] for m in reads})  # no row read twice
     assert final.rows_processed >= len(reads) and final.rows_emitted == len(reads)
     dropped = final.rows_processed - final.rows_emitted
-    logging.getLogger(__name__).info("race: %s, %d reads, %d dropped as changed in their window", counts, len(reads),
-                                     dropped)
+    logging.getLogger(__name__).info(
+        "race: %s, %d reads, %d dropped as changed in their window", counts, len(reads), dropped
+    )
 
 
 def test_partial_backfill_from_a_timestamp_skips_older_rows_and_nulls(
-        app_db: tuple[str, StreamApp, Path], spark: Any, tmp_path: Path) -> None:
+    app_db: tuple[str, StreamApp, Path], spark: Any, tmp_path: Path
+) -> None:
     dsn, app, config = app_db
     # through the CLI, as a user would: record, run, status
     cli = [sys.executable, "-m", "sequin_provider.cli", "--config", str(config), "backfill"]
-    started = subprocess.run([*cli, "start", "events_sink", "events", "--sort-column", "updated_at",
-                              "--start-position", "2025-01-30 00:00:00+00", "--no-run"],
-                             capture_output=True, text=True, timeout=120)
+    started = subprocess.run(
+        [
+            *cli,
+            "start",
+            "events_sink",
+            "events",
+            "--sort-column",
+            "updated_at",
+            "--start-position",
+            "2025-01-30 00:00:00+00",
+            "--no-run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert started.returncode == 0, started.stderr
     backfill_id = int(started.stdout.split()[1].rstrip(":"))
     final = run(spark, config, backfill_id)
@@ -252,8 +277,12 @@ def test_partial_backfill_from_a_timestamp_skips_older_rows_and_nulls(
 
 def test_composite_uuid_and_empty_tables(app_db: tuple[str, StreamApp, Path], spark: Any) -> None:
     dsn, app, config = app_db
-    for sink, table, rows in (("lines_sink", "lines", 2100), ("docs_sink", "docs", 3000), ("nothing_sink", "nothing", 0),
-                              ("tagged_sink", "tagged", 1500)):
+    for sink, table, rows in (
+        ("lines_sink", "lines", 2100),
+        ("docs_sink", "docs", 3000),
+        ("nothing_sink", "nothing", 0),
+        ("tagged_sink", "tagged", 1500),
+    ):
         created = backfill(dsn, config, sink, table)
         final = run(spark, config, created.id, ranges=3)
         assert final.state == "completed", final.error
@@ -261,7 +290,8 @@ def test_composite_uuid_and_empty_tables(app_db: tuple[str, StreamApp, Path], sp
         assert len(reads_of(dsn, sink)) == rows
     lines = reads_of(dsn, "lines_sink")
     assert sorted((m["record"]["order_id"], m["record"]["line"]) for m in lines) == [
-        (o, ln) for o in range(1, 301) for ln in range(1, 8)]
+        (o, ln) for o in range(1, 301) for ln in range(1, 8)
+    ]
     assert lines[0]["metadata"]["record_pks"] == [str(lines[0]["record"]["order_id"]), str(lines[0]["record"]["line"])]
     with psycopg.connect(dsn) as conn:
         uuids = {str(r[0]) for r in conn.execute("SELECT id FROM docs")}
@@ -289,8 +319,14 @@ def test_page_size_adapts_to_a_small_budget_and_to_timeouts(app_db: tuple[str, S
     assert final.state == "completed", final.error
     assert len(reads_of(dsn, "adapt_sink")) == 60_000
     with psycopg.connect(dsn) as conn:
-        sizes = [r[0] for r in conn.execute("SELECT rows_staged FROM sequin.backfill_pages WHERE backfill_id = %s"
-                                            " AND state = 'emitted' ORDER BY id", (created.id,))]
+        sizes = [
+            r[0]
+            for r in conn.execute(
+                "SELECT rows_staged FROM sequin.backfill_pages WHERE backfill_id = %s"
+                " AND state = 'emitted' ORDER BY id",
+                (created.id,),
+            )
+        ]
     assert len(sizes) >= 3 and sizes[0] < max(sizes), sizes  # pages grew while queries finished inside the budget
     # the pages that hit the budget were given up (no rows staged) and read again smaller
     assert _stale_pages(dsn, created.id), "the locked table made at least one page time out"
@@ -298,12 +334,18 @@ def test_page_size_adapts_to_a_small_budget_and_to_timeouts(app_db: tuple[str, S
 
 def _stale_pages(dsn: str, backfill_id: int) -> list[int]:
     with psycopg.connect(dsn) as conn:
-        return [r[0] for r in conn.execute("SELECT id FROM sequin.backfill_pages WHERE backfill_id = %s"
-                                           " AND state = 'stale' AND rows_staged = 0", (backfill_id,))]
+        return [
+            r[0]
+            for r in conn.execute(
+                "SELECT id FROM sequin.backfill_pages WHERE backfill_id = %s AND state = 'stale' AND rows_staged = 0",
+                (backfill_id,),
+            )
+        ]
 
 
 def test_stream_app_killed_mid_backfill_then_restarted_completes_with_nothing_missing(
-        app_db: tuple[str, StreamApp, Path], spark: Any) -> None:
+    app_db: tuple[str, StreamApp, Path], spark: Any
+) -> None:
     """SIGKILL the module's stream app twice while pages are in flight (it is started again each time)."""
     dsn, app, config = app_db
     created = backfill(dsn, config, "killed_sink", "killed")
@@ -313,8 +355,11 @@ def test_stream_app_killed_mid_backfill_then_restarted_completes_with_nothing_mi
     seen = 0
     try:
         for _ in range(2):  # kill it twice while pages are in flight
-            wait_for(lambda at_least=seen + 5_000: count_messages(dsn, "killed_sink") > at_least, 240,
-                     what="backfill progress")
+            wait_for(
+                lambda at_least=seen + 5_000: count_messages(dsn, "killed_sink") > at_least,
+                240,
+                what="backfill progress",
+            )
             app.kill()
             time.sleep(1.0)
             app.start()
@@ -329,27 +374,47 @@ def test_stream_app_killed_mid_backfill_then_restarted_completes_with_nothing_mi
     assert set(ids) == set(range(1, 150_001))  # nothing missing
     # a page re-read after the restart may repeat rows emitted before it (at least once): same idempotency key
     with psycopg.connect(dsn) as conn:
-        stale = conn.execute("SELECT count(*) FROM sequin.backfill_pages WHERE backfill_id = %s AND state = 'stale'",
-                             (created.id,)).fetchone()[0]
+        stale = conn.execute(
+            "SELECT count(*) FROM sequin.backfill_pages WHERE backfill_id = %s AND state = 'stale'", (created.id,)
+        ).fetchone()[0]
     logging.getLogger(__name__).info("kill test: %d reads for 150000 rows, %d stale pages", len(ids), stale)
 
 
 def test_backfill_app_killed_mid_run_resumes_from_its_cursors_with_nothing_missing(
-        app_db: tuple[str, StreamApp, Path], tmp_path: Path) -> None:
+    app_db: tuple[str, StreamApp, Path], tmp_path: Path
+) -> None:
     """SIGKILL the backfill app itself (driver and JVM) mid-run; ``sequin backfill run ID`` finishes it."""
     dsn, app, config = app_db
     created = backfill(dsn, config, "resumed_sink", "resumed")
     root = Path(__file__).resolve().parents[3]
     with open(tmp_path / "backfill1.log", "wb") as log_file:
-        first = subprocess.Popen([sys.executable, str(root / "spark_apps" / "backfill.py"), "--config", str(config),
-                                  "--backfill-id", str(created.id), "--master", "local[2]", "--ranges", "2",
-                                  "--max-page-rows", "5000"],
-                                 stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        first = subprocess.Popen(
+            [
+                sys.executable,
+                str(root / "spark_apps" / "backfill.py"),
+                "--config",
+                str(config),
+                "--backfill-id",
+                str(created.id),
+                "--master",
+                "local[2]",
+                "--ranges",
+                "2",
+                "--max-page-rows",
+                "5000",
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             # both ranges' cursors moved (counting messages is not enough: a page's reads are in the
             # stream table, hidden, before its window closes and its range's cursor moves)
-            wait_for(lambda: ranges_moved(dsn, created.id) or first.poll() is not None, 300,
-                     what="backfill progress before the kill")
+            wait_for(
+                lambda: ranges_moved(dsn, created.id) or first.poll() is not None,
+                300,
+                what="backfill progress before the kill",
+            )
             assert first.poll() is None, (tmp_path / "backfill1.log").read_text()[-3000:]
         finally:
             os.killpg(first.pid, signal.SIGKILL)  # the driver and its JVM, mid-page
@@ -359,8 +424,12 @@ def test_backfill_app_killed_mid_run_resumes_from_its_cursors_with_nothing_missi
         cursors = [r.cursor for r in store.backfill_ranges(conn, "sequin", created.id)]
     assert killed.state == "running" and 0 < killed.rows_emitted < 120_000
     assert all(c is not None for c in cursors)  # both ranges had made progress to resume from
-    resumed = subprocess.run([sys.executable, "-m", "sequin_provider.cli", "--config", str(config), "backfill",
-                              "run", str(created.id)], capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "sequin_provider.cli", "--config", str(config), "backfill", "run", str(created.id)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     app.check_alive()
     with psycopg.connect(dsn) as conn:
@@ -380,7 +449,8 @@ def count_messages(dsn: str, sink: str) -> int:
 
 
 def test_a_second_app_for_a_backfill_that_is_being_run_is_refused_and_changes_nothing(
-        app_db: tuple[str, StreamApp, Path], spark: Any) -> None:
+    app_db: tuple[str, StreamApp, Path], spark: Any
+) -> None:
     from sequin_provider.backfill import BackfillBusy, run_lock
 
     dsn, app, config = app_db
@@ -399,8 +469,9 @@ def test_a_second_app_for_a_backfill_that_is_being_run_is_refused_and_changes_no
     stopping, outcome = threading.Event(), []
     assert holder.acquire()
     try:
-        waiting = threading.Thread(target=lambda: outcome.append(
-            run(spark, config, created.id, lock_wait=60, stopping=stopping)))
+        waiting = threading.Thread(
+            target=lambda: outcome.append(run(spark, config, created.id, lock_wait=60, stopping=stopping))
+        )
         waiting.start()
         time.sleep(1.0)
         stopping.set()
@@ -415,28 +486,46 @@ def test_a_second_app_for_a_backfill_that_is_being_run_is_refused_and_changes_no
 
 
 def test_backfill_app_stops_when_its_supervisor_is_gone_and_leaves_the_backfill_to_resume(
-        dsn: str, dbname: str, tmp_path: Path) -> None:
+    dsn: str, dbname: str, tmp_path: Path
+) -> None:
     """An Airflow worker lost mid-backfill: the app (started in a session of its own, so it outlives the
     worker) stops by itself, the backfill stays running with its cursors, and the lock is free for the
     retry. No stream app runs here, so the app's first page waits for its window when the worker goes."""
     from sequin_provider.backfill import run_lock
 
     execute(dsn, "CREATE TABLE t (id int PRIMARY KEY)", "INSERT INTO t SELECT generate_series(1, 5000)")
-    config = write_config(tmp_path / "sequin.yaml", f"""
+    config = write_config(
+        tmp_path / "sequin.yaml",
+        f"""
         databases: [{{name: app, dsn: "{dsn}", slot: {{name: slot_{dbname}}}, publication: {{name: pub_{dbname}}}}}]
         sinks: [{{name: t_sink, tables: [t], destination: {{type: sequin_stream}}}}]
         stream: {{checkpoint_location: {tmp_path / "ckpt"}}}
-        """)
+        """,
+    )
     with psycopg.connect(dsn) as conn:
         store.migrate(conn, "sequin")
     created = backfill(dsn, config, "t_sink", "t")
     worker = subprocess.Popen(["sleep", "600"])
     root = Path(__file__).resolve().parents[3]
     with open(tmp_path / "backfill.log", "wb") as log_file:
-        app = subprocess.Popen([sys.executable, str(root / "spark_apps" / "backfill.py"), "--config", str(config),
-                                "--backfill-id", str(created.id), "--master", "local[1]", "--window-timeout", "600"],
-                               stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                               env={**os.environ, "SEQUIN_SUPERVISOR_PID": str(worker.pid)})
+        app = subprocess.Popen(
+            [
+                sys.executable,
+                str(root / "spark_apps" / "backfill.py"),
+                "--config",
+                str(config),
+                "--backfill-id",
+                str(created.id),
+                "--master",
+                "local[1]",
+                "--window-timeout",
+                "600",
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "SEQUIN_SUPERVISOR_PID": str(worker.pid)},
+        )
         try:
             wait_for(lambda: open_pages(dsn, created.id) or app.poll() is not None, 300, what="the app's first page")
             assert app.poll() is None, (tmp_path / "backfill.log").read_text()[-3000:]
@@ -460,8 +549,12 @@ def test_backfill_app_stops_when_its_supervisor_is_gone_and_leaves_the_backfill_
 def open_pages(dsn: str, backfill_id: int) -> bool:
     """Whether the backfill has a page in its window (staged, waiting for the stream app)."""
     with psycopg.connect(dsn) as conn:
-        return bool(conn.execute("SELECT count(*) FROM sequin.backfill_pages WHERE backfill_id = %s"
-                                 " AND state IN ('open', 'staged')", (backfill_id,)).fetchone()[0])
+        return bool(
+            conn.execute(
+                "SELECT count(*) FROM sequin.backfill_pages WHERE backfill_id = %s AND state IN ('open', 'staged')",
+                (backfill_id,),
+            ).fetchone()[0]
+        )
 
 
 def test_bad_backfill_requests_fail_clearly_through_the_cli(app_db: tuple[str, StreamApp, Path]) -> None:
@@ -470,10 +563,23 @@ def test_bad_backfill_requests_fail_clearly_through_the_cli(app_db: tuple[str, S
     cases = [
         (["start", "big_sink", "nope", "--no-run"], "does not capture public.nope"),
         (["start", "no_sink", "big", "--no-run"], "unknown sink 'no_sink'"),
-        (["start", "events_sink", "events", "--sort-column", "missing", "--start-position", "1", "--no-run"],
-         "sort column 'missing' is not a column"),
-        (["start", "events_sink", "events", "--sort-column", "updated_at", "--start-position", "yesterday-ish",
-          "--no-run"], "is not a valid timestamp with time zone"),
+        (
+            ["start", "events_sink", "events", "--sort-column", "missing", "--start-position", "1", "--no-run"],
+            "sort column 'missing' is not a column",
+        ),
+        (
+            [
+                "start",
+                "events_sink",
+                "events",
+                "--sort-column",
+                "updated_at",
+                "--start-position",
+                "yesterday-ish",
+                "--no-run",
+            ],
+            "is not a valid timestamp with time zone",
+        ),
         (["start", "big_sink", "big", "--max-query-ms", "0", "--no-run"], "max_query_ms must be an integer between 1"),
         (["status", "999999"], "no backfill with id 999999"),
         (["cancel", "999999"], "no backfill with id 999999"),
@@ -481,17 +587,27 @@ def test_bad_backfill_requests_fail_clearly_through_the_cli(app_db: tuple[str, S
     for args, message in cases:
         out = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and message in out.stderr, (args, out.stdout, out.stderr)
-    first = subprocess.run([*cli, "start", "docs_sink", "docs", "--no-run"], capture_output=True, text=True, timeout=120)
+    first = subprocess.run(
+        [*cli, "start", "docs_sink", "docs", "--no-run"], capture_output=True, text=True, timeout=120
+    )
     assert first.returncode == 0, first.stderr
-    second = subprocess.run([*cli, "start", "docs_sink", "docs", "--no-run"], capture_output=True, text=True, timeout=120)
+    second = subprocess.run(
+        [*cli, "start", "docs_sink", "docs", "--no-run"], capture_output=True, text=True, timeout=120
+    )
     assert second.returncode == 2 and "already has an active backfill" in second.stderr
     backfill_id = int(first.stdout.split()[1].rstrip(":"))
     cancelled = subprocess.run([*cli, "cancel", str(backfill_id)], capture_output=True, text=True, timeout=60)
     assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout
     with psycopg.connect(dsn) as conn:
         assert store.get_backfill(conn, "sequin", backfill_id).state == "cancelled"
-    assert json.loads(subprocess.run([*cli, "status", "--sink", "docs_sink", "--json"], capture_output=True, text=True,
-                                     timeout=60).stdout)[0]["state"] == "cancelled"
+    assert (
+        json.loads(
+            subprocess.run(
+                [*cli, "status", "--sink", "docs_sink", "--json"], capture_output=True, text=True, timeout=60
+            ).stdout
+        )[0]["state"]
+        == "cancelled"
+    )
 
 
 STORE_RENDERED_SINKS = {
@@ -500,16 +616,28 @@ STORE_RENDERED_SINKS = {
     "record_only": "{name: s, tables: [tricky], transform: record_only, destination: {type: sequin_stream}}",
     "ungrouped": "{name: s, tables: [tricky], message_grouping: false, destination: {type: sequin_stream}}",
 }
-TRICKY_KEYS = ['plain', 'quote " and \\ backslash', 'tab\tnew\nline\rcr\bbs\fff', 'ünïcødé ✓ 😀', "it's", "[\"x\"]",
-               "unit\x1fsep\x0bvt\x01"]
+TRICKY_KEYS = [
+    "plain",
+    'quote " and \\ backslash',
+    "tab\tnew\nline\rcr\bbs\fff",
+    "ünïcødé ✓ 😀",
+    "it's",
+    '["x"]',
+    "unit\x1fsep\x0bvt\x01",
+]
 
 
 def tricky_backfill(dsn: str, tmp_path: Path, sink_yaml: str) -> tuple[Any, int]:
     """A ``tricky`` table and a running backfill of it for the sink ``s``: (sink config, backfill id)."""
-    config = load_config(write_config(tmp_path / "sequin.yaml", f"""
+    config = load_config(
+        write_config(
+            tmp_path / "sequin.yaml",
+            f"""
 databases: [{{name: app, dsn: "{dsn}"}}]
 sinks: [{sink_yaml}]
-"""))
+""",
+        )
+    )
     execute(dsn, "CREATE TABLE tricky (k text, n int, PRIMARY KEY (k, n))")
     with psycopg.connect(dsn) as conn:
         store.migrate(conn, "sequin")
@@ -518,8 +646,7 @@ sinks: [{sink_yaml}]
     return config.sinks[0], created.id
 
 
-def stage(conn: psycopg.Connection, backfill_id: int, rows: list[tuple[list[str], str]],
-          reads: Any = None) -> int:
+def stage(conn: psycopg.Connection, backfill_id: int, rows: list[tuple[list[str], str]], reads: Any = None) -> int:
     """One page of ``rows`` staged (with ``reads``: written as the sink's hidden reads); its id."""
     page = store.open_backfill_page(conn, "sequin", backfill_id, 0)
     assert store.stage_backfill_page(conn, "sequin", page, rows, None, reads)
@@ -527,8 +654,9 @@ def stage(conn: psycopg.Connection, backfill_id: int, rows: list[tuple[list[str]
 
 
 @pytest.mark.parametrize("kind", sorted(STORE_RENDERED_SINKS))
-def test_reads_the_task_writes_equal_the_pipelines_byte_for_byte(kind: str, dsn: str, tmp_path: Path,
-                                                                 spark: Any) -> None:
+def test_reads_the_task_writes_equal_the_pipelines_byte_for_byte(
+    kind: str, dsn: str, tmp_path: Path, spark: Any
+) -> None:
     """A page's reads written by the backfill task (plain Sequin Stream sinks), from staged rows,
     rendered by the source's SQL or rendered in the task with Arrow, must be exactly what the Spark pipeline writes for the same reads at
     the same position: data, group, idempotency key.
@@ -544,14 +672,24 @@ def test_reads_the_task_writes_equal_the_pipelines_byte_for_byte(kind: str, dsn:
     from sequin_provider.messages import CHANGE_SCHEMA_DDL, json_text
     from sequin_provider.spark.pipeline import StreamWriter, project_batch
 
-    staged = [([k, str(n)], json.dumps({"k": k, "n": n, "amount": 1.50, "nested": {"a": [1, None]}}, ensure_ascii=n % 2 == 0)
-               .replace("1.5,", "1.50,")) for n, k in enumerate(TRICKY_KEYS)]
+    staged = [
+        (
+            [k, str(n)],
+            json.dumps({"k": k, "n": n, "amount": 1.50, "nested": {"a": [1, None]}}, ensure_ascii=n % 2 == 0).replace(
+                "1.5,", "1.50,"
+            ),
+        )
+        for n, k in enumerate(TRICKY_KEYS)
+    ]
     sink, backfill_id = tricky_backfill(dsn, tmp_path, STORE_RENDERED_SINKS[kind])
     at = (987_654_321, 3, "2026-11-22T08:00:00.123456Z", 4242)  # the reads' position, time, xid
     with psycopg.connect(dsn) as conn:
+
         def written() -> list[tuple]:
-            rows = conn.execute("SELECT commit_lsn, commit_idx, group_id, idempotency_key, data::text"
-                                " FROM sequin.stream_messages ORDER BY commit_lsn, commit_idx").fetchall()
+            rows = conn.execute(
+                "SELECT commit_lsn, commit_idx, group_id, idempotency_key, data::text"
+                " FROM sequin.stream_messages ORDER BY commit_lsn, commit_idx"
+            ).fetchall()
             conn.execute("DELETE FROM sequin.stream_messages")
             conn.commit()
             return rows
@@ -567,7 +705,9 @@ def test_reads_the_task_writes_equal_the_pipelines_byte_for_byte(kind: str, dsn:
         through_spark = written()
 
         # written by the task as it stages the page, then closed by the stream app (and closed again: a replay)
-        page = stage(conn, backfill_id, staged, page_reads(sink, "app", backfill_id, "public", "tricky", at[2], at[0], at[1]))
+        page = stage(
+            conn, backfill_id, staged, page_reads(sink, "app", backfill_id, "public", "tricky", at[2], at[0], at[1])
+        )
         assert conn.execute("SELECT count(*) FROM sequin.backfill_rows WHERE page_id = %s", (page,)).fetchone()[0] == 0
         closed = store.close_backfill_window(conn, "sequin", page, True, set(), at[0] + 10)
         assert closed is not None and closed.rows == [] and closed.in_store == len(TRICKY_KEYS)
@@ -579,10 +719,12 @@ def test_reads_the_task_writes_equal_the_pipelines_byte_for_byte(kind: str, dsn:
         # ``backfill_sql`` renders), through COPY's text escaping both ways
         page = store.open_backfill_page(conn, "sequin", backfill_id, 0)
         reads = page_reads(sink, "app", backfill_id, "public", "tricky", at[2], at[0], at[1])
-        rows = sql.SQL("(VALUES {}) AS r (ordinal, record_pks, record)").format(sql.SQL(", ").join(
-            sql.SQL("({}, {}::text[], {})").format(n, pks, record) for n, (pks, record) in enumerate(staged)))
-        data = copy_out(conn, sql.SQL("COPY ({}) TO STDOUT").format(
-            store.read_messages_sql(reads, page, rows)))
+        rows = sql.SQL("(VALUES {}) AS r (ordinal, record_pks, record)").format(
+            sql.SQL(", ").join(
+                sql.SQL("({}, {}::text[], {})").format(n, pks, record) for n, (pks, record) in enumerate(staged)
+            )
+        )
+        data = copy_out(conn, sql.SQL("COPY ({}) TO STDOUT").format(store.read_messages_sql(reads, page, rows)))
         conn.commit()
         assert store.stage_page_reads_copy(conn, "sequin", page, (data,), len(staged), None, at[0])
         assert store.close_backfill_window(conn, "sequin", page, True, set(), at[0] + 10).in_store == len(TRICKY_KEYS)
@@ -591,11 +733,22 @@ def test_reads_the_task_writes_equal_the_pipelines_byte_for_byte(kind: str, dsn:
         # rendered in the task from the records and keys (the compiled page path: COPY binary)
         page = store.open_backfill_page(conn, "sequin", backfill_id, 0)
         conn.commit()
-        body = read_rows_copy_binary(reads, page, pa.array([record for _, record in staged], pa.string()),
-                                     pa.array([json_text(pks) for pks, _ in staged], pa.string()))
-        assert store.stage_page_reads_copy(conn, "sequin", page, (COPY_BINARY_HEADER, memoryview(body),
-                                                                  COPY_BINARY_TRAILER), len(staged), None, at[0],
-                                           binary=True)
+        body = read_rows_copy_binary(
+            reads,
+            page,
+            pa.array([record for _, record in staged], pa.string()),
+            pa.array([json_text(pks) for pks, _ in staged], pa.string()),
+        )
+        assert store.stage_page_reads_copy(
+            conn,
+            "sequin",
+            page,
+            (COPY_BINARY_HEADER, memoryview(body), COPY_BINARY_TRAILER),
+            len(staged),
+            None,
+            at[0],
+            binary=True,
+        )
         assert store.close_backfill_window(conn, "sequin", page, True, set(), at[0] + 10).in_store == len(TRICKY_KEYS)
         by_arrow = written()
 
@@ -630,7 +783,8 @@ def receive(conn: psycopg.Connection) -> list[tuple[str, str]]:
 
 
 def test_task_written_reads_wait_for_their_window_and_go_with_a_page_that_is_not_emitted(
-        dsn: str, tmp_path: Path) -> None:
+    dsn: str, tmp_path: Path
+) -> None:
     """Reads the task wrote are served only once the stream app closed their window, and hold back
     their groups' later changes until then; a window not seen, or a backfill that stops, takes its
     pages' hidden reads back; a page taken back is not staged."""
@@ -640,9 +794,13 @@ def test_task_written_reads_wait_for_their_window_and_go_with_a_page_that_is_not
         return tricky_reads(sink, backfill_id, lsn)
 
     with psycopg.connect(dsn) as conn:
+
         def hidden() -> int:
-            return int(conn.execute("SELECT count(*) FROM sequin.stream_messages WHERE backfill_page IS NOT NULL"
-                                    ).fetchone()[0])
+            return int(
+                conn.execute("SELECT count(*) FROM sequin.stream_messages WHERE backfill_page IS NOT NULL").fetchone()[
+                    0
+                ]
+            )
 
         page = stage(conn, backfill_id, [(["a", "1"], '{"k":"a","n":1}'), (["b", "1"], '{"k":"b","n":1}')], reads(1000))
         store.insert_stream_messages(conn, "sequin", [change(2000, "a"), change(2000 + 1, "z")])
@@ -698,13 +856,23 @@ def test_a_windows_close_keeps_a_custom_plan_however_many_pages_it_closes(dsn: s
     with psycopg.connect(dsn) as conn:
         for n in range(12):  # psycopg prepares a statement on its 6th execution
             keys = [f"p{n}k{i}" for i in range(30)]
-            page = stage(conn, backfill_id, [([k, "1"], json.dumps({"k": k, "n": 1})) for k in keys],
-                         tricky_reads(sink, backfill_id, 1000 * (n + 1)))
+            page = stage(
+                conn,
+                backfill_id,
+                [([k, "1"], json.dumps({"k": k, "n": 1})) for k in keys],
+                tricky_reads(sink, backfill_id, 1000 * (n + 1)),
+            )
             changed = {(k, "1") for k in keys[::3]} | {(f"elsewhere{i}", "1") for i in range(50)}
             closed = store.close_backfill_window(conn, "sequin", page, True, changed, 1000 * (n + 1) + 500)
             assert closed is not None and closed.in_store == 20
-            left = [r[0] for r in conn.execute("SELECT data::json #>> '{record,k}' FROM sequin.stream_messages"
-                                               " WHERE backfill_page = %s ORDER BY commit_idx", (page,))]
+            left = [
+                r[0]
+                for r in conn.execute(
+                    "SELECT data::json #>> '{record,k}' FROM sequin.stream_messages"
+                    " WHERE backfill_page = %s ORDER BY commit_idx",
+                    (page,),
+                )
+            ]
             assert left == [k for i, k in enumerate(keys) if i % 3]
         prepared = [r[0] for r in conn.execute("SELECT statement FROM pg_prepared_statements")]
         assert not [s for s in prepared if "DELETE FROM" in s and "idempotency_key" in s], prepared

@@ -16,14 +16,24 @@ from tests.support.postgres import execute
 
 @pytest.fixture
 def setup(tmp_path: Path, dsn: str) -> tuple[psycopg.Connection, object]:
-    execute(dsn, "CREATE TABLE orders (id int PRIMARY KEY, updated_at timestamptz, n int)",
-            "INSERT INTO orders SELECT g, '2024-01-01'::timestamptz + g * interval '1 hour', g FROM generate_series(1, 500) g",
-            "ANALYZE orders", "CREATE TABLE nopk (id int)", "CREATE TABLE other (id int PRIMARY KEY)")
-    config = load_config(write_config(tmp_path / "sequin.yaml", f"""
+    execute(
+        dsn,
+        "CREATE TABLE orders (id int PRIMARY KEY, updated_at timestamptz, n int)",
+        "INSERT INTO orders SELECT g, '2024-01-01'::timestamptz + g * interval '1 hour', g FROM generate_series(1, 500) g",
+        "ANALYZE orders",
+        "CREATE TABLE nopk (id int)",
+        "CREATE TABLE other (id int PRIMARY KEY)",
+    )
+    config = load_config(
+        write_config(
+            tmp_path / "sequin.yaml",
+            f"""
         databases: [{{name: app, dsn: "{dsn}"}}]
         sinks:
           - {{name: orders, tables: [orders, nopk, ghost], destination: {{type: sequin_stream}}}}
-        """))
+        """,
+        )
+    )
     conn = psycopg.connect(dsn)
     store.migrate(conn)
     yield conn, config
@@ -33,26 +43,49 @@ def setup(tmp_path: Path, dsn: str) -> tuple[psycopg.Connection, object]:
 def test_full_and_partial_requests_are_recorded(setup: tuple) -> None:
     conn, config = setup
     full = backfill.create_backfill(conn, conn, config, "orders", "orders")
-    assert (full.kind, full.table_schema, full.table_name, full.state, full.rows_initial) == ("full", "public", "orders", "pending", 500)
+    assert (full.kind, full.table_schema, full.table_name, full.state, full.rows_initial) == (
+        "full",
+        "public",
+        "orders",
+        "pending",
+        500,
+    )
     store.transition_backfill(conn, "sequin", full.id, "cancelled")
     plan = backfill.plan_backfill(conn, config, "orders", "public.orders", "updated_at", "2024-01-11 00:00:00+00", 250)
-    assert (plan.kind, plan.sort_type, plan.primary_key, plan.max_query_ms) == ("partial", "timestamp with time zone", ("id",), 250)
+    assert (plan.kind, plan.sort_type, plan.primary_key, plan.max_query_ms) == (
+        "partial",
+        "timestamp with time zone",
+        ("id",),
+        250,
+    )
     assert 200 <= (plan.estimated_rows or 0) <= 400  # the planner's estimate of rows from hour 240 on
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (("nosink", "orders"), "unknown sink 'nosink' (configured sinks: orders)"),
-    (("orders", "other"), "sink 'orders' does not capture public.other (its tables: public.orders, public.nopk, public.ghost)"),
-    (("orders", "ghost"), "table public.ghost does not exist in database 'app'"),
-    (("orders", "nopk"), "table public.nopk has no primary key"),
-    (("orders", "orders", "nope", "1"), "sort column 'nope' is not a column of public.orders (columns: id, updated_at, n)"),
-    (("orders", "orders", "updated_at", "yesterday-ish"), "start position 'yesterday-ish' is not a valid timestamp with time zone"),
-    (("orders", "orders", "n", "1.5"), "start position '1.5' is not a valid integer"),
-    (("orders", "orders", "updated_at", None), "needs a start position"),
-    (("orders", "orders", None, "2024-01-01"), "a start position needs a sort column"),
-    (("orders", "orders", None, None, 0), "max_query_ms must be an integer between 1 and 600000"),
-    (("orders", "orders", None, None, 600_001), "max_query_ms must be an integer between 1 and 600000"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("nosink", "orders"), "unknown sink 'nosink' (configured sinks: orders)"),
+        (
+            ("orders", "other"),
+            "sink 'orders' does not capture public.other (its tables: public.orders, public.nopk, public.ghost)",
+        ),
+        (("orders", "ghost"), "table public.ghost does not exist in database 'app'"),
+        (("orders", "nopk"), "table public.nopk has no primary key"),
+        (
+            ("orders", "orders", "nope", "1"),
+            "sort column 'nope' is not a column of public.orders (columns: id, updated_at, n)",
+        ),
+        (
+            ("orders", "orders", "updated_at", "yesterday-ish"),
+            "start position 'yesterday-ish' is not a valid timestamp with time zone",
+        ),
+        (("orders", "orders", "n", "1.5"), "start position '1.5' is not a valid integer"),
+        (("orders", "orders", "updated_at", None), "needs a start position"),
+        (("orders", "orders", None, "2024-01-01"), "a start position needs a sort column"),
+        (("orders", "orders", None, None, 0), "max_query_ms must be an integer between 1 and 600000"),
+        (("orders", "orders", None, None, 600_001), "max_query_ms must be an integer between 1 and 600000"),
+    ],
+)
 def test_bad_requests_are_clear_and_record_nothing(setup: tuple, args: tuple, message: str) -> None:
     conn, config = setup
     with pytest.raises(BackfillError) as err:

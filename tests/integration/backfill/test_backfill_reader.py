@@ -32,9 +32,12 @@ def test_a_reads_page_loses_exactly_its_order_key_column(dsn: str) -> None:
     newlines, backslashes) stay as they are: the result is what Postgres writes for the page without
     that column."""
     values = ["plain", "\\N", "ends in \\", "tab\there", "line\nbreak", "\\N\t", "", None, "last"]
-    rows = sql.SQL(", ").join(sql.SQL("({}, {}::int)").format(sql.Literal(v), sql.Literal(i)) for i, v in enumerate(values))
-    page = sql.SQL("SELECT v, i, CASE WHEN i = {} THEN ARRAY[v, E'k\\t\\\\N'] END FROM (VALUES {}) AS t (v, i) ORDER BY i").format(
-        sql.Literal(len(values) - 1), rows)
+    rows = sql.SQL(", ").join(
+        sql.SQL("({}, {}::int)").format(sql.Literal(v), sql.Literal(i)) for i, v in enumerate(values)
+    )
+    page = sql.SQL(
+        "SELECT v, i, CASE WHEN i = {} THEN ARRAY[v, E'k\\t\\\\N'] END FROM (VALUES {}) AS t (v, i) ORDER BY i"
+    ).format(sql.Literal(len(values) - 1), rows)
     with psycopg.connect(dsn, autocommit=True) as conn:
         data = copy_out(conn, sql.SQL("COPY ({}) TO STDOUT").format(page))
         expected = copy_out(conn, sql.SQL("COPY (SELECT v, i FROM ({}) AS p) TO STDOUT").format(page))

@@ -53,7 +53,9 @@ def cli(config: Path, *args: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def served(pg: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, Path, StreamApp]]:
+def served(
+    pg: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Path, Path, StreamApp]]:
     """A database with the tables above and the stream app, past provisioning (store, publication, slot)
     but maybe still starting Spark (no server yet): each test starts its server meanwhile, then waits
     for both."""
@@ -64,9 +66,11 @@ def served(pg: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory) -> It
     config = write_config(tmp / "sequin.yaml", CONFIG.format(dsn=dsn, db=db, checkpoint=tmp / "ckpt"))
     app = StreamApp(config, tmp / "app.log").start()
     try:
+
         def provisioned() -> bool:
             app.check_alive()
             return "created replication slot" in app.log_tail(1_000_000)  # logged once provisioning is done
+
         wait_for(provisioned, 180, what="the stream app to provision the database")
         yield dsn, config, tmp, app
     finally:
@@ -83,7 +87,8 @@ def final_state(dsn: str, backfill_id: int) -> store.Backfill:
 
 
 def test_server_runs_each_backfill_as_it_is_recorded_and_refuses_a_second_server(
-        served: tuple[str, Path, Path, StreamApp]) -> None:
+    served: tuple[str, Path, Path, StreamApp],
+) -> None:
     dsn, config, tmp, app = served
     # recorded while no server is up, then its table dropped: the server cannot start it
     doomed = backfill(dsn, config, "gone_sink", "gone")
@@ -100,8 +105,9 @@ def test_server_runs_each_backfill_as_it_is_recorded_and_refuses_a_second_server
         assert "no longer in the config" in (final_state(dsn, retired.id).error or "")
 
         # `sequin backfill start` hands the backfill to the server and follows it to its end
-        out = subprocess.run(cli(config, "backfill", "start", "orders_sink", "orders"), capture_output=True,
-                             text=True, timeout=600)
+        out = subprocess.run(
+            cli(config, "backfill", "start", "orders_sink", "orders"), capture_output=True, text=True, timeout=600
+        )
         assert out.returncode == 0, out.stdout + out.stderr[-3000:]
         assert "the backfill server" in out.stdout and "runs it" in out.stdout, out.stdout
         assert "completed, 20,000/20,000 rows" in out.stdout, out.stdout
@@ -112,7 +118,8 @@ def test_server_runs_each_backfill_as_it_is_recorded_and_refuses_a_second_server
         lines = backfill(dsn, config, "lines_sink", "lines")
         wait_for(lambda: final_state(dsn, lines.id).state == "completed", 300, what="the lines backfill")
         assert sorted(read_keys(dsn, "lines_sink", ("order_id", "line"))) == [
-            (o, n) for o in range(1, 501) for n in range(1, 5)]
+            (o, n) for o in range(1, 501) for n in range(1, 5)
+        ]
 
         second = subprocess.run(cli(config, "backfill", "serve"), capture_output=True, text=True, timeout=300)
         assert second.returncode == 3, second.stderr[-3000:]
@@ -127,22 +134,41 @@ def test_server_runs_each_backfill_as_it_is_recorded_and_refuses_a_second_server
 
 
 def test_a_backfill_whose_server_is_killed_is_finished_by_the_cli_that_followed_it(
-        served: tuple[str, Path, Path, StreamApp]) -> None:
+    served: tuple[str, Path, Path, StreamApp],
+) -> None:
     """SIGKILL the server mid-backfill: the `sequin backfill start` that followed it runs the rest itself,
     resuming from the ranges' cursors, and nothing is missing."""
     dsn, config, tmp, app = served
-    server = BackfillServerProcess(config, tmp / "server-killed.log", "--master", "local[2]", "--max-page-rows",
-                                   str(PAGE_ROWS)).start()  # small pages: a run long enough to kill it in
+    server = BackfillServerProcess(
+        config, tmp / "server-killed.log", "--master", "local[2]", "--max-page-rows", str(PAGE_ROWS)
+    ).start()  # small pages: a run long enough to kill it in
     try:
         app.wait_streaming(dsn)
         server.wait_up()
         with open(tmp / "start.log", "wb") as out:
-            start = subprocess.Popen(cli(config, "backfill", "start", "big_sink", "big", "--ranges", "2",
-                                         "--max-page-rows", str(PAGE_ROWS), "--master", "local[2]"),
-                                     stdout=out, stderr=subprocess.STDOUT)
+            start = subprocess.Popen(
+                cli(
+                    config,
+                    "backfill",
+                    "start",
+                    "big_sink",
+                    "big",
+                    "--ranges",
+                    "2",
+                    "--max-page-rows",
+                    str(PAGE_ROWS),
+                    "--master",
+                    "local[2]",
+                ),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
             try:
-                wait_for(lambda: _big_backfill_moved(dsn) or start.poll() is not None, 300,
-                         what="the big backfill's progress")
+                wait_for(
+                    lambda: _big_backfill_moved(dsn) or start.poll() is not None,
+                    300,
+                    what="the big backfill's progress",
+                )
                 assert start.poll() is None, (tmp / "start.log").read_text()[-3000:]
                 server.kill()
                 assert start.wait(timeout=600) == 0, (tmp / "start.log").read_text()[-3000:]

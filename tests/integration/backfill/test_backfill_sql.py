@@ -30,8 +30,13 @@ EDGE_VALUES: dict[str, list[str]] = {
     "numeric": ["'Infinity'", "'-Infinity'", "'-0.000'", "1e-20", "0"],
     "float8": ["'-0'", "1e-300", "1.7976931348623157e308", "'NaN'", "0.30000000000000004"],
     "float4": ["3.4028235e38", "1.17549435e-38", "'-Infinity'"],
-    "timestamptz": ["'-infinity'", "'0044-03-15 12:00:00+00 BC'", "'10000-01-01 00:00:00+00'",
-                    "'2024-01-02 03:04:05.123456+00'", "'1900-01-01 00:00:00+00'"],
+    "timestamptz": [
+        "'-infinity'",
+        "'0044-03-15 12:00:00+00 BC'",
+        "'10000-01-01 00:00:00+00'",
+        "'2024-01-02 03:04:05.123456+00'",
+        "'1900-01-01 00:00:00+00'",
+    ],
     "timestamp": ["'infinity'", "'0001-01-01 00:00:00 BC'", "'2024-01-02 03:04:05'", "'12345-06-07 08:09:10'"],
     "timetz": ["'00:00:00+14'", "'23:59:59.999999-12:30'", "'24:00:00+00'"],
     "time": ["'24:00:00'"],
@@ -39,10 +44,10 @@ EDGE_VALUES: dict[str, list[str]] = {
     "interval": ["'-1 day'", "'0'", "'1 mon -2 days 00:00:00.000001'"],
     "inet": ["'192.168.0.1'", "'::1'"],
     "json": ["'  [1, 2,  \"\\u0001\"]  '", "'null'"],
-    "jsonb": ["'{\"z\": 1, \"a\": \"\\u00e9\\u0001\"}'", "'\"x\"'"],
+    "jsonb": ['\'{"z": 1, "a": "\\u00e9\\u0001"}\'', "'\"x\"'"],
     "bytea": ["'\\x'::bytea"],
     "oid": ["4294967295"],
-    "\"char\"": ["'a'"],
+    '"char"': ["'a'"],
     "name": ["'a name'"],
     "flag": ["true", "false"],
     "stamp": ["'2024-05-06 07:08:09.5+00'"],
@@ -59,17 +64,30 @@ def relation(dsn: str, table: str) -> tuple[Relation, Any]:
     catalog = Catalog(dsn)
     try:
         decoder = PgOutputDecoder(TypeRegistry(catalog.type_info))
-        rel = decoder.make_relation(shape.oid, shape.schema, shape.name, "d", list(shape.columns),
-                                    list(shape.type_oids), [c in shape.primary_key for c in shape.columns],
-                                    list(shape.primary_key))
+        rel = decoder.make_relation(
+            shape.oid,
+            shape.schema,
+            shape.name,
+            "d",
+            list(shape.columns),
+            list(shape.type_oids),
+            [c in shape.primary_key for c in shape.columns],
+            list(shape.primary_key),
+        )
     finally:
         catalog.close()
     return rel, shape
 
 
 def test_every_scalar_type_renders_in_sql_exactly_as_the_change_carries_it(dsn: str) -> None:
-    execute(dsn, "CREATE TYPE mood AS ENUM ('sad', 'happy')", "CREATE DOMAIN posint AS int CHECK (VALUE > 0)",
-            "CREATE DOMAIN email AS text", "CREATE DOMAIN flag AS bool", "CREATE DOMAIN stamp AS timestamptz")
+    execute(
+        dsn,
+        "CREATE TYPE mood AS ENUM ('sad', 'happy')",
+        "CREATE DOMAIN posint AS int CHECK (VALUE > 0)",
+        "CREATE DOMAIN email AS text",
+        "CREATE DOMAIN flag AS bool",
+        "CREATE DOMAIN stamp AS timestamptz",
+    )
     tables, inserts = [], []
     for i, typ in enumerate(TYPES):
         values = [v for t, v, _ in TYPE_MATRIX if t == typ] + EDGE_VALUES.get(typ, []) + ["NULL"]
@@ -87,18 +105,27 @@ def test_every_scalar_type_renders_in_sql_exactly_as_the_change_carries_it(dsn: 
             rel, shape = relation(dsn, f"t{i}")
             record = record_sql(rel, shape.type_kinds)
             assert record is not None, f"{typ} should render in SQL"
-            rows = conn.execute(sql.SQL("SELECT r.id::text, {} FROM {} AS r ORDER BY r.id").format(
-                record, sql.Identifier(f"t{i}"))).fetchall()
+            rows = conn.execute(
+                sql.SQL("SELECT r.id::text, {} FROM {} AS r ORDER BY r.id").format(record, sql.Identifier(f"t{i}"))
+            ).fetchall()
             for pk, rendered in rows:
-                assert rendered == by_change[(f"t{i}", pk)], f"{typ} row {pk}: {rendered!r} != {by_change[(f't{i}', pk)]!r}"
+                assert rendered == by_change[(f"t{i}", pk)], (
+                    f"{typ} row {pk}: {rendered!r} != {by_change[(f't{i}', pk)]!r}"
+                )
                 compared += 1
     assert compared == len(inserts)
 
 
 def test_arrays_and_composites_keep_the_python_rendering(dsn: str) -> None:
-    execute(dsn, "CREATE TYPE pair AS (a int, b text)", "CREATE DOMAIN pairs AS pair",
-            "CREATE TABLE arr (id int PRIMARY KEY, v int[])", "CREATE TABLE comp (id int PRIMARY KEY, v pair)",
-            "CREATE TABLE dcomp (id int PRIMARY KEY, v pairs)", "CREATE TABLE plain (id int PRIMARY KEY, v text)")
+    execute(
+        dsn,
+        "CREATE TYPE pair AS (a int, b text)",
+        "CREATE DOMAIN pairs AS pair",
+        "CREATE TABLE arr (id int PRIMARY KEY, v int[])",
+        "CREATE TABLE comp (id int PRIMARY KEY, v pair)",
+        "CREATE TABLE dcomp (id int PRIMARY KEY, v pairs)",
+        "CREATE TABLE plain (id int PRIMARY KEY, v text)",
+    )
     for table, rendered in (("arr", False), ("comp", False), ("dcomp", False), ("plain", True)):
         rel, shape = relation(dsn, table)
         assert (record_sql(rel, shape.type_kinds) is not None) is rendered, table
@@ -118,10 +145,14 @@ def test_a_rendered_page_carries_keys_and_its_order_key_through_copy(dsn: str) -
     with psycopg.connect(dsn, autocommit=True, options=REPLICATION_SESSION_OPTIONS) as conn:
         with conn.cursor() as cur, cur.copy(query.staging_sql(None, 5, 77, record)) as copy:
             data = b"".join(bytes(d) for d in copy)
-        conn.execute("CREATE TEMP TABLE staged (page_id bigint, ordinal int, record_pks text[], record text, order_key text[])")
+        conn.execute(
+            "CREATE TEMP TABLE staged (page_id bigint, ordinal int, record_pks text[], record text, order_key text[])"
+        )
         with conn.cursor() as cur, cur.copy("COPY staged FROM STDIN") as copy:
             copy.write(data)
-        staged = conn.execute("SELECT page_id, ordinal, record_pks, record, order_key FROM staged ORDER BY ordinal").fetchall()
+        staged = conn.execute(
+            "SELECT page_id, ordinal, record_pks, record, order_key FROM staged ORDER BY ordinal"
+        ).fetchall()
     with psycopg.connect(dsn) as conn:  # the page: the first 5 keys in the table's key order
         expected = [tuple(r) for r in conn.execute("SELECT name, n::text FROM k ORDER BY name, n LIMIT 5").fetchall()]
     assert [tuple(r[2]) for r in staged] == expected

@@ -29,8 +29,10 @@ SINK = "s"
 
 def rows(positions: list[tuple[int, int]], sink: str = SINK) -> list[store.StreamRow]:
     """Stream rows at these positions, one group each."""
-    return [(sink, lsn, idx, f"g{lsn}.{idx}", f"{lsn}:{idx}", json.dumps({"lsn": lsn, "idx": idx}))
-            for lsn, idx in positions]
+    return [
+        (sink, lsn, idx, f"g{lsn}.{idx}", f"{lsn}:{idx}", json.dumps({"lsn": lsn, "idx": idx}))
+        for lsn, idx in positions
+    ]
 
 
 def receive_ack(conn: psycopg.Connection[Any], n: int, sink: str = SINK) -> list[tuple[int, int]]:
@@ -114,13 +116,21 @@ def test_an_ack_racing_a_replay_is_not_undone(dsn: str) -> None:
         consumer.execute("SELECT 1")  # a transaction in progress: the ack's own is a savepoint in it
         assert stream_queue.ack(consumer, "sequin", SINK, [d.ack_id for d in got]) == 2
         written: list[int] = []
-        replay = threading.Thread(target=lambda: written.append(
-            store.insert_stream_messages(conn, "sequin", rows([(100, 0), (100, 1), (200, 0)]))))
+        replay = threading.Thread(
+            target=lambda: written.append(
+                store.insert_stream_messages(conn, "sequin", rows([(100, 0), (100, 1), (200, 0)]))
+            )
+        )
         replay.start()
         with psycopg.connect(dsn, autocommit=True) as watcher:  # the write waits on the rows the ack deletes
-            wait_for(lambda: watcher.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                                             " AND wait_event_type = 'Lock'").fetchone()[0], 30,
-                     what="the replay to wait for the ack")
+            wait_for(
+                lambda: watcher.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND wait_event_type = 'Lock'"
+                ).fetchone()[0],
+                30,
+                what="the replay to wait for the ack",
+            )
         assert replay.is_alive()
         consumer.commit()
         replay.join(30)
@@ -157,7 +167,8 @@ def received_ids(conn: psycopg.Connection[Any], n: int) -> tuple[list[int], list
 
 
 def test_a_crash_between_the_store_commit_and_the_offset_commit_brings_back_no_acked_message(
-        tmp_path: Path, dsn: str, dbname: str, stream_app: Any) -> None:
+    tmp_path: Path, dsn: str, dbname: str, stream_app: Any
+) -> None:
     execute(dsn, "CREATE TABLE kv (id int PRIMARY KEY, v int)")
     checkpoint = tmp_path / "ckpt"
     config = write_config(tmp_path / "sequin.yaml", CONFIG.format(dsn=dsn, db=dbname, checkpoint=checkpoint))
@@ -167,7 +178,9 @@ def test_a_crash_between_the_store_commit_and_the_offset_commit_brings_back_no_a
     app.wait_streaming(dsn)
     execute(dsn, "INSERT INTO kv SELECT g, g FROM generate_series(1, 300) g")  # one transaction, one batch
     stalled = tmp_path / "stall.stalled"
-    wait_for(lambda: app.check_alive() or stalled.exists(), 120, what="the batch in the store, its offset not committed")
+    wait_for(
+        lambda: app.check_alive() or stalled.exists(), 120, what="the batch in the store, its offset not committed"
+    )
 
     received: list[int] = []
     with psycopg.connect(dsn) as conn:
@@ -181,10 +194,14 @@ def test_a_crash_between_the_store_commit_and_the_offset_commit_brings_back_no_a
     app.kill()
 
     app = stream_app(config)  # Spark replays the batch whose offset it had not committed
-    wait_for(lambda: app.check_alive() or streaming_status(dsn, after=killed_at), 180,
-             what="the restarted app's first micro-batch (the replay)")
+    wait_for(
+        lambda: app.check_alive() or streaming_status(dsn, after=killed_at),
+        180,
+        what="the restarted app's first micro-batch (the replay)",
+    )
     execute(dsn, "INSERT INTO kv SELECT g, g FROM generate_series(301, 350) g")
     with psycopg.connect(dsn) as conn:
+
         def drained() -> bool:
             ids, ack_ids = received_ids(conn, 100)
             stream_queue.ack(conn, "sequin", "kv", ack_ids)
@@ -198,5 +215,8 @@ def test_a_crash_between_the_store_commit_and_the_offset_commit_brings_back_no_a
     assert again == [], f"{len(again)} messages acked before the crash were received again: {again[:10]}..."
     assert Counter(received) == Counter(range(1, 351))  # every message exactly once
     with psycopg.connect(dsn) as conn:  # the app forgets the acked positions once the slot has passed them
-        wait_for(lambda: app.check_alive() or not store.acked_positions(conn, "sequin", "kv"), 60,
-                 what="the acked ledger pruned")
+        wait_for(
+            lambda: app.check_alive() or not store.acked_positions(conn, "sequin", "kv"),
+            60,
+            what="the acked ledger pruned",
+        )

@@ -36,13 +36,23 @@ def test_type_matrix_round_trips_exactly(dsn: str) -> None:
 
 
 def test_replica_identity_default_vs_full(dsn: str) -> None:
-    execute(dsn, "CREATE TABLE d (id int PRIMARY KEY, a text, b int)",
-            "CREATE TABLE f (id int PRIMARY KEY, a text, b int)", "ALTER TABLE f REPLICA IDENTITY FULL")
-    rows = capture(dsn, ["d", "f"],
-                   "INSERT INTO d VALUES (1, 'x', 1)", "INSERT INTO f VALUES (1, 'x', 1)",
-                   "UPDATE d SET a = 'y' WHERE id = 1", "UPDATE f SET a = 'y' WHERE id = 1",
-                   "UPDATE d SET id = 2 WHERE id = 1",
-                   "DELETE FROM d WHERE id = 2", "DELETE FROM f WHERE id = 1")
+    execute(
+        dsn,
+        "CREATE TABLE d (id int PRIMARY KEY, a text, b int)",
+        "CREATE TABLE f (id int PRIMARY KEY, a text, b int)",
+        "ALTER TABLE f REPLICA IDENTITY FULL",
+    )
+    rows = capture(
+        dsn,
+        ["d", "f"],
+        "INSERT INTO d VALUES (1, 'x', 1)",
+        "INSERT INTO f VALUES (1, 'x', 1)",
+        "UPDATE d SET a = 'y' WHERE id = 1",
+        "UPDATE f SET a = 'y' WHERE id = 1",
+        "UPDATE d SET id = 2 WHERE id = 1",
+        "DELETE FROM d WHERE id = 2",
+        "DELETE FROM f WHERE id = 1",
+    )
     got = [(r[5], r[6], record(r), None if r[8] is None else json.loads(r[8]), r[9]) for r in rows]
     assert got == [
         ("d", "insert", {"id": 1, "a": "x", "b": 1}, None, ["1"]),
@@ -50,36 +60,51 @@ def test_replica_identity_default_vs_full(dsn: str) -> None:
         ("d", "update", {"id": 1, "a": "y", "b": 1}, {}, ["1"]),
         ("f", "update", {"id": 1, "a": "y", "b": 1}, {"a": "x"}, ["1"]),
         ("d", "update", {"id": 2, "a": "y", "b": 1}, {"id": 1}, ["2"]),  # key change: old key travels
-        ("d", "delete", {"id": 2}, None, ["2"]),                          # DEFAULT: the key only
-        ("f", "delete", {"id": 1, "a": "y", "b": 1}, None, ["1"]),        # FULL: the whole old row
+        ("d", "delete", {"id": 2}, None, ["2"]),  # DEFAULT: the key only
+        ("f", "delete", {"id": 1, "a": "y", "b": 1}, None, ["1"]),  # FULL: the whole old row
     ]
 
 
 def test_unchanged_toast_is_filled_or_flagged(dsn: str) -> None:
     big = "(SELECT string_agg(md5(i::text), '') FROM generate_series(1, 40000) i)"  # 1.28 MB, incompressible
-    execute(dsn, "CREATE TABLE d (id int PRIMARY KEY, big text, n int)",
-            "CREATE TABLE f (id int PRIMARY KEY, big text, n int)", "ALTER TABLE f REPLICA IDENTITY FULL",
-            f"INSERT INTO d VALUES (1, {big}, 0)", f"INSERT INTO f VALUES (1, {big}, 0)")
+    execute(
+        dsn,
+        "CREATE TABLE d (id int PRIMARY KEY, big text, n int)",
+        "CREATE TABLE f (id int PRIMARY KEY, big text, n int)",
+        "ALTER TABLE f REPLICA IDENTITY FULL",
+        f"INSERT INTO d VALUES (1, {big}, 0)",
+        f"INSERT INTO f VALUES (1, {big}, 0)",
+    )
     with psycopg.connect(dsn) as conn:
         expected_big = conn.execute(f"SELECT {big}").fetchone()[0]
     rows = capture(dsn, ["d", "f"], "UPDATE d SET n = 1", "UPDATE f SET n = 1")
     d, f = rows
-    assert record(d) == {"id": 1, "n": 1} and d[10] == ["big"]           # flagged, not silently null
+    assert record(d) == {"id": 1, "n": 1} and d[10] == ["big"]  # flagged, not silently null
     assert record(f) == {"id": 1, "big": expected_big, "n": 1} and f[10] == []  # filled from the old tuple
     assert json.loads(f[8]) == {"n": 0}
 
 
 def test_relation_change_adds_column(dsn: str) -> None:
     execute(dsn, "CREATE TABLE t (id int PRIMARY KEY)")
-    rows = capture(dsn, ["t"], "INSERT INTO t VALUES (1)", "ALTER TABLE t ADD COLUMN note text DEFAULT 'n'",
-                   "INSERT INTO t VALUES (2, 'hello')", "UPDATE t SET note = 'x' WHERE id = 1")
+    rows = capture(
+        dsn,
+        ["t"],
+        "INSERT INTO t VALUES (1)",
+        "ALTER TABLE t ADD COLUMN note text DEFAULT 'n'",
+        "INSERT INTO t VALUES (2, 'hello')",
+        "UPDATE t SET note = 'x' WHERE id = 1",
+    )
     assert [record(r) for r in rows] == [{"id": 1}, {"id": 2, "note": "hello"}, {"id": 1, "note": "x"}]
 
 
 def test_transaction_positions(dsn: str) -> None:
     execute(dsn, "CREATE TABLE t (id int PRIMARY KEY)")
-    rows = capture(dsn, ["t"], "BEGIN; INSERT INTO t VALUES (1); INSERT INTO t VALUES (2); UPDATE t SET id = 3 WHERE id = 1; COMMIT",
-                   "INSERT INTO t VALUES (4)")
+    rows = capture(
+        dsn,
+        ["t"],
+        "BEGIN; INSERT INTO t VALUES (1); INSERT INTO t VALUES (2); UPDATE t SET id = 3 WHERE id = 1; COMMIT",
+        "INSERT INTO t VALUES (4)",
+    )
     assert [(r[1], r[6]) for r in rows] == [(0, "insert"), (1, "insert"), (2, "update"), (0, "insert")]
     assert rows[0][0] == rows[1][0] == rows[2][0] < rows[3][0]
     assert rows[0][3] != rows[3][3]  # xid
@@ -114,10 +139,17 @@ def test_vector_types_fall_back_to_text(dsn: str) -> None:
 
 def relation_payload(relid: int, replica_identity: str, columns: list[tuple[str, int, bool]]) -> bytes:
     """A Relation message: (name, type oid, key flag) per column, in column order."""
-    body = b"".join(bytes([1 if key else 0]) + name.encode() + b"\0" + struct.pack(">Ii", oid, -1)
-                    for name, oid, key in columns)
-    return (b"R" + struct.pack(">I", relid) + b"public\0t\0" + replica_identity.encode()
-            + struct.pack(">h", len(columns)) + body)
+    body = b"".join(
+        bytes([1 if key else 0]) + name.encode() + b"\0" + struct.pack(">Ii", oid, -1) for name, oid, key in columns
+    )
+    return (
+        b"R"
+        + struct.pack(">I", relid)
+        + b"public\0t\0"
+        + replica_identity.encode()
+        + struct.pack(">h", len(columns))
+        + body
+    )
 
 
 def tuple_payload(kind: bytes, relid: int, values: list[str | None], old: bytes = b"") -> bytes:

@@ -43,8 +43,10 @@ def raw_payloads(dsn: str, tables: list[str], *statements: str) -> list[bytes]:
         for setting in REPLICATION_SESSION_OPTIONS.split("-c ")[1:]:
             name, value = setting.strip().split("=")
             conn.execute(f"SET {name} = {value}")
-        rows = conn.execute("SELECT data FROM pg_logical_slot_get_binary_changes('raw', NULL, NULL, 'proto_version', '1',"
-                            " 'publication_names', 'pub')").fetchall()
+        rows = conn.execute(
+            "SELECT data FROM pg_logical_slot_get_binary_changes('raw', NULL, NULL, 'proto_version', '1',"
+            " 'publication_names', 'pub')"
+        ).fetchall()
         conn.execute("SELECT pg_drop_replication_slot('raw')")
     return [bytes(r[0]) for r in rows]
 
@@ -67,24 +69,37 @@ def corpus(dsn: str) -> tuple[str, list[bytes]]:
     escapes = "E'q\"b\\\\s\\x01\\x1f\\b\\f\\n\\r\\t \\x7f é 日本 😀'"
     execute(
         dsn,
-        "CREATE TYPE mood AS ENUM ('sad', 'happy')", "CREATE DOMAIN posint AS int CHECK (VALUE > 0)",
-        "CREATE DOMAIN email AS text", f"CREATE TABLE matrix (id int PRIMARY KEY, {columns})",
+        "CREATE TYPE mood AS ENUM ('sad', 'happy')",
+        "CREATE DOMAIN posint AS int CHECK (VALUE > 0)",
+        "CREATE DOMAIN email AS text",
+        f"CREATE TABLE matrix (id int PRIMARY KEY, {columns})",
         "CREATE TABLE d (id int PRIMARY KEY, big text, n int, t text, ts timestamptz, b bool)",
         "ALTER TABLE d ALTER COLUMN big SET STORAGE EXTERNAL",
-        "CREATE TABLE f (id int PRIMARY KEY, big text, n int)", "ALTER TABLE f REPLICA IDENTITY FULL",
+        "CREATE TABLE f (id int PRIMARY KEY, big text, n int)",
+        "ALTER TABLE f REPLICA IDENTITY FULL",
         "ALTER TABLE f ALTER COLUMN big SET STORAGE EXTERNAL",
-        "CREATE TABLE k (a text, b int, c text, PRIMARY KEY (b, a))")
+        "CREATE TABLE k (a text, b int, c text, PRIMARY KEY (b, a))",
+    )
     payloads = raw_payloads(
-        dsn, ["matrix", "d", "f", "k"],
+        dsn,
+        ["matrix", "d", "f", "k"],
         f"INSERT INTO matrix VALUES (1, {values})",
         f"INSERT INTO d VALUES (1, {big}, 0, {escapes}, '2024-01-02 03:04:05.5+00', true),"
         " (2, NULL, NULL, NULL, NULL, NULL), (3, 'small', 3, '', 'infinity', false)",
         f"INSERT INTO f VALUES (1, {big}, 0)",
         "INSERT INTO k VALUES ('x', 1, 'y'), (E'\\\\', 2, NULL)",
-        "UPDATE d SET n = 1", "UPDATE f SET n = 1", "UPDATE d SET id = 10 WHERE id = 1",
-        "UPDATE k SET c = 'z'", "UPDATE k SET b = 3 WHERE b = 1",
-        "ALTER TABLE d ADD COLUMN extra numeric DEFAULT 'NaN'", "UPDATE d SET t = 'after' WHERE id = 2",
-        "DELETE FROM d", "DELETE FROM f", "DELETE FROM k", "SELECT pg_logical_emit_message(true, 'sequin:x', 'm')")
+        "UPDATE d SET n = 1",
+        "UPDATE f SET n = 1",
+        "UPDATE d SET id = 10 WHERE id = 1",
+        "UPDATE k SET c = 'z'",
+        "UPDATE k SET b = 3 WHERE b = 1",
+        "ALTER TABLE d ADD COLUMN extra numeric DEFAULT 'NaN'",
+        "UPDATE d SET t = 'after' WHERE id = 2",
+        "DELETE FROM d",
+        "DELETE FROM f",
+        "DELETE FROM k",
+        "SELECT pg_logical_emit_message(true, 'sequin:x', 'm')",
+    )
     return dsn, payloads
 
 
@@ -137,7 +152,9 @@ def test_hostile_payloads_fail_alike(corpus: tuple[str, list[bytes]]) -> None:
                 for _ in range(150):
                     mutated = bytearray(payload)
                     for _ in range(rng.randint(1, 3)):
-                        mutated[rng.randrange(1, len(mutated))] = rng.choice((0, 0xFF, 0x80, 0x74, 0x75, 0x6E, rng.randrange(256)))
+                        mutated[rng.randrange(1, len(mutated))] = rng.choice(
+                            (0, 0xFF, 0x80, 0x74, 0x75, 0x6E, rng.randrange(256))
+                        )
                     variants.append(bytes(mutated))
             for variant in variants:
                 got, want = outcome(compiled, variant), outcome(reference, variant)
@@ -154,8 +171,9 @@ def test_render_record_fills_and_selects_alike() -> None:
     from sequin_provider import _pgoutput_c
 
     types = TypeRegistry()
-    rel = PgOutputDecoder(types).make_relation(1, "public", "t", "d", ["a", "b", "c", "d"], [23, 25, 16, 1184],
-                                               [True, False, False, False], ["a"])
+    rel = PgOutputDecoder(types).make_relation(
+        1, "public", "t", "d", ["a", "b", "c", "d"], [23, 25, 16, 1184], [True, False, False, False], ["a"]
+    )
     cases = [
         (["1", UNCHANGED_TOAST, "t", None], None, None),
         (["1", UNCHANGED_TOAST, "f", "2024-01-02 03:04:05+02"], None, ["0", "old", None, None]),
@@ -176,14 +194,23 @@ def test_render_record_fills_and_selects_alike() -> None:
         except IndexError:
             got = IndexError
         assert got == want, (values, only, fill)
-    assert pgoutput.render_record(*cases[1][0:1], rel.kinds, rel.prefixes, rel.converters, rel.columns, None,
-                                  cases[1][2]) == ('{"a":1,"b":"old","c":false,"d":"2024-01-02T03:04:05+02:00"}', [])
+    assert pgoutput.render_record(
+        *cases[1][0:1], rel.kinds, rel.prefixes, rel.converters, rel.columns, None, cases[1][2]
+    ) == ('{"a":1,"b":"old","c":false,"d":"2024-01-02T03:04:05+02:00"}', [])
 
 
 def test_bytes_that_are_not_utf8_fail_alike_in_every_converter() -> None:
     # every converter kind the compiled renderer applies itself, and one it calls (int4[])
-    types = [(23, b"1"), (16, b"t"), (1700, b"1.5"), (25, b"a"), (1184, b"2024-01-02 03:04:05+00"),
-             (1114, b"2024-01-02 03:04:05"), (3802, b"{}"), (1007, b"{1}")]
+    types = [
+        (23, b"1"),
+        (16, b"t"),
+        (1700, b"1.5"),
+        (25, b"a"),
+        (1184, b"2024-01-02 03:04:05+00"),
+        (1114, b"2024-01-02 03:04:05"),
+        (3802, b"{}"),
+        (1007, b"{1}"),
+    ]
     columns = [(f"c{i}", oid) for i, (oid, _) in enumerate(types)]
     for position in range(len(types)):
         for bad in (b"\xff", b"\x80", b"t\xc3", b"\xed\xa0\x80"):  # invalid, lone continuation, cut, surrogate
@@ -198,8 +225,9 @@ def test_bytes_that_are_not_utf8_fail_alike_in_every_converter() -> None:
     decoder = PgOutputDecoder(TypeRegistry())
     decoder.decode(relation_message(9, columns))
     row = decoder.decode(insert_message(9, [v for _, v in types]))
-    assert row[7] == ('{"c0":1,"c1":true,"c2":1.5,"c3":"a","c4":"2024-01-02T03:04:05Z","c5":"2024-01-02T03:04:05",'
-                      '"c6":{},"c7":[1]}') and row[9] == ["1"]
+    assert row[7] == (
+        '{"c0":1,"c1":true,"c2":1.5,"c3":"a","c4":"2024-01-02T03:04:05Z","c5":"2024-01-02T03:04:05","c6":{},"c7":[1]}'
+    ) and row[9] == ["1"]
 
 
 @pytest.fixture
@@ -209,10 +237,15 @@ def copy_page(dsn: str) -> tuple[str, bytes]:
     columns = ", ".join(f"c{i} {typ}" for i, (typ, _, _) in enumerate(TYPE_MATRIX))
     values = ", ".join(value for _, value, _ in TYPE_MATRIX)
     nulls = ", ".join("NULL" for _ in TYPE_MATRIX)
-    execute(dsn, "CREATE TYPE mood AS ENUM ('sad', 'happy')", "CREATE DOMAIN posint AS int CHECK (VALUE > 0)",
-            "CREATE DOMAIN email AS text", f"CREATE TABLE page (k1 text, k2 int, {columns}, PRIMARY KEY (k2, k1))",
-            f"INSERT INTO page VALUES ('a', 1, {values}), (E'tab\\there\\nnew\\\\back \\x01 é', 2, {nulls}),"
-            f" ('\\N', 3, {values})")
+    execute(
+        dsn,
+        "CREATE TYPE mood AS ENUM ('sad', 'happy')",
+        "CREATE DOMAIN posint AS int CHECK (VALUE > 0)",
+        "CREATE DOMAIN email AS text",
+        f"CREATE TABLE page (k1 text, k2 int, {columns}, PRIMARY KEY (k2, k1))",
+        f"INSERT INTO page VALUES ('a', 1, {values}), (E'tab\\there\\nnew\\\\back \\x01 é', 2, {nulls}),"
+        f" ('\\N', 3, {values})",
+    )
     with psycopg.connect(dsn, autocommit=True, options=REPLICATION_SESSION_OPTIONS) as conn, conn.cursor() as cur:
         data = bytearray()
         with cur.copy("COPY (SELECT * FROM page ORDER BY k2) TO STDOUT") as copy:
@@ -230,9 +263,16 @@ def page_decoders(dsn: str) -> tuple[PgOutputDecoder, PgOutputDecoder, pgoutput.
         with psycopg.connect(dsn) as conn:
             shape = table_shape(conn, "public", "page")
         decoders = tuple(PgOutputDecoder(TypeRegistry(catalog.type_info), compiled=c) for c in (True, False))
-        rel = decoders[0].make_relation(shape.oid, shape.schema, shape.name, "d", list(shape.columns),
-                                        list(shape.type_oids), [c in shape.primary_key for c in shape.columns],
-                                        list(shape.primary_key))
+        rel = decoders[0].make_relation(
+            shape.oid,
+            shape.schema,
+            shape.name,
+            "d",
+            list(shape.columns),
+            list(shape.type_oids),
+            [c in shape.primary_key for c in shape.columns],
+            list(shape.primary_key),
+        )
         for decoder in decoders:  # the converters look their types up once
             decoder.render_copy(rel, b"")
     finally:
@@ -260,9 +300,13 @@ def test_a_copy_page_renders_as_the_decoder_renders_each_row(copy_page: tuple[st
     want = [reference.render_values(rel, pgoutput.parse_copy_line(line)) for line in lines]
     assert rows == 3
     assert pa.StringArray.from_buffers(rows, pa.py_buffer(record_offsets), pa.py_buffer(records)).to_pylist() == [
-        w[0] for w in want]
+        w[0] for w in want
+    ]
     assert pa.StringArray.from_buffers(rows, pa.py_buffer(pk_offsets), pa.py_buffer(pks)).to_pylist() == [
-        '["1","a"]', '["2","tab\\there\\nnew\\\\back \\u0001 é"]', '["3","\\\\N"]']
+        '["1","a"]',
+        '["2","tab\\there\\nnew\\\\back \\u0001 é"]',
+        '["3","\\\\N"]',
+    ]
     assert '"k1":"tab\\there\\nnew\\\\back \\u0001 é"' in want[1][0] and '"c29":[[1,null],[3,4]]' in want[0][0]
     assert compiled.render_copy(rel, data[:-1]) == got  # a last line without its newline
     assert compiled.render_copy(rel, b"")[4] == 0
@@ -276,7 +320,9 @@ def test_hostile_copy_pages_fail_alike(copy_page: tuple[str, bytes]) -> None:
     for _ in range(1500):
         mutated = bytearray(data)
         for _ in range(rng.randint(1, 3)):
-            mutated[rng.randrange(len(mutated))] = rng.choice(b"\t\n\\N\xff\x80\xc3\x00{}[],\"tf" + bytes([rng.randrange(256)]))
+            mutated[rng.randrange(len(mutated))] = rng.choice(
+                b'\t\n\\N\xff\x80\xc3\x00{}[],"tf' + bytes([rng.randrange(256)])
+            )
         variants.append(bytes(mutated))
     outcomes = []
     for variant in variants:

@@ -46,8 +46,13 @@ SAMPLES: dict[str, list[str]] = {
     "float4": ["1.5", "NaN", "-Infinity", "3.4028235e+38"],
     "float8": ["0.1", "Infinity", "-0", "1e-300"],
     "numeric": ["12345678901234567890.123456789", "NaN", "0.000"],
-    "timestamptz": ["2024-01-02 03:04:05.123456+00", "infinity", "-infinity", "0044-03-15 12:00:00+00 BC",
-                    "10000-01-01 00:00:00+00"],
+    "timestamptz": [
+        "2024-01-02 03:04:05.123456+00",
+        "infinity",
+        "-infinity",
+        "0044-03-15 12:00:00+00 BC",
+        "10000-01-01 00:00:00+00",
+    ],
     "timestamp": ["2024-01-02 03:04:05", "infinity", "0001-01-01 00:00:00 BC"],
     "timetz": ["13:14:15+05:30", "13:14:15-08", "23:59:59.999999-12:30"],
     "bytea": ["\\x00ff10", "\\x"],
@@ -102,8 +107,25 @@ SAMPLES: dict[str, list[str]] = {
 }
 """Values of every type of the table, as the server prints them in the walsender's session."""
 
-HOSTILE = ["", "x", "1 2", "+00", "2024-01-02 03:04:05+05:30", "2024-01-02 03:04:05-08", 'q"\\\n\t\x01é😀',
-           "{", "{1,", "{{1},{2}}", "[0:1]={1,2}", "{a,\"b\"}", "NaN", "inf", "-inf", "t", "true"]
+HOSTILE = [
+    "",
+    "x",
+    "1 2",
+    "+00",
+    "2024-01-02 03:04:05+05:30",
+    "2024-01-02 03:04:05-08",
+    'q"\\\n\t\x01é😀',
+    "{",
+    "{1,",
+    "{{1},{2}}",
+    "[0:1]={1,2}",
+    '{a,"b"}',
+    "NaN",
+    "inf",
+    "-inf",
+    "t",
+    "true",
+]
 """Texts that are no type's output (or another type's), rendered by every OID too: the two
 implementations must agree on them as well, failures included."""
 
@@ -204,18 +226,27 @@ def test_every_oid_renders_alike_compiled_and_in_python() -> None:
         assert got_row == want_row and type(want_row) is tuple and want_row[7] == want[0], values
         # each column alone, so that a failure names its type
         for i, oid in enumerate(oids):
-            one = ([values[i]], rel.kinds[i:i + 1], rel.prefixes[i:i + 1], rel.converters[i:i + 1], rel.columns[i:i + 1],
-                   None, None)
+            one = (
+                [values[i]],
+                rel.kinds[i : i + 1],
+                rel.prefixes[i : i + 1],
+                rel.converters[i : i + 1],
+                rel.columns[i : i + 1],
+                None,
+                None,
+            )
             assert _pgoutput_c.render(*one) == pgoutput.render_record(*one), (PG_TYPES[oid].name, values[i])  # type: ignore[arg-type]
             rendered += 1
     page = "".join("\t".join(copy_field(v) for v in values) + "\n" for values in rows()).encode()
     copied = outcome(reference.render_copy, rel, page)
     assert type(copied) is tuple and outcome(compiled.render_copy, rel, page) == copied
     assert rendered >= len(PG_TYPES) * (len(HOSTILE) + 2)
-    fill = pgoutput.render_record([UNCHANGED_TOAST] * len(oids), rel.kinds, rel.prefixes, rel.converters,
-                                  rel.columns, None, rows()[0])
-    assert fill == _pgoutput_c.render([UNCHANGED_TOAST] * len(oids), rel.kinds, rel.prefixes, rel.converters,
-                                      rel.columns, None, rows()[0])
+    fill = pgoutput.render_record(
+        [UNCHANGED_TOAST] * len(oids), rel.kinds, rel.prefixes, rel.converters, rel.columns, None, rows()[0]
+    )
+    assert fill == _pgoutput_c.render(
+        [UNCHANGED_TOAST] * len(oids), rel.kinds, rel.prefixes, rel.converters, rel.columns, None, rows()[0]
+    )
 
 
 def test_the_backfill_sql_has_a_rule_for_every_scalar_type_and_arrays_stay_python() -> None:
@@ -227,7 +258,8 @@ def test_the_backfill_sql_has_a_rule_for_every_scalar_type_and_arrays_stay_pytho
         assert (rendered is None) is (PG_TYPES[oid].rule is Rule.ARRAY), PG_TYPES[oid].name
     scalar = [i for i, oid in enumerate(oids) if PG_TYPES[oid].rule is not Rule.ARRAY]
     only_scalars = PgOutputDecoder(TypeRegistry()).make_relation(
-        6, "public", "t", "d", [rel.columns[i] for i in scalar], [oids[i] for i in scalar], [False] * len(scalar), [])
+        6, "public", "t", "d", [rel.columns[i] for i in scalar], [oids[i] for i in scalar], [False] * len(scalar), []
+    )
     assert record_sql(only_scalars, ["b"] * len(scalar)) is not None
     assert record_sql(rel, ["b"] * len(oids)) is None
 
@@ -245,9 +277,13 @@ def session(dsn: str) -> psycopg.Connection:
 
 
 def test_the_table_and_samples_are_the_servers(session: psycopg.Connection) -> None:
-    catalog = {int(oid): (name, int(elem)) for oid, name, elem in session.execute(
-        "SELECT oid, typname, CASE typcategory WHEN 'A' THEN typelem ELSE 0 END FROM pg_type WHERE oid = ANY(%s)",
-        (list(PG_TYPES),)).fetchall()}
+    catalog = {
+        int(oid): (name, int(elem))
+        for oid, name, elem in session.execute(
+            "SELECT oid, typname, CASE typcategory WHEN 'A' THEN typelem ELSE 0 END FROM pg_type WHERE oid = ANY(%s)",
+            (list(PG_TYPES),),
+        ).fetchall()
+    }
     assert catalog == {oid: (t.name, t.element) for oid, t in PG_TYPES.items()}
     for oid, t in PG_TYPES.items():
         for text in SAMPLES[t.name]:
@@ -267,9 +303,9 @@ def test_the_sql_renders_every_scalar_sample_as_the_converter(session: psycopg.C
         rendered = value_sql(sql.Identifier("r", "v"), oid, converter)
         assert rendered is not None
         for text in SAMPLES[t.name]:
-            got = session.execute(sql.SQL("SELECT {} FROM (SELECT {} AS v) AS r").format(
-                rendered, typed(oid, text))).fetchone()[0]
+            got = session.execute(
+                sql.SQL("SELECT {} FROM (SELECT {} AS v) AS r").format(rendered, typed(oid, text))
+            ).fetchone()[0]
             assert got == converter(text), f"{t.name} {text!r}: SQL {got!r}, decoder {converter(text)!r}"
             compared += 1
     assert compared > len(PG_TYPES) // 2
-

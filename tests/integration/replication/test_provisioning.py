@@ -18,7 +18,9 @@ from tests.support.postgres import execute
 
 
 def config_for(tmp_path: Path, dsn: str, tables: str, slot: str) -> Path:
-    return write_config(tmp_path / "sequin.yaml", f"""
+    return write_config(
+        tmp_path / "sequin.yaml",
+        f"""
         databases:
           - name: app
             dsn: {dsn}
@@ -28,7 +30,8 @@ def config_for(tmp_path: Path, dsn: str, tables: str, slot: str) -> Path:
           - name: s
             tables: {tables}
             destination: {{type: sequin_stream}}
-        """)
+        """,
+    )
 
 
 def created_objects(dsn: str, slot: str) -> tuple[bool, bool, bool]:
@@ -40,9 +43,15 @@ def created_objects(dsn: str, slot: str) -> tuple[bool, bool, bool]:
     return bool(pub), bool(sl), bool(sch)
 
 
-def test_init_creates_everything_once(tmp_path: Path, dsn: str, dbname: str, capsys: pytest.CaptureFixture[str]) -> None:
-    execute(dsn, "CREATE TABLE a (id int PRIMARY KEY)", "CREATE TABLE b (id int PRIMARY KEY)",
-            "ALTER TABLE b REPLICA IDENTITY FULL")
+def test_init_creates_everything_once(
+    tmp_path: Path, dsn: str, dbname: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    execute(
+        dsn,
+        "CREATE TABLE a (id int PRIMARY KEY)",
+        "CREATE TABLE b (id int PRIMARY KEY)",
+        "ALTER TABLE b REPLICA IDENTITY FULL",
+    )
     path = config_for(tmp_path, dsn, "[a, b]", f"s_{dbname}")
     assert cli_main(["--config", str(path), "init"]) == 0
     out = capsys.readouterr()
@@ -61,8 +70,12 @@ def test_init_adds_new_tables_to_the_publication(tmp_path: Path, dsn: str, dbnam
     initialize(load_config(config_for(tmp_path, dsn, "[a]", f"s_{dbname}")))
     initialize(load_config(config_for(tmp_path, dsn, "[a, b]", f"s_{dbname}")))
     with psycopg.connect(dsn) as conn:
-        tables = {r[0] for r in conn.execute("SELECT tablename FROM pg_publication_tables WHERE pubname = %s",
-                                             (f"pub_s_{dbname}",))}
+        tables = {
+            r[0]
+            for r in conn.execute(
+                "SELECT tablename FROM pg_publication_tables WHERE pubname = %s", (f"pub_s_{dbname}",)
+            )
+        }
     assert tables == {"a", "b"}
 
 
@@ -71,13 +84,18 @@ def test_init_adds_new_tables_to_the_publication(tmp_path: Path, dsn: str, dbnam
     [
         ("CREATE TABLE a (id int PRIMARY KEY)", "[a, missing]", "table public.missing does not exist"),
         ("CREATE TABLE a (id int)", "[a]", "table public.a has no primary key"),
-        ("CREATE TABLE a (id int PRIMARY KEY); ALTER TABLE a REPLICA IDENTITY NOTHING", "[a]", "REPLICA IDENTITY NOTHING"),
+        (
+            "CREATE TABLE a (id int PRIMARY KEY); ALTER TABLE a REPLICA IDENTITY NOTHING",
+            "[a]",
+            "REPLICA IDENTITY NOTHING",
+        ),
         ("CREATE TABLE a (id int PRIMARY KEY)", "[{name: a, group_column_names: [nope]}]", "has no column 'nope'"),
         ("CREATE VIEW a AS SELECT 1 AS id", "[a]", "table public.a does not exist (or is not a table)"),
     ],
 )
-def test_bad_tables_fail_and_create_nothing(tmp_path: Path, dsn: str, dbname: str, setup: str, tables: str,
-                                            message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_tables_fail_and_create_nothing(
+    tmp_path: Path, dsn: str, dbname: str, setup: str, tables: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     execute(dsn, setup)
     path = config_for(tmp_path, dsn, tables, f"s_{dbname}")
     assert cli_main(["--config", str(path), "init"]) == 2
@@ -117,9 +135,15 @@ def test_unreachable_database_is_a_clear_cli_error(tmp_path: Path, capsys: pytes
 
 
 def test_initial_backfill_is_created_once_when_the_sink_is_first_set_up(tmp_path: Path, dsn: str, dbname: str) -> None:
-    execute(dsn, "CREATE TABLE a (id int PRIMARY KEY, at timestamptz)", "CREATE TABLE b (id int PRIMARY KEY)",
-            "INSERT INTO a SELECT g, now() FROM generate_series(1, 10) g")
-    path = write_config(tmp_path / "sequin.yaml", f"""
+    execute(
+        dsn,
+        "CREATE TABLE a (id int PRIMARY KEY, at timestamptz)",
+        "CREATE TABLE b (id int PRIMARY KEY)",
+        "INSERT INTO a SELECT g, now() FROM generate_series(1, 10) g",
+    )
+    path = write_config(
+        tmp_path / "sequin.yaml",
+        f"""
         databases:
           - {{name: app, dsn: "{dsn}", slot: {{name: slot_{dbname}}}, publication: {{name: pub_{dbname}}}}}
         sinks:
@@ -129,14 +153,20 @@ def test_initial_backfill_is_created_once_when_the_sink_is_first_set_up(tmp_path
             initial_backfill: {{table: a, sort_column: at, start_position: "2020-01-01"}}
             destination: {{type: sequin_stream}}
           - {{name: none, tables: [b], destination: {{type: sequin_stream}}}}
-        """)
+        """,
+    )
     report = initialize(load_config(path))
     assert sum("initial backfill" in line for line in report.created) == 3
     with psycopg.connect(dsn) as conn:
-        got = sorted((b.sink, b.table_name, b.kind, b.sort_column, b.start_position, b.state)
-                     for b in store.list_backfills(conn, "sequin"))
-    assert got == [("recent", "a", "partial", "at", "2020-01-01", "pending"),
-                   ("whole", "a", "full", None, None, "pending"), ("whole", "b", "full", None, None, "pending")]
+        got = sorted(
+            (b.sink, b.table_name, b.kind, b.sort_column, b.start_position, b.state)
+            for b in store.list_backfills(conn, "sequin")
+        )
+    assert got == [
+        ("recent", "a", "partial", "at", "2020-01-01", "pending"),
+        ("whole", "a", "full", None, None, "pending"),
+        ("whole", "b", "full", None, None, "pending"),
+    ]
     assert not any("initial backfill" in line for line in initialize(load_config(path)).created)  # once
     with psycopg.connect(dsn) as conn:
         assert len(store.list_backfills(conn, "sequin")) == 3
@@ -144,7 +174,9 @@ def test_initial_backfill_is_created_once_when_the_sink_is_first_set_up(tmp_path
 
 def test_a_bad_initial_backfill_fails_init_and_records_nothing(tmp_path: Path, dsn: str, dbname: str) -> None:
     execute(dsn, "CREATE TABLE a (id int PRIMARY KEY, at timestamptz)")
-    path = write_config(tmp_path / "sequin.yaml", f"""
+    path = write_config(
+        tmp_path / "sequin.yaml",
+        f"""
         databases:
           - {{name: app, dsn: "{dsn}", slot: {{name: slot_{dbname}}}, publication: {{name: pub_{dbname}}}}}
         sinks:
@@ -152,7 +184,8 @@ def test_a_bad_initial_backfill_fails_init_and_records_nothing(tmp_path: Path, d
             tables: [a]
             initial_backfill: {{table: a, sort_column: at, start_position: "not a time"}}
             destination: {{type: sequin_stream}}
-        """)
+        """,
+    )
     with pytest.raises(ReplicationError, match="initial backfill: start position 'not a time' is not a valid"):
         initialize(load_config(path))
     with psycopg.connect(dsn) as conn:

@@ -42,7 +42,9 @@ def test_fast_shutdown_completes_while_changes_are_unacknowledged_and_reading_re
                 info = slot_info(conn, "slot")
             # nothing unacknowledged was confirmed (PostgreSQL before 17 may even forget the last confirmation
             # across a restart: it does not persist a confirmed_flush-only change at shutdown)
-            assert info is not None and info.confirmed_flush_lsn is not None and info.confirmed_flush_lsn <= first.end_lsn
+            assert (
+                info is not None and info.confirmed_flush_lsn is not None and info.confirmed_flush_lsn <= first.end_lsn
+            )
             reader.open(first.end_lsn)
             again = reader.read(10_000, 1 << 30, 10.0)
             assert len(again.rows) == 500

@@ -30,8 +30,11 @@ Change = tuple[str, str, dict[str, Any], Any, list[str]]
 
 def changes_of(rows: list[tuple]) -> list[Change]:
     """The change rows the reader decoded, as (table, action, record, changes, record_pks)."""
-    return [(r[5], r[6], json.loads(r[7], parse_float=Decimal), None if r[8] is None else json.loads(r[8]),
-             list(r[9])) for r in rows if r[6] != "message"]
+    return [
+        (r[5], r[6], json.loads(r[7], parse_float=Decimal), None if r[8] is None else json.loads(r[8]), list(r[9]))
+        for r in rows
+        if r[6] != "message"
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -39,14 +42,26 @@ def changes_of(rows: list[tuple]) -> list[Change]:
 
 
 def test_a_renamed_key_column_keeps_the_key_rows_were_written_under(dsn: str) -> None:
-    execute(dsn, "CREATE TABLE t (id int PRIMARY KEY, v text)", "CREATE TABLE f (id int PRIMARY KEY, v text)",
-            "ALTER TABLE f REPLICA IDENTITY FULL")
-    rows = capture(dsn, ["t", "f"],
-                   "INSERT INTO t VALUES (1, 'a'), (2, 'b')", "UPDATE t SET v = 'a1' WHERE id = 1",
-                   "DELETE FROM t WHERE id = 2", "INSERT INTO f VALUES (1, 'a')",
-                   "ALTER TABLE t RENAME COLUMN id TO key_id", "ALTER TABLE f RENAME COLUMN id TO key_id",
-                   "INSERT INTO t VALUES (3, 'c')", "UPDATE t SET key_id = 4 WHERE key_id = 3",
-                   "DELETE FROM t WHERE key_id = 1", "INSERT INTO f VALUES (2, 'b')")
+    execute(
+        dsn,
+        "CREATE TABLE t (id int PRIMARY KEY, v text)",
+        "CREATE TABLE f (id int PRIMARY KEY, v text)",
+        "ALTER TABLE f REPLICA IDENTITY FULL",
+    )
+    rows = capture(
+        dsn,
+        ["t", "f"],
+        "INSERT INTO t VALUES (1, 'a'), (2, 'b')",
+        "UPDATE t SET v = 'a1' WHERE id = 1",
+        "DELETE FROM t WHERE id = 2",
+        "INSERT INTO f VALUES (1, 'a')",
+        "ALTER TABLE t RENAME COLUMN id TO key_id",
+        "ALTER TABLE f RENAME COLUMN id TO key_id",
+        "INSERT INTO t VALUES (3, 'c')",
+        "UPDATE t SET key_id = 4 WHERE key_id = 3",
+        "DELETE FROM t WHERE key_id = 1",
+        "INSERT INTO f VALUES (2, 'b')",
+    )
     assert changes_of(rows) == [
         ("t", "insert", {"id": 1, "v": "a"}, None, ["1"]),
         ("t", "insert", {"id": 2, "v": "b"}, None, ["2"]),
@@ -63,13 +78,19 @@ def test_a_renamed_key_column_keeps_the_key_rows_were_written_under(dsn: str) ->
 
 def test_a_primary_key_change_keeps_the_key_rows_were_written_under(dsn: str) -> None:
     execute(dsn, "CREATE TABLE t (id int PRIMARY KEY, code text NOT NULL, v int)")
-    rows = capture(dsn, ["t"],
-                   "INSERT INTO t VALUES (1, 'a', 0), (2, 'b', 0)", "UPDATE t SET v = 1 WHERE id = 1",
-                   "ALTER TABLE t DROP CONSTRAINT t_pkey",
-                   "INSERT INTO t VALUES (3, 'c', 0)",  # no key at all while the table has none
-                   "ALTER TABLE t ADD PRIMARY KEY (code)",
-                   "INSERT INTO t VALUES (4, 'd', 0)", "UPDATE t SET v = 2 WHERE code = 'a'",
-                   "UPDATE t SET code = 'c2' WHERE code = 'c'", "DELETE FROM t WHERE code = 'b'")
+    rows = capture(
+        dsn,
+        ["t"],
+        "INSERT INTO t VALUES (1, 'a', 0), (2, 'b', 0)",
+        "UPDATE t SET v = 1 WHERE id = 1",
+        "ALTER TABLE t DROP CONSTRAINT t_pkey",
+        "INSERT INTO t VALUES (3, 'c', 0)",  # no key at all while the table has none
+        "ALTER TABLE t ADD PRIMARY KEY (code)",
+        "INSERT INTO t VALUES (4, 'd', 0)",
+        "UPDATE t SET v = 2 WHERE code = 'a'",
+        "UPDATE t SET code = 'c2' WHERE code = 'c'",
+        "DELETE FROM t WHERE code = 'b'",
+    )
     assert changes_of(rows) == [
         ("t", "insert", {"id": 1, "code": "a", "v": 0}, None, ["1"]),
         ("t", "insert", {"id": 2, "code": "b", "v": 0}, None, ["2"]),
@@ -86,14 +107,25 @@ def test_a_key_declared_out_of_column_order_keeps_its_key_order(dsn: str) -> Non
     """The Relation message flags key columns in column order; ``record_pks`` is in key order
     (as backfills read it) whenever today's key has the same columns, and in column order for rows
     written under another key than today's (which the stream cannot order otherwise)."""
-    execute(dsn, "CREATE TABLE k (a text, b int, c text, PRIMARY KEY (b, a))",
-            "CREATE TABLE k2 (a text, b int, c text, PRIMARY KEY (b, a))")
-    rows = capture(dsn, ["k", "k2"],
-                   "INSERT INTO k VALUES ('x', 1, 'y')", "UPDATE k SET c = 'z'", "DELETE FROM k",
-                   "INSERT INTO k2 VALUES ('x', 2, 'y')", "DELETE FROM k2",
-                   "ALTER TABLE k ADD COLUMN d int", "INSERT INTO k VALUES ('x', 3, 'y', 4)",
-                   "ALTER TABLE k2 DROP CONSTRAINT k2_pkey", "ALTER TABLE k2 ADD PRIMARY KEY (c, b)",
-                   "INSERT INTO k2 VALUES ('w', 3, 'v')")
+    execute(
+        dsn,
+        "CREATE TABLE k (a text, b int, c text, PRIMARY KEY (b, a))",
+        "CREATE TABLE k2 (a text, b int, c text, PRIMARY KEY (b, a))",
+    )
+    rows = capture(
+        dsn,
+        ["k", "k2"],
+        "INSERT INTO k VALUES ('x', 1, 'y')",
+        "UPDATE k SET c = 'z'",
+        "DELETE FROM k",
+        "INSERT INTO k2 VALUES ('x', 2, 'y')",
+        "DELETE FROM k2",
+        "ALTER TABLE k ADD COLUMN d int",
+        "INSERT INTO k VALUES ('x', 3, 'y', 4)",
+        "ALTER TABLE k2 DROP CONSTRAINT k2_pkey",
+        "ALTER TABLE k2 ADD PRIMARY KEY (c, b)",
+        "INSERT INTO k2 VALUES ('w', 3, 'v')",
+    )
     assert changes_of(rows) == [
         ("k", "insert", {"a": "x", "b": 1, "c": "y"}, None, ["1", "x"]),
         ("k", "update", {"a": "x", "b": 1, "c": "z"}, {}, ["1", "x"]),
@@ -107,11 +139,15 @@ def test_a_key_declared_out_of_column_order_keeps_its_key_order(dsn: str) -> Non
 
 def test_type_changes_render_by_the_type_in_force(dsn: str) -> None:
     execute(dsn, "CREATE TABLE t (id int PRIMARY KEY, n int, amount numeric(10,2), code int)")
-    rows = capture(dsn, ["t"],
-                   "INSERT INTO t VALUES (1, 10, 1.5, 7)",
-                   "ALTER TABLE t ALTER COLUMN id TYPE bigint, ALTER COLUMN n TYPE bigint,"
-                   " ALTER COLUMN amount TYPE numeric(20,4), ALTER COLUMN code TYPE text",
-                   "INSERT INTO t VALUES (9000000000, 9000000000, 3.1234, 'x9')", "UPDATE t SET n = 11 WHERE id = 1")
+    rows = capture(
+        dsn,
+        ["t"],
+        "INSERT INTO t VALUES (1, 10, 1.5, 7)",
+        "ALTER TABLE t ALTER COLUMN id TYPE bigint, ALTER COLUMN n TYPE bigint,"
+        " ALTER COLUMN amount TYPE numeric(20,4), ALTER COLUMN code TYPE text",
+        "INSERT INTO t VALUES (9000000000, 9000000000, 3.1234, 'x9')",
+        "UPDATE t SET n = 11 WHERE id = 1",
+    )
     assert [r[7] for r in rows] == [
         '{"id":1,"n":10,"amount":1.50,"code":7}',
         '{"id":9000000000,"n":9000000000,"amount":3.1234,"code":"x9"}',
@@ -157,10 +193,12 @@ def config_text(dsn: str, db: str, checkpoint: Path, tables: list[str]) -> str:
 
 def wait_counts(dsn: str, app: StreamApp, counts: dict[str, int]) -> dict[str, list[dict[str, Any]]]:
     """Wait until every sink holds its count of messages; all of them, per sink."""
+
     def enough() -> dict[str, list[dict[str, Any]]] | None:
         app.check_alive()
         got = {sink: sink_messages(dsn, sink) for sink in counts}
         return got if all(len(got[s]) >= n for s, n in counts.items()) else None
+
     try:
         return wait_for(enough, 240, what=f"messages in sinks {counts}")
     except TimeoutError as exc:
@@ -170,25 +208,38 @@ def wait_counts(dsn: str, app: StreamApp, counts: dict[str, int]) -> dict[str, l
 
 def summary(messages: list[dict[str, Any]]) -> list[Change]:
     """(table, action, record, changes, record_pks) of each message, in sink order."""
-    return [(m["metadata"]["table_name"], m["action"], m["record"], m["changes"], m["metadata"]["record_pks"])
-            for m in messages]
+    return [
+        (m["metadata"]["table_name"], m["action"], m["record"], m["changes"], m["metadata"]["record_pks"])
+        for m in messages
+    ]
 
 
-def test_schema_changes_in_a_backlog_reach_the_sinks_as_written(pg: EmbeddedPostgres, tmp_path: Path,
-                                                                stream_app: Callable[..., StreamApp]) -> None:
+def test_schema_changes_in_a_backlog_reach_the_sinks_as_written(
+    pg: EmbeddedPostgres, tmp_path: Path, stream_app: Callable[..., StreamApp]
+) -> None:
     db = "schema_changes"
     dsn = pg.create_database(db)
     execute(dsn, *SCHEMA)
     config = write_config(tmp_path / "sequin.yaml", config_text(dsn, db, tmp_path / "ckpt", TABLES))
     app = stream_app(config)
     app.wait_streaming(dsn)
-    execute(dsn, "INSERT INTO t_add VALUES (1, 'a')", "INSERT INTO t_drop VALUES (1, 'a', 1)",
-            "INSERT INTO t_rename VALUES (1, 'a')", "INSERT INTO t_type VALUES (1, 10, 1.5, 7)",
-            "INSERT INTO t_pk VALUES (1, 'a', 0)", "INSERT INTO t_recreate VALUES (1, 'a')")
+    execute(
+        dsn,
+        "INSERT INTO t_add VALUES (1, 'a')",
+        "INSERT INTO t_drop VALUES (1, 'a', 1)",
+        "INSERT INTO t_rename VALUES (1, 'a')",
+        "INSERT INTO t_type VALUES (1, 10, 1.5, 7)",
+        "INSERT INTO t_pk VALUES (1, 'a', 0)",
+        "INSERT INTO t_recreate VALUES (1, 'a')",
+    )
     wait_counts(dsn, app, {t: 1 for t in TABLES})
     # a table added to the publication while streaming, that no sink lists: nothing breaks
-    execute(dsn, f"ALTER PUBLICATION pub_{db} ADD TABLE extra", "INSERT INTO extra VALUES (1, 'run1')",
-            "INSERT INTO t_add VALUES (10, 'marker1')")
+    execute(
+        dsn,
+        f"ALTER PUBLICATION pub_{db} ADD TABLE extra",
+        "INSERT INTO extra VALUES (1, 'run1')",
+        "INSERT INTO t_add VALUES (10, 'marker1')",
+    )
     wait_counts(dsn, app, {"t_add": 2})
     execute(dsn, "INSERT INTO t_add VALUES (11, 'marker2')")  # the batch with extra's row is committed
     wait_counts(dsn, app, {"t_add": 3})
@@ -196,45 +247,59 @@ def test_schema_changes_in_a_backlog_reach_the_sinks_as_written(pg: EmbeddedPost
 
     execute(  # the backlog: writes before and after each change, some to the same keys
         dsn,
-        "INSERT INTO t_add VALUES (2, 'b')", "ALTER TABLE t_add ADD COLUMN w int DEFAULT 7",
-        "INSERT INTO t_add VALUES (3, 'c', 3)", "UPDATE t_add SET v = 'a2' WHERE id = 1",
-        "UPDATE t_add SET w = 8 WHERE id = 2", "DELETE FROM t_add WHERE id = 3",
-
-        "UPDATE t_drop SET gone = 2 WHERE id = 1", "ALTER TABLE t_drop DROP COLUMN gone",
-        "INSERT INTO t_drop VALUES (2, 'b')", "UPDATE t_drop SET v = 'a2' WHERE id = 1", "DELETE FROM t_drop WHERE id = 2",
-
-        "INSERT INTO t_rename VALUES (2, 'b')", "UPDATE t_rename SET v = 'a1' WHERE id = 1",
+        "INSERT INTO t_add VALUES (2, 'b')",
+        "ALTER TABLE t_add ADD COLUMN w int DEFAULT 7",
+        "INSERT INTO t_add VALUES (3, 'c', 3)",
+        "UPDATE t_add SET v = 'a2' WHERE id = 1",
+        "UPDATE t_add SET w = 8 WHERE id = 2",
+        "DELETE FROM t_add WHERE id = 3",
+        "UPDATE t_drop SET gone = 2 WHERE id = 1",
+        "ALTER TABLE t_drop DROP COLUMN gone",
+        "INSERT INTO t_drop VALUES (2, 'b')",
+        "UPDATE t_drop SET v = 'a2' WHERE id = 1",
+        "DELETE FROM t_drop WHERE id = 2",
+        "INSERT INTO t_rename VALUES (2, 'b')",
+        "UPDATE t_rename SET v = 'a1' WHERE id = 1",
         "DELETE FROM t_rename WHERE id = 2",
-        "ALTER TABLE t_rename RENAME COLUMN id TO key_id", "ALTER TABLE t_rename RENAME COLUMN v TO val",
-        "INSERT INTO t_rename VALUES (3, 'c')", "UPDATE t_rename SET val = 'a2' WHERE key_id = 1",
-        "UPDATE t_rename SET key_id = 4 WHERE key_id = 3", "DELETE FROM t_rename WHERE key_id = 1",
-
+        "ALTER TABLE t_rename RENAME COLUMN id TO key_id",
+        "ALTER TABLE t_rename RENAME COLUMN v TO val",
+        "INSERT INTO t_rename VALUES (3, 'c')",
+        "UPDATE t_rename SET val = 'a2' WHERE key_id = 1",
+        "UPDATE t_rename SET key_id = 4 WHERE key_id = 3",
+        "DELETE FROM t_rename WHERE key_id = 1",
         "INSERT INTO t_type VALUES (2, 20, 2.25, 8)",
         "ALTER TABLE t_type ALTER COLUMN id TYPE bigint, ALTER COLUMN n TYPE bigint,"
         " ALTER COLUMN amount TYPE numeric(20,4), ALTER COLUMN code TYPE text",
-        "INSERT INTO t_type VALUES (9000000000, 9000000000, 3.1234, 'x9')", "UPDATE t_type SET n = 11 WHERE id = 1",
+        "INSERT INTO t_type VALUES (9000000000, 9000000000, 3.1234, 'x9')",
+        "UPDATE t_type SET n = 11 WHERE id = 1",
         "DELETE FROM t_type WHERE id = 2",
-
-        "INSERT INTO t_pk VALUES (2, 'b', 0)", "UPDATE t_pk SET v = 1 WHERE id = 1",
-        "ALTER TABLE t_pk DROP CONSTRAINT t_pk_pkey", "INSERT INTO t_pk VALUES (3, 'c', 0)",
-        "ALTER TABLE t_pk ADD PRIMARY KEY (code)", "INSERT INTO t_pk VALUES (4, 'd', 0)",
-        "UPDATE t_pk SET v = 2 WHERE code = 'a'", "UPDATE t_pk SET code = 'c2' WHERE code = 'c'",
+        "INSERT INTO t_pk VALUES (2, 'b', 0)",
+        "UPDATE t_pk SET v = 1 WHERE id = 1",
+        "ALTER TABLE t_pk DROP CONSTRAINT t_pk_pkey",
+        "INSERT INTO t_pk VALUES (3, 'c', 0)",
+        "ALTER TABLE t_pk ADD PRIMARY KEY (code)",
+        "INSERT INTO t_pk VALUES (4, 'd', 0)",
+        "UPDATE t_pk SET v = 2 WHERE code = 'a'",
+        "UPDATE t_pk SET code = 'c2' WHERE code = 'c'",
         "DELETE FROM t_pk WHERE code = 'b'",
-
-        "INSERT INTO t_recreate VALUES (2, 'b')", "DELETE FROM t_recreate WHERE id = 1", "DROP TABLE t_recreate",
+        "INSERT INTO t_recreate VALUES (2, 'b')",
+        "DELETE FROM t_recreate WHERE id = 1",
+        "DROP TABLE t_recreate",
         # a dropped table leaves a FOR TABLE publication: the new one is added back (docs: Schema changes)
-        "CREATE TABLE t_recreate (uid text PRIMARY KEY, v int)", f"ALTER PUBLICATION pub_{db} ADD TABLE t_recreate",
-        "INSERT INTO t_recreate VALUES ('k1', 5), ('k2', 7)", "UPDATE t_recreate SET v = 6 WHERE uid = 'k1'",
+        "CREATE TABLE t_recreate (uid text PRIMARY KEY, v int)",
+        f"ALTER PUBLICATION pub_{db} ADD TABLE t_recreate",
+        "INSERT INTO t_recreate VALUES ('k1', 5), ('k2', 7)",
+        "UPDATE t_recreate SET v = 6 WHERE uid = 'k1'",
         "DELETE FROM t_recreate WHERE uid = 'k2'",
-
-        "INSERT INTO extra VALUES (2, 'b')", "UPDATE extra SET v = 'run1b' WHERE id = 1")
+        "INSERT INTO extra VALUES (2, 'b')",
+        "UPDATE extra SET v = 'run1b' WHERE id = 1",
+    )
 
     # a sink now lists extra: it gets extra's changes from where the stream resumes
     write_config(config, config_text(dsn, db, tmp_path / "ckpt", TABLES + ["extra"]))
     app = stream_app(config)
     app.wait_streaming(dsn)
-    execute(dsn, "INSERT INTO extra VALUES (3, 'c')",
-            "INSERT INTO t_rename VALUES (5, 'e')")
+    execute(dsn, "INSERT INTO extra VALUES (3, 'c')", "INSERT INTO t_rename VALUES (5, 'e')")
     expected: dict[str, list[Change]] = {
         "t_add": [
             ("t_add", "insert", {"id": 1, "v": "a"}, None, ["1"]),
@@ -267,8 +332,13 @@ def test_schema_changes_in_a_backlog_reach_the_sinks_as_written(pg: EmbeddedPost
         "t_type": [
             ("t_type", "insert", {"id": 1, "n": 10, "amount": Decimal("1.50"), "code": 7}, None, ["1"]),
             ("t_type", "insert", {"id": 2, "n": 20, "amount": Decimal("2.25"), "code": 8}, None, ["2"]),
-            ("t_type", "insert", {"id": 9000000000, "n": 9000000000, "amount": Decimal("3.1234"), "code": "x9"}, None,
-             ["9000000000"]),
+            (
+                "t_type",
+                "insert",
+                {"id": 9000000000, "n": 9000000000, "amount": Decimal("3.1234"), "code": "x9"},
+                None,
+                ["9000000000"],
+            ),
             ("t_type", "update", {"id": 1, "n": 11, "amount": Decimal("1.5000"), "code": "7"}, {}, ["1"]),
             ("t_type", "delete", {"id": 2}, None, ["2"]),
         ],
@@ -303,6 +373,10 @@ def test_schema_changes_in_a_backlog_reach_the_sinks_as_written(pg: EmbeddedPost
     assert [str(m["record"]["amount"]) for m in got["t_type"][:4]] == ["1.50", "2.25", "3.1234", "1.5000"]
     # record_pks is the group: the same row keeps its group across the rename
     with psycopg.connect(dsn) as conn:
-        groups = [r[0] for r in conn.execute(
-            "SELECT group_id FROM sequin.stream_messages WHERE sink = 't_rename' ORDER BY commit_lsn, commit_idx")]
+        groups = [
+            r[0]
+            for r in conn.execute(
+                "SELECT group_id FROM sequin.stream_messages WHERE sink = 't_rename' ORDER BY commit_lsn, commit_idx"
+            )
+        ]
     assert groups == [f"public.t_rename:{json.dumps(c[4], separators=(',', ':'))}" for c in expected["t_rename"]]

@@ -76,8 +76,10 @@ class MemoryListKind(DestinationKind):
 
     def parse_options(self, reader: OptionReader, value: Mapping[str, Any], path: str) -> MemoryListOptions:
         item = self.option_keys(reader, value, path, {"list_name", "batch_size"}, {"list_name"})
-        return MemoryListOptions(reader.string(item["list_name"], f"{path}.list_name"),
-                                 reader.integer(item.get("batch_size", 2), f"{path}.batch_size", 1, 100))
+        return MemoryListOptions(
+            reader.string(item["list_name"], f"{path}.list_name"),
+            reader.integer(item.get("batch_size", 2), f"{path}.batch_size", 1, 100),
+        )
 
     def pusher(self, sink: SinkConfig) -> MemoryListSink:
         return MemoryListSink(sink)
@@ -105,8 +107,13 @@ def memory_kind() -> Iterator[DestinationKind]:
 
 
 def _config(dsn: str, destination: dict[str, Any]) -> SequinConfig:
-    return parse_config({"databases": [{"name": "app", "dsn": dsn}],
-                         "sinks": [{"name": "mem", "tables": ["kv"], "destination": destination}]}, "sequin.yaml")
+    return parse_config(
+        {
+            "databases": [{"name": "app", "dsn": dsn}],
+            "sinks": [{"name": "mem", "tables": ["kv"], "destination": destination}],
+        },
+        "sequin.yaml",
+    )
 
 
 def test_a_registered_kind_is_parsed_into_its_typed_options(memory_kind: DestinationKind) -> None:
@@ -117,18 +124,31 @@ def test_a_registered_kind_is_parsed_into_its_typed_options(memory_kind: Destina
     assert [k.name for k in kinds()] == ["sequin_stream", "webhook", "memory_list"]
 
 
-@pytest.mark.parametrize(("destination", "path", "reason"), [
-    ({"type": "memory_list"}, "sinks[0].destination.list_name", "is required"),
-    ({"type": "memory_list", "list_name": "L", "colour": "red"}, "sinks[0].destination.colour",
-     "unknown key (allowed: batch_size, list_name, type)"),
-    ({"type": "memory_list", "list_name": "L", "batch_size": 0}, "sinks[0].destination.batch_size",
-     "must be between 1 and 100, got 0"),
-    ({"type": "kafka"}, "sinks[0].destination.type", "unknown destination type 'kafka' (sequin_stream | webhook"
-                                                     " | memory_list)"),
-    ({"list_name": "L"}, "sinks[0].destination.type", "is required (sequin_stream | webhook | memory_list)"),
-])
-def test_bad_destinations_name_the_key_path(memory_kind: DestinationKind, destination: dict[str, Any], path: str,
-                                            reason: str) -> None:
+@pytest.mark.parametrize(
+    ("destination", "path", "reason"),
+    [
+        ({"type": "memory_list"}, "sinks[0].destination.list_name", "is required"),
+        (
+            {"type": "memory_list", "list_name": "L", "colour": "red"},
+            "sinks[0].destination.colour",
+            "unknown key (allowed: batch_size, list_name, type)",
+        ),
+        (
+            {"type": "memory_list", "list_name": "L", "batch_size": 0},
+            "sinks[0].destination.batch_size",
+            "must be between 1 and 100, got 0",
+        ),
+        (
+            {"type": "kafka"},
+            "sinks[0].destination.type",
+            "unknown destination type 'kafka' (sequin_stream | webhook | memory_list)",
+        ),
+        ({"list_name": "L"}, "sinks[0].destination.type", "is required (sequin_stream | webhook | memory_list)"),
+    ],
+)
+def test_bad_destinations_name_the_key_path(
+    memory_kind: DestinationKind, destination: dict[str, Any], path: str, reason: str
+) -> None:
     with pytest.raises(ConfigError) as err:
         _config("postgresql:///x", destination)
     assert (err.value.path, err.value.reason) == (path, reason)
@@ -139,8 +159,9 @@ def test_unregistered_the_kind_is_unknown() -> None:
         _config("postgresql:///x", {"type": "memory_list", "list_name": "L"})
 
 
-def test_a_pushed_kind_is_delivered_in_group_order_parks_failures_and_is_retried(memory_kind: DestinationKind,
-                                                                                 dsn: str) -> None:
+def test_a_pushed_kind_is_delivered_in_group_order_parks_failures_and_is_retried(
+    memory_kind: DestinationKind, dsn: str
+) -> None:
     config = _config(dsn, {"type": "memory_list", "list_name": "L", "batch_size": 1})
     sink = config.sinks[0]
     with psycopg.connect(dsn) as conn:
@@ -162,7 +183,9 @@ def test_a_pushed_kind_is_delivered_in_group_order_parks_failures_and_is_retried
     with psycopg.connect(dsn) as conn:
         parked = buffer.list_messages(conn, "sequin", "mem")
         assert [(m.commit_lsn, m.attempts, m.last_error) for m in parked] == [
-            (4, 1, "memory list: refused"), (6, 0, buffer.FOLLOWER_ERROR)]
+            (4, 1, "memory list: refused"),
+            (6, 0, buffer.FOLLOWER_ERROR),
+        ]
         buffer.set_state(conn, "sequin", "mem", "discarded")  # and back: due now
         buffer.set_state(conn, "sequin", "mem", "parked")
         conn.commit()
@@ -175,18 +198,34 @@ def test_a_pushed_kind_is_delivered_in_group_order_parks_failures_and_is_retried
 
 def _rendered(ids: list[int], groups: str) -> RenderedRows:
     """Rendered stream messages ``{"record": {"id": n}}`` at positions (n, 0), in ``groups``."""
-    return RenderedRows(pa.array(ids, pa.int64()), pa.array([0] * len(ids), pa.int32()), pa.array(list(groups)),
-                        pa.array([f"{n}:0" for n in ids]), pa.array([f'{{"record": {{"id": {n}}}}}' for n in ids]))
+    return RenderedRows(
+        pa.array(ids, pa.int64()),
+        pa.array([0] * len(ids), pa.int32()),
+        pa.array(list(groups)),
+        pa.array([f"{n}:0" for n in ids]),
+        pa.array([f'{{"record": {{"id": {n}}}}}' for n in ids]),
+    )
 
 
 def test_a_stored_kinds_writer_copies_holds_parked_groups_and_parks_failed_transforms(dsn: str) -> None:
     """The stored kinds' write without Spark (the pipeline feeds it the same rendered rows):
     one COPY for every stored sink; a failed transform is parked with the rest of its group,
     in this write and the next (its group's head is parked), while other groups go on."""
-    config = parse_config({"databases": [{"name": "app", "dsn": dsn}], "sinks": [
-        {"name": "plain", "tables": ["t"], "destination": {"type": "sequin_stream"}},
-        {"name": "picky", "tables": ["t"], "transform": "tests.transforms:refuse_three",
-         "destination": {"type": "sequin_stream"}}]}, "sequin.yaml")
+    config = parse_config(
+        {
+            "databases": [{"name": "app", "dsn": dsn}],
+            "sinks": [
+                {"name": "plain", "tables": ["t"], "destination": {"type": "sequin_stream"}},
+                {
+                    "name": "picky",
+                    "tables": ["t"],
+                    "transform": "tests.transforms:refuse_three",
+                    "destination": {"type": "sequin_stream"},
+                },
+            ],
+        },
+        "sequin.yaml",
+    )
     with psycopg.connect(dsn) as conn:
         store.migrate(conn, "sequin")
         conn.commit()
@@ -194,8 +233,11 @@ def test_a_stored_kinds_writer_copies_holds_parked_groups_and_parks_failed_trans
         kind("webhook").writer(config.sinks[0], None)  # type: ignore[arg-type]
     table = StreamTableWriter(config.sinks, "sequin", SequinStreamSink(dsn, "sequin"), SequinStreamSink(dsn, "sequin"))
     try:
+
         def write(ids: list[int], groups: str) -> int:
-            payload = (chunk for name in ("plain", "picky") for chunk in table.writer(name).tuples(_rendered(ids, groups)))
+            payload = (
+                chunk for name in ("plain", "picky") for chunk in table.writer(name).tuples(_rendered(ids, groups))
+            )
             return table.write(payload, span=lambda: (min(ids), max(ids)))
 
         assert write([1, 2, 3, 4, 5], "ababa") == 5 + 3  # picky: 3 refused, 5 behind it
@@ -206,17 +248,29 @@ def test_a_stored_kinds_writer_copies_holds_parked_groups_and_parks_failed_trans
     with psycopg.connect(dsn) as conn:
         assert [m.commit_lsn for m in store.stream_messages(conn, "sequin", "plain")] == [1, 2, 3, 4, 5, 6, 7]
         assert [(m.commit_lsn, m.data) for m in store.stream_messages(conn, "sequin", "picky")] == [
-            (n, f'{{"record":{{"id":{n}}}}}') for n in (1, 2, 4, 7)]
-        assert [(m.commit_lsn, m.attempts, m.last_error.startswith("transform")) for m in
-                buffer.list_messages(conn, "sequin", "picky")] == [(3, 1, True), (5, 0, False), (6, 0, False)]
+            (n, f'{{"record":{{"id":{n}}}}}') for n in (1, 2, 4, 7)
+        ]
+        assert [
+            (m.commit_lsn, m.attempts, m.last_error.startswith("transform"))
+            for m in buffer.list_messages(conn, "sequin", "picky")
+        ] == [(3, 1, True), (5, 0, False), (6, 0, False)]
 
 
-def test_sequin_status_shows_each_kinds_own_counts(memory_kind: DestinationKind, dsn: str, tmp_path: Path,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_sequin_status_shows_each_kinds_own_counts(
+    memory_kind: DestinationKind, dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     config = tmp_path / "sequin.yaml"
-    config.write_text(json.dumps({"databases": [{"name": "app", "dsn": dsn}], "sinks": [
-        {"name": "changes", "tables": ["kv"], "destination": {"type": "sequin_stream"}},
-        {"name": "mem", "tables": ["kv"], "destination": {"type": "memory_list", "list_name": "mem"}}]}))
+    config.write_text(
+        json.dumps(
+            {
+                "databases": [{"name": "app", "dsn": dsn}],
+                "sinks": [
+                    {"name": "changes", "tables": ["kv"], "destination": {"type": "sequin_stream"}},
+                    {"name": "mem", "tables": ["kv"], "destination": {"type": "memory_list", "list_name": "mem"}},
+                ],
+            }
+        )
+    )
     with psycopg.connect(dsn) as conn:
         store.migrate(conn, "sequin")
         store.insert_stream_messages(conn, "sequin", [("changes", lsn, 0, "g", f"{lsn}:0", "{}") for lsn in (1, 2)])
@@ -224,12 +278,16 @@ def test_sequin_status_shows_each_kinds_own_counts(memory_kind: DestinationKind,
     DELIVERED["mem"] = [["a", "b"], ["c"]]
     assert cli_main(["--config", str(config), "status", "--json"]) == 0
     (entry,) = json.loads(capsys.readouterr().out)
-    assert entry["sinks"] == {"changes": {"total": 2, "visible": 0, "outstanding": 0},
-                              "mem": {"requests": 2, "delivered": 3}}
+    assert entry["sinks"] == {
+        "changes": {"total": 2, "visible": 0, "outstanding": 0},
+        "mem": {"requests": 2, "delivered": 3},
+    }
     assert entry["messages"] == {"changes": 2}
     assert cli_main(["--config", str(config), "status"]) == 0
-    assert capsys.readouterr().out.splitlines()[1:] == ["  sink changes: 2 messages in the stream",
-                                                         "  sink mem: 2 requests, 3 delivered"]
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "  sink changes: 2 messages in the stream",
+        "  sink mem: 2 requests, 3 delivered",
+    ]
 
 
 def _names_a_destination(node: ast.AST, names: set[str]) -> bool:
@@ -238,8 +296,12 @@ def _names_a_destination(node: ast.AST, names: set[str]) -> bool:
         return True
     if isinstance(node, ast.Compare):
         for operand in (node.left, *node.comparators):
-            if (isinstance(operand, ast.Attribute) and operand.attr in ("type", "name")
-                    and isinstance(operand.value, ast.Attribute) and operand.value.attr in ("destination", "kind")):
+            if (
+                isinstance(operand, ast.Attribute)
+                and operand.attr in ("type", "name")
+                and isinstance(operand.value, ast.Attribute)
+                and operand.value.attr in ("destination", "kind")
+            ):
                 return True
     return False
 

@@ -156,16 +156,26 @@ def check_barrier(events: list[tuple[int, str, tuple[int, int], str]]) -> None:
 
 @pytest.mark.parametrize("payload", ["spool", "full"])
 def test_truncate_reaches_pull_consumers_and_a_webhook_as_a_barrier_and_skip_sends_none(
-        payload: str, dsn: str, dbname: str, tmp_path: Path, stream_app: Any) -> None:
+    payload: str, dsn: str, dbname: str, tmp_path: Path, stream_app: Any
+) -> None:
     execute(dsn, "CREATE TABLE kv (k int PRIMARY KEY, v int)")
     receiver = Receiver().start()
     refusing = threading.Event()
     refusing.set()
-    receiver.policy = lambda ms: (500 if refusing.is_set() and any(
-        (m["record"].get("k"), m["record"].get("v")) == REFUSED for m in ms) else 200, 0.0)
-    config_path = write_config(tmp_path / "sequin.yaml", CONFIG.format(
-        dsn=dsn, db=dbname, url=receiver.url, ckpt=tmp_path / "ckpt",
-        hooks_filter=FULL_PAYLOAD_FILTER if payload == "full" else ""))
+    receiver.policy = lambda ms: (
+        500 if refusing.is_set() and any((m["record"].get("k"), m["record"].get("v")) == REFUSED for m in ms) else 200,
+        0.0,
+    )
+    config_path = write_config(
+        tmp_path / "sequin.yaml",
+        CONFIG.format(
+            dsn=dsn,
+            db=dbname,
+            url=receiver.url,
+            ckpt=tmp_path / "ckpt",
+            hooks_filter=FULL_PAYLOAD_FILTER if payload == "full" else "",
+        ),
+    )
     assert payload_mode(load_config(config_path).sinks) == payload
     app = stream_app(config_path)
     app.wait_streaming(dsn)
@@ -241,8 +251,13 @@ def test_truncate_reaches_pull_consumers_and_a_webhook_as_a_barrier_and_skip_sen
         before = receiver.messages()
         assert all(position(m) < position_of(barrier) for m in before)  # nothing of kv after the parked barrier
         refusing.clear()
-        wait_for(lambda: (lambda r: r if "still parked 0" in r.stdout else time.sleep(0.5))(
-            cli(config_path, "buffer", "retry", "--sink", "hooks")), 120, what="retry draining the buffer")
+        wait_for(
+            lambda: (lambda r: r if "still parked 0" in r.stdout else time.sleep(0.5))(
+                cli(config_path, "buffer", "retry", "--sink", "hooks")
+            ),
+            120,
+            what="retry draining the buffer",
+        )
         hooked = receiver.messages()
         assert len(hooked) == total and len({m["metadata"]["idempotency_key"] for m in hooked}) == total
         assert replay(hooked) == table
@@ -250,11 +265,14 @@ def test_truncate_reaches_pull_consumers_and_a_webhook_as_a_barrier_and_skip_sen
         for t in (position(m) for m in hooked if m["action"] == "truncate"):
             at = next(i for i, m in enumerate(hooked) if position(m) == t)
             assert all(position(m) < t for m in hooked[:at]), "a later message delivered before its truncate"
-            assert all(position(m) > t for m in hooked[at + 1:]), "an earlier message delivered after its truncate"
+            assert all(position(m) > t for m in hooked[at + 1 :]), "an earlier message delivered after its truncate"
 
         # truncate: skip delivers every change and no truncate
-        skipped = wait_for(lambda: (lambda ms: ms if len(ms) >= total - 2 else None)(sink_messages(dsn, "skipped")),
-                           60, what="the skip sink's messages")
+        skipped = wait_for(
+            lambda: (lambda ms: ms if len(ms) >= total - 2 else None)(sink_messages(dsn, "skipped")),
+            60,
+            what="the skip sink's messages",
+        )
         assert len(skipped) == total - 2 and not [m for m in skipped if m["action"] == "truncate"]
     finally:
         receiver.stop()
@@ -276,13 +294,20 @@ def last_position(dsn: str) -> tuple[int, int] | None:
 
 
 def test_truncate_setting_is_validated(tmp_path: Path) -> None:
-    body = CONFIG.format(dsn="postgresql://localhost/x", db="x", url="http://127.0.0.1:1/h", ckpt=tmp_path,
-                         hooks_filter="").replace("truncate: skip", "truncate: drop")
+    body = CONFIG.format(
+        dsn="postgresql://localhost/x", db="x", url="http://127.0.0.1:1/h", ckpt=tmp_path, hooks_filter=""
+    ).replace("truncate: skip", "truncate: drop")
     with pytest.raises(ConfigError) as err:
         load_config(write_config(tmp_path / "sequin.yaml", body))
     assert "sinks[1].truncate" in str(err.value) and "expected deliver or skip, got 'drop'" in str(err.value)
-    ok = load_config(write_config(tmp_path / "ok.yaml", CONFIG.format(
-        dsn="postgresql://localhost/x", db="x", url="http://127.0.0.1:1/h", ckpt=tmp_path, hooks_filter="")))
+    ok = load_config(
+        write_config(
+            tmp_path / "ok.yaml",
+            CONFIG.format(
+                dsn="postgresql://localhost/x", db="x", url="http://127.0.0.1:1/h", ckpt=tmp_path, hooks_filter=""
+            ),
+        )
+    )
     assert [s.truncate for s in ok.sinks] == ["deliver", "skip", "deliver"]
 
 
@@ -291,9 +316,14 @@ def _put(dsn: str, rows: list[tuple[int, int, str, str | None]]) -> None:
     with psycopg.connect(dsn) as conn:
         store.migrate(conn, "sequin")
         conn.commit()
-        store.insert_stream_messages(conn, "sequin", [
-            ("s", lsn, idx, group, f"{lsn}:{idx}", json.dumps({"lsn": lsn, "idx": idx}), barrier)
-            for lsn, idx, group, barrier in rows])
+        store.insert_stream_messages(
+            conn,
+            "sequin",
+            [
+                ("s", lsn, idx, group, f"{lsn}:{idx}", json.dumps({"lsn": lsn, "idx": idx}), barrier)
+                for lsn, idx, group, barrier in rows
+            ],
+        )
         store.advance_visible_lsn(conn, "sequin", ["s"], max(r[0] for r in rows))
 
 
@@ -310,9 +340,18 @@ def _ack(dsn: str, got: list[tuple[int, int, str]]) -> None:
 
 def test_receive_holds_a_truncate_behind_earlier_messages_of_its_table_and_later_ones_behind_it(dsn: str) -> None:
     t = "public.t:"
-    _put(dsn, [(10, 0, 'public.t:["1"]', None), (10, 1, 'public.u:["1"]', None), (11, 0, 'public.t:["2"]', None),
-               (12, 0, "public.t:[]", t), (12, 1, 'public.t:["3"]', None), (12, 2, 'public.u:["2"]', None),
-               (13, 0, 'public.t:["1"]', None)])
+    _put(
+        dsn,
+        [
+            (10, 0, 'public.t:["1"]', None),
+            (10, 1, 'public.u:["1"]', None),
+            (11, 0, 'public.t:["2"]', None),
+            (12, 0, "public.t:[]", t),
+            (12, 1, 'public.t:["3"]', None),
+            (12, 2, 'public.u:["2"]', None),
+            (13, 0, 'public.t:["1"]', None),
+        ],
+    )
     first = _receive(dsn)
     # t's earlier messages and u's (not behind the barrier); neither the truncate nor t's later ones
     assert [(lsn, idx) for lsn, idx, _ in first] == [(10, 0), (10, 1), (11, 0), (12, 2)]
@@ -339,15 +378,27 @@ def test_receive_of_an_ungrouped_sink_holds_every_message_behind_a_truncate(dsn:
 
 def _outgoing(rows: list[tuple[int, str, str | None]]) -> Outgoing:
     """Messages (lsn, group, barrier) at index 0, data = "lsn"."""
-    out = Outgoing([r[0] for r in rows], [0] * len(rows), [r[1] for r in rows], [f"{r[0]}:0" for r in rows],
-                   [str(r[0]) for r in rows])
+    out = Outgoing(
+        [r[0] for r in rows],
+        [0] * len(rows),
+        [r[1] for r in rows],
+        [f"{r[0]}:0" for r in rows],
+        [str(r[0]) for r in rows],
+    )
     out.barriers.update({i: r[2] for i, r in enumerate(rows) if r[2] is not None})
     return out
 
 
 def test_push_sends_a_truncate_after_every_earlier_message_of_its_table_and_before_later_ones() -> None:
-    rows = [(1, 't:["1"]', None), (2, 't:["2"]', None), (3, 'u:["1"]', None), (4, 't:[]', "t:"),
-            (5, 't:["1"]', None), (6, 'u:["1"]', None), (7, 't:["3"]', None)]
+    rows = [
+        (1, 't:["1"]', None),
+        (2, 't:["2"]', None),
+        (3, 'u:["1"]', None),
+        (4, "t:[]", "t:"),
+        (5, 't:["1"]', None),
+        (6, 'u:["1"]', None),
+        (7, 't:["3"]', None),
+    ]
     sent: list[str] = []
     lock = threading.Lock()
 
@@ -359,12 +410,19 @@ def test_push_sends_a_truncate_after_every_earlier_message_of_its_table_and_befo
     result = push_in_group_order("h", _outgoing(rows), send, 1, 4, set())
     assert result.parked == [] and result.delivered == 7
     at = sent.index("4")
-    assert set(sent[:at]) >= {"1", "2"} and set(sent[at + 1:]) >= {"5", "7"}
+    assert set(sent[:at]) >= {"1", "2"} and set(sent[at + 1 :]) >= {"5", "7"}
 
 
 def test_push_parks_a_truncate_and_its_tables_later_messages_behind_an_earlier_failure() -> None:
-    rows = [(1, 't:["1"]', None), (2, 't:["2"]', None), (3, 't:[]', "t:"), (4, 't:["2"]', None),
-            (5, 'u:["1"]', None), (6, 't:[]', "t:"), (7, 't:["3"]', None)]
+    rows = [
+        (1, 't:["1"]', None),
+        (2, 't:["2"]', None),
+        (3, "t:[]", "t:"),
+        (4, 't:["2"]', None),
+        (5, 'u:["1"]', None),
+        (6, "t:[]", "t:"),
+        (7, 't:["3"]', None),
+    ]
     sent: list[str] = []
 
     def send(batch: list[str]) -> None:
@@ -375,23 +433,46 @@ def test_push_parks_a_truncate_and_its_tables_later_messages_behind_an_earlier_f
     result = push_in_group_order("h", _outgoing(rows), send, 1, 4, set())
     assert sorted(sent) == ["2", "5"]
     assert [(r.commit_lsn, r.attempts, r.barrier) for r in result.parked] == [
-        (1, 1, None), (3, 0, "t:"), (4, 0, None), (6, 0, "t:"), (7, 0, None)]
+        (1, 1, None),
+        (3, 0, "t:"),
+        (4, 0, None),
+        (6, 0, "t:"),
+        (7, 0, None),
+    ]
     # a batch after it: t's messages wait behind the parked truncate, u's flow
-    later = push_in_group_order("h", _outgoing([(8, 't:["9"]', None), (9, 'u:["2"]', None)]), send, 1, 4, set(),
-                                barred={"t:"})
+    later = push_in_group_order(
+        "h", _outgoing([(8, 't:["9"]', None), (9, 'u:["2"]', None)]), send, 1, 4, set(), barred={"t:"}
+    )
     assert sent[-1:] == ["9"] and [r.commit_lsn for r in later.parked] == [8]
 
 
 def test_retry_redelivers_parked_messages_in_position_order_through_a_barrier(dsn: str, tmp_path: Path) -> None:
-    config = load_config(write_config(tmp_path / "sequin.yaml", CONFIG.format(
-        dsn=dsn, db="x", url="http://127.0.0.1:1/h", ckpt=tmp_path, hooks_filter="")))
-    rows = [(1, 't:["1"]', None), (2, 't:["2"]', None), (3, 't:[]', "t:"), (4, 't:["2"]', None),
-            (5, 't:["3"]', None), (6, 't:[]', "t:"), (7, 't:["1"]', None)]
+    config = load_config(
+        write_config(
+            tmp_path / "sequin.yaml",
+            CONFIG.format(dsn=dsn, db="x", url="http://127.0.0.1:1/h", ckpt=tmp_path, hooks_filter=""),
+        )
+    )
+    rows = [
+        (1, 't:["1"]', None),
+        (2, 't:["2"]', None),
+        (3, "t:[]", "t:"),
+        (4, 't:["2"]', None),
+        (5, 't:["3"]', None),
+        (6, "t:[]", "t:"),
+        (7, 't:["1"]', None),
+    ]
     with psycopg.connect(dsn) as conn:
         store.migrate(conn, "sequin")
         conn.commit()
-        buffer.park(conn, "sequin", [ParkRow("hooks", lsn, 0, group, f"{lsn}:0", str(lsn), None, 0, "held", 0.0,
-                                             barrier) for lsn, group, barrier in rows])
+        buffer.park(
+            conn,
+            "sequin",
+            [
+                ParkRow("hooks", lsn, 0, group, f"{lsn}:0", str(lsn), None, 0, "held", 0.0, barrier)
+                for lsn, group, barrier in rows
+            ],
+        )
     delivered: list[int] = []
     lock = threading.Lock()
 
@@ -405,23 +486,40 @@ def test_retry_redelivers_parked_messages_in_position_order_through_a_barrier(ds
     assert report.still_parked == 0 and report.delivered == 7
     for barrier in (3, 6):
         at = delivered.index(barrier)
-        assert all(p < barrier for p in delivered[:at]) and all(p > barrier for p in delivered[at + 1:]), delivered
+        assert all(p < barrier for p in delivered[:at]) and all(p > barrier for p in delivered[at + 1 :]), delivered
 
 
 def _row(lsn: int, action: str, table: str = "kv", key: str = "1", content: str = "") -> tuple:
-    return (lsn, 0, "2024-01-01T00:00:00Z", 1, "public", table, action, content or "{}", None,
-            [] if action in ("truncate", "message") else [key], [], None, None)
+    return (
+        lsn,
+        0,
+        "2024-01-01T00:00:00Z",
+        1,
+        "public",
+        table,
+        action,
+        content or "{}",
+        None,
+        [] if action in ("truncate", "message") else [key],
+        [],
+        None,
+        None,
+    )
 
 
 def test_a_truncate_inside_a_backfill_window_makes_its_page_be_read_again() -> None:
     mark = Watermark(1, 7, 0, "public", "kv", ("k",))
     other = Watermark(2, 8, 0, "public", "other", ("k",))
     tracker = WindowTracker()
-    rows = [(1, 0, "", 1, "", LOW_PREFIX, "message", watermark_content(mark), None, [], [], None, None),
-            (1, 1, "", 1, "", LOW_PREFIX, "message", watermark_content(other), None, [], [], None, None),
-            _row(2, "update", key="3"), _row(3, "truncate"), _row(4, "insert", key="4"),
-            (5, 0, "", 1, "", HIGH_PREFIX, "message", watermark_content(mark), None, [], [], None, None),
-            (5, 1, "", 1, "", HIGH_PREFIX, "message", watermark_content(other), None, [], [], None, None)]
+    rows = [
+        (1, 0, "", 1, "", LOW_PREFIX, "message", watermark_content(mark), None, [], [], None, None),
+        (1, 1, "", 1, "", LOW_PREFIX, "message", watermark_content(other), None, [], [], None, None),
+        _row(2, "update", key="3"),
+        _row(3, "truncate"),
+        _row(4, "insert", key="4"),
+        (5, 0, "", 1, "", HIGH_PREFIX, "message", watermark_content(mark), None, [], [], None, None),
+        (5, 1, "", 1, "", HIGH_PREFIX, "message", watermark_content(other), None, [], [], None, None),
+    ]
     closed = tracker.scan(rows)
     # kv's window saw a truncate: every row it read may be gone, so the page is not trusted (read again);
     # the other table's window is untouched

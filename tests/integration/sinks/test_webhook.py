@@ -80,7 +80,8 @@ def test_push_keeps_group_order_and_parks_a_failed_group_behind_its_first_failur
             sent.append(batch)
 
     rows: list[tuple[int, int, str, str, str | None]] = [
-        (i, 0, f"g{i % 3}", f"k{i}", json.dumps("bad" if i == 4 else f"m{i}")) for i in range(12)]
+        (i, 0, f"g{i % 3}", f"k{i}", json.dumps("bad" if i == 4 else f"m{i}")) for i in range(12)
+    ]
     rows.insert(7, (6, 1, "g0", "k6b", None))
     msgs = Outgoing(*(list(column) for column in zip(*rows)), failed={7: ('"src"', "transform failed")})  # type: ignore[arg-type]
     result = push_in_group_order("s", msgs, send, batch_size=1, lanes=4, parked_groups={"g2"})
@@ -106,39 +107,55 @@ def _workload(dsn: str, keys: int, rounds: int) -> int:
 
 
 def test_poison_pill_is_parked_with_its_group_while_the_rest_flow_and_retry_delivers_in_order(
-        dsn: str, dbname: str, tmp_path: Path, stream_app: Any) -> None:
+    dsn: str, dbname: str, tmp_path: Path, stream_app: Any
+) -> None:
     execute(dsn, "CREATE TABLE kv (k int PRIMARY KEY, v int)")
     receiver = Receiver(secret="s3cret").start()
     receiver.policy = lambda ms: (400 if any(m["record"]["k"] == 13 and m["record"]["v"] == 1 for m in ms) else 200, 0)
-    config = write_config(tmp_path / "sequin.yaml", CONFIG.format(dsn=dsn, db=dbname, url=receiver.url, batch="false",
-                                                                 timeout="5s", ckpt=tmp_path / "ckpt", hooks_filter=""))
+    config = write_config(
+        tmp_path / "sequin.yaml",
+        CONFIG.format(
+            dsn=dsn, db=dbname, url=receiver.url, batch="false", timeout="5s", ckpt=tmp_path / "ckpt", hooks_filter=""
+        ),
+    )
     assert payload_mode(load_config(config).sinks) == "spool"  # the stream tasks send the push shares
     app = stream_app(config)
     app.wait_streaming(dsn)
     assert "-XX:TieredStopAtLevel=1" in spark_jvm_arguments(app)  # no per-change JVM code: C1 only
     try:
         total = _workload(dsn, keys=20, rounds=4)  # 80 changes; row 13's second version (v=1) is refused
-        others = wait_for(lambda: (lambda ms: ms if len(ms) >= total - 3 else None)(receiver.messages()), 120,
-                          what="every row but 13's last three versions")
+        others = wait_for(
+            lambda: (lambda ms: ms if len(ms) >= total - 3 else None)(receiver.messages()),
+            120,
+            what="every row but 13's last three versions",
+        )
         assert len(others) == total - 3 and {m["record"]["k"] for m in others} == set(range(1, 21))
         assert [m["record"]["v"] for m in others if m["record"]["k"] == 13] == [0]  # nothing after the poison
         assert receiver.bad_signatures == 0
+
         # a batch delivers its other groups before it commits what it parks: wait for the park, not just the rest
         def parked_three() -> list[Any] | None:
             with psycopg.connect(dsn) as conn:
                 found = store.list_buffered(conn, "sequin", "hooks")
             return found if len(found) >= 3 else None
+
         parked = wait_for(parked_three, 60, what="row 13's three versions parked")
         # the slot moves past the parked messages: they are durable in the buffer, no longer needed in the WAL
         last_commit = max(m.commit_lsn for m in parked)
         wait_for(lambda: confirmed_flush_lsn(dsn, f"slot_{dbname}") >= last_commit, 60, what="the slot advancing")
         assert [(m.state, m.attempts, json.loads(m.data)["record"]["v"]) for m in parked] == [
-            ("parked", 1, 1), ("parked", 0, 2), ("parked", 0, 3)]
+            ("parked", 1, 1),
+            ("parked", 0, 2),
+            ("parked", 0, 3),
+        ]
         assert "HTTP 400" in parked[0].last_error
         # the transform sink parked row 13's messages too (its transform raises) and stored the rest
         # (the batch makes stream messages visible after its push sinks are done: wait for that too)
-        stored = wait_for(lambda: (lambda ms: ms if len(ms) >= total - 4 else None)(sink_messages(dsn, "transformed")),
-                          60, what="the transform sink's messages visible")
+        stored = wait_for(
+            lambda: (lambda ms: ms if len(ms) >= total - 4 else None)(sink_messages(dsn, "transformed")),
+            60,
+            what="the transform sink's messages visible",
+        )
         assert len(stored) == total - 4 and all(m["k"] != 13 for m in stored)
         listed = cli(config, "buffer", "list", "--json")
         assert listed.returncode == 0, listed.stderr
@@ -149,8 +166,13 @@ def test_poison_pill_is_parked_with_its_group_while_the_rest_flow_and_retry_deli
         still = cli(config, "buffer", "retry", "--sink", "hooks")
         assert still.returncode == 1 and "delivered 0" in still.stdout and "still parked 3" in still.stdout
         receiver.policy = lambda ms: (200, 0)  # the endpoint is fixed
-        delivered = wait_for(lambda: (lambda r: r if "still parked 0" in r.stdout else time.sleep(0.5))(
-            cli(config, "buffer", "retry", "--sink", "hooks")), 60, what="retry delivering the parked group")
+        delivered = wait_for(
+            lambda: (lambda r: r if "still parked 0" in r.stdout else time.sleep(0.5))(
+                cli(config, "buffer", "retry", "--sink", "hooks")
+            ),
+            60,
+            what="retry delivering the parked group",
+        )
         assert delivered.returncode == 0 and "delivered 3" in delivered.stdout
         thirteen = [m for m in receiver.messages() if m["record"]["k"] == 13]
         assert [m["record"]["v"] for m in thirteen] == [0, 1, 2, 3]  # in order, each once
@@ -166,7 +188,8 @@ def test_poison_pill_is_parked_with_its_group_while_the_rest_flow_and_retry_deli
 
 
 def test_flaky_slow_and_down_endpoint_loses_nothing_and_keeps_group_order(
-        dsn: str, dbname: str, tmp_path: Path, stream_app: Any) -> None:
+    dsn: str, dbname: str, tmp_path: Path, stream_app: Any
+) -> None:
     execute(dsn, "CREATE TABLE kv (k int PRIMARY KEY, v int)")
     receiver = Receiver().start()
     rng = random.Random(3)
@@ -178,9 +201,18 @@ def test_flaky_slow_and_down_endpoint_loses_nothing_and_keeps_group_order(
         return (500, 0.0) if rng.random() < 0.2 else (200, 0.0)
 
     receiver.policy = flaky
-    config = write_config(tmp_path / "sequin.yaml", CONFIG.format(dsn=dsn, db=dbname, url=receiver.url, batch="true",
-                                                                 timeout="1s", ckpt=tmp_path / "ckpt",
-                                                                 hooks_filter=FULL_PAYLOAD_FILTER))
+    config = write_config(
+        tmp_path / "sequin.yaml",
+        CONFIG.format(
+            dsn=dsn,
+            db=dbname,
+            url=receiver.url,
+            batch="true",
+            timeout="1s",
+            ckpt=tmp_path / "ckpt",
+            hooks_filter=FULL_PAYLOAD_FILTER,
+        ),
+    )
     assert payload_mode(load_config(config).sinks) == "full"
     app = stream_app(config)
     app.wait_streaming(dsn)
@@ -208,10 +240,16 @@ def test_flaky_slow_and_down_endpoint_loses_nothing_and_keeps_group_order(
         total += _workload(dsn, keys=25, rounds=2)
         with psycopg.connect(dsn) as conn:
             expected_keys = total
-        wait_for(lambda: len({key(m) for m in receiver.messages()}) >= expected_keys, 240,
-                 what=f"{expected_keys} distinct messages delivered")
-        wait_for(lambda: not store.list_buffered(psycopg.connect(dsn), "sequin", "hooks", "parked"), 120,
-                 what="the buffer drained")
+        wait_for(
+            lambda: len({key(m) for m in receiver.messages()}) >= expected_keys,
+            240,
+            what=f"{expected_keys} distinct messages delivered",
+        )
+        wait_for(
+            lambda: not store.list_buffered(psycopg.connect(dsn), "sequin", "hooks", "parked"),
+            120,
+            what="the buffer drained",
+        )
     finally:
         stop.set()
         retrier.join(timeout=60)
@@ -232,5 +270,7 @@ def test_flaky_slow_and_down_endpoint_loses_nothing_and_keeps_group_order(
     assert set(duplicates) <= ambiguous  # duplicates only where a timeout made the delivery ambiguous
     with psycopg.connect(dsn) as conn:
         assert store.list_buffered(conn, "sequin", "hooks", "discarded") == []
-    print(f"flaky webhook: {total} changes, {len(got)} deliveries, {len(duplicates)} duplicates,"
-          f" {receiver.refused} requests refused, {len(ambiguous)} ambiguous")
+    print(
+        f"flaky webhook: {total} changes, {len(got)} deliveries, {len(duplicates)} duplicates,"
+        f" {receiver.refused} requests refused, {len(ambiguous)} ambiguous"
+    )

@@ -40,8 +40,9 @@ class Recorder:
 
             def do_POST(self) -> None:  # noqa: N802
                 body = self.rfile.read(int(self.headers["Content-Length"]))
-                recorder.requests.append({"peer": self.client_address, "path": self.path, "body": body,
-                                          "headers": dict(self.headers)})
+                recorder.requests.append(
+                    {"peer": self.client_address, "path": self.path, "body": body, "headers": dict(self.headers)}
+                )
                 recorder.connections.add(self.client_address)
                 time.sleep(recorder.stall)
                 answer = b"nope: " + b"x" * recorder.answer_bytes if recorder.status >= 300 else b""
@@ -75,9 +76,27 @@ def recorder() -> Iterator[Recorder]:
 
 
 def client(url: str, **options: Any) -> WebhookClient:
-    return WebhookClient(SinkConfig(name="hooks", database="app", tables=(), destination=DestinationConfig(
-        type="webhook", options=WebhookOptions(**{"url": url, "batch": True, "batch_size": 10, "timeout": 5.0,
-                                                   "secret": None, "headers": {}, **options}))))
+    return WebhookClient(
+        SinkConfig(
+            name="hooks",
+            database="app",
+            tables=(),
+            destination=DestinationConfig(
+                type="webhook",
+                options=WebhookOptions(
+                    **{
+                        "url": url,
+                        "batch": True,
+                        "batch_size": 10,
+                        "timeout": 5.0,
+                        "secret": None,
+                        "headers": {},
+                        **options,
+                    }
+                ),
+            ),
+        )
+    )
 
 
 def test_batches_go_out_in_order_over_kept_alive_connections_with_signature_and_headers(recorder: Recorder) -> None:
@@ -85,11 +104,15 @@ def test_batches_go_out_in_order_over_kept_alive_connections_with_signature_and_
     for n in range(20):
         hooks.send([f'{{"n":{n}}}', f'{{"n":{n}.5}}'])
     hooks.close()
-    assert [r["body"] for r in recorder.requests] == [f'{{"data":[{{"n":{n}}},{{"n":{n}.5}}]}}'.encode() for n in range(20)]
+    assert [r["body"] for r in recorder.requests] == [
+        f'{{"data":[{{"n":{n}}},{{"n":{n}.5}}]}}'.encode() for n in range(20)
+    ]
     assert {r["path"] for r in recorder.requests} == {"/in/hook?team=data"}
     assert all(r["headers"][SIGNATURE_HEADER] == signature("s3cret", r["body"]) for r in recorder.requests)
-    assert all(r["headers"]["X-Team"] == "data" and r["headers"]["Content-Type"] == "application/json"
-               for r in recorder.requests)
+    assert all(
+        r["headers"]["X-Team"] == "data" and r["headers"]["Content-Type"] == "application/json"
+        for r in recorder.requests
+    )
     assert len(recorder.connections) == 1  # one connection, kept alive
 
 
@@ -108,8 +131,9 @@ def test_a_connection_the_server_closed_while_idle_is_replaced_and_nothing_is_lo
 
 def test_concurrent_senders_share_the_pool_without_mixing_answers(recorder: Recorder) -> None:
     hooks = client(f"http://127.0.0.1:{recorder.port}/hook")
-    threads = [threading.Thread(target=lambda t=t: [hooks.send([f"{t * 100 + n}"]) for n in range(25)])
-               for t in range(8)]
+    threads = [
+        threading.Thread(target=lambda t=t: [hooks.send([f"{t * 100 + n}"]) for n in range(25)]) for t in range(8)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -143,7 +167,8 @@ def test_refusals_timeouts_and_unreachable_endpoints_are_delivery_errors() -> No
 
 
 def test_a_proxy_named_by_the_environment_gets_the_whole_url_and_its_credentials(
-        recorder: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
+    recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("HTTP_PROXY", f"http://bob:s%40cret@127.0.0.1:{recorder.port}")
     monkeypatch.delenv("NO_PROXY", raising=False)
     monkeypatch.delenv("no_proxy", raising=False)
@@ -175,16 +200,23 @@ def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
-            .not_valid_after(now + datetime.timedelta(hours=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
     cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
     cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    key_file.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return cert_file, key_file
 
 

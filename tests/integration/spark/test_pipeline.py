@@ -41,8 +41,23 @@ def rows() -> list[tuple]:
     """One change row per (table, action, backfill sink), in position order."""
     out = []
     for n, ((schema, table), action, backfill_sink) in enumerate(itertools.product(TABLES, ACTIONS, BACKFILL_SINKS)):
-        out.append((1000 + n, 0, "2026-11-24T08:00:00Z", 7, schema, table, action, f'{{"id":{n}}}', None, [str(n)],
-                    [], 3 if action == "read" else None, backfill_sink))
+        out.append(
+            (
+                1000 + n,
+                0,
+                "2026-11-24T08:00:00Z",
+                7,
+                schema,
+                table,
+                action,
+                f'{{"id":{n}}}',
+                None,
+                [str(n)],
+                [],
+                3 if action == "read" else None,
+                backfill_sink,
+            )
+        )
     return out
 
 
@@ -50,7 +65,10 @@ def test_the_executors_selection_equals_spark_sqls_for_every_sink_without_a_filt
     """For every sink ``payload=spool`` serves (no filter, no custom groups), the Arrow selection takes
     exactly the rows the SQL predicate takes: its tables, its actions (a record sink no deletes),
     reads of its own backfills only, never a logical message."""
-    config = load_config(write_config(tmp_path / "sequin.yaml", """
+    config = load_config(
+        write_config(
+            tmp_path / "sequin.yaml",
+            """
         databases: [{name: app, dsn: "postgresql://u@localhost/app"}]
         sinks:
           - {name: changes, tables: [public.t, other.t2], destination: {type: sequin_stream}}
@@ -58,7 +76,9 @@ def test_the_executors_selection_equals_spark_sqls_for_every_sink_without_a_filt
           - {name: inserts, tables: [other.t2], actions: [insert], destination: {type: sequin_stream}}
           - {name: deletes, tables: [public.t], actions: [delete], transform: record_only,
              destination: {type: sequin_stream}}
-        """))
+        """,
+        )
+    )
     batch = rows_to_arrow(rows())
     frame = spark.createDataFrame(rows(), CHANGE_SCHEMA_DDL)
     for sink in config.sinks:
@@ -87,14 +107,21 @@ def test_a_worker_keeps_its_writers_across_tasks(tmp_path: Path) -> None:
 
     from sequin_provider.spark import pipeline
 
-    config_path = str(write_config(tmp_path / "sequin.yaml", """
+    config_path = str(
+        write_config(
+            tmp_path / "sequin.yaml",
+            """
         databases: [{name: app, dsn: "postgresql://u@localhost/app"}]
         sinks:
           - {name: changes, tables: [public.t], destination: {type: sequin_stream}}
           - {name: hook, tables: [public.t], destination: {type: webhook, url: "http://localhost:9/hook"}}
-    """))
-    shipped = [cloudpickle.dumps(pipeline.write_partitions(config_path, "app")),
-               cloudpickle.dumps(pipeline.push_partitions(config_path, "app", "hook"))]
+    """,
+        )
+    )
+    shipped = [
+        cloudpickle.dumps(pipeline.write_partitions(config_path, "app")),
+        cloudpickle.dumps(pipeline.push_partitions(config_path, "app", "hook")),
+    ]
     seen: list[tuple[int, int]] = []
     for _task in range(3):
         write, push = (pickle.loads(p) for p in shipped)
@@ -104,7 +131,8 @@ def test_a_worker_keeps_its_writers_across_tasks(tmp_path: Path) -> None:
 
 
 def test_the_push_shares_of_a_spooled_batch_send_each_group_once_in_order_from_its_first_slice(
-        dsn: str, tmp_path: Path) -> None:
+    dsn: str, tmp_path: Path
+) -> None:
     """With ``payload=spool`` every task reads the batch's whole spool file and sends the groups
     whose first message lies in its own slice: the shares of all slices send every message once,
     a group entirely by one task (even when it continues into the next slice), in position order.
@@ -121,23 +149,45 @@ def test_the_push_shares_of_a_spooled_batch_send_each_group_once_in_order_from_i
         conn.commit()
     receiver = Receiver().start()
     try:
-        config_path = str(write_config(tmp_path / "sequin.yaml", f"""
+        config_path = str(
+            write_config(
+                tmp_path / "sequin.yaml",
+                f"""
             databases: [{{name: app, dsn: "{dsn}"}}]
             sinks:
               - {{name: hook, tables: [public.t], destination: {{type: webhook, url: "{receiver.url}", batch_size: 3,
                   concurrency: 4}}}}
               - {{name: solo, tables: [public.t], message_grouping: false, destination: {{type: webhook,
                   url: "{receiver.url}", batch_size: 3, concurrency: 4}}}}
-        """))
+        """,
+            )
+        )
+
         def key(n: int) -> int:  # keys 0-3 start in the first slice and go on in the second; 4-6 start there
             return n % 4 if n < 12 or n % 2 == 0 else 4 + n % 3
 
         theirs = {n for n in range(30) if n % 5 == 4}  # another table's changes: not this sink's
-        changes = [(1000 + n, 0, "2026-11-25T08:00:00Z", 7, *(("other", "t2") if n in theirs else ("public", "t")),
-                    "insert", f'{{"id":{key(n)},"n":{n}}}', None, [str(key(n))], [], None, None) for n in range(30)]
+        changes = [
+            (
+                1000 + n,
+                0,
+                "2026-11-25T08:00:00Z",
+                7,
+                *(("other", "t2") if n in theirs else ("public", "t")),
+                "insert",
+                f'{{"id":{key(n)},"n":{n}}}',
+                None,
+                [str(key(n))],
+                [],
+                None,
+                None,
+            )
+            for n in range(30)
+        ]
         # a backfill's read of key 1 comes last in the file, at its window's position (1001, 1): before n=5
-        changes.append((1001, 1, "2026-11-25T08:00:00Z", 0, "public", "t", "read", '{"id":1,"n":30}', None, ["1"],
-                        [], 3, "hook"))
+        changes.append(
+            (1001, 1, "2026-11-25T08:00:00Z", 0, "public", "t", "read", '{"id":1,"n":30}', None, ["1"], [], 3, "hook")
+        )
         position = {c[7]: (c[0], c[1]) for c in changes}
         path = str(tmp_path / "batch.arrow")
         write_spool(path, rows_to_arrow(changes))
@@ -162,8 +212,10 @@ def test_the_push_shares_of_a_spooled_batch_send_each_group_once_in_order_from_i
     assert sorted(m["record"]["n"] for m in sent) == [n for n in range(31) if n not in theirs]  # each once
     assert {m["record"]["id"] for m in shares[1]} == {4, 5, 6}
     for k in range(7):
-        ns = sorted((n for n in range(31) if (key(n) if n < 30 else 1) == k and n not in theirs),
-                    key=lambda n: position[f'{{"id":{k},"n":{n}}}'])
+        ns = sorted(
+            (n for n in range(31) if (key(n) if n < 30 else 1) == k and n not in theirs),
+            key=lambda n: position[f'{{"id":{k},"n":{n}}}'],
+        )
         owner = 0 if ns[0] < 12 else 1
         assert [m["record"]["n"] for m in shares[owner] if m["record"]["id"] == k] == ns  # whole group, in order
         assert not [m for m in shares[1 - owner] if m["record"]["id"] == k]

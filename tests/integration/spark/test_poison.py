@@ -60,6 +60,7 @@ def wait_parked(dsn: str, sink: str, count: int, app: Any) -> list[buffer.Parked
         app.check_alive()
         found = parked(dsn, sink)
         return found if len(found) >= count else None
+
     return wait_for(enough, 600, what=f"{count} messages of {sink} parked")
 
 
@@ -68,6 +69,7 @@ def wait_messages(dsn: str, sink: str, count: int, app: Any) -> list[dict[str, A
         app.check_alive()
         got = sink_messages(dsn, sink)
         return got if len(got) >= count else None
+
     return wait_for(enough, 600, what=f"{count} messages in {sink}")
 
 
@@ -76,6 +78,7 @@ def wait_received(receiver: Receiver, count: int, app: Any) -> list[dict[str, An
         app.check_alive()
         got = receiver.messages()
         return got if len(got) >= count else None
+
     return wait_for(enough, 600, what=f"{count} webhook messages")
 
 
@@ -98,8 +101,15 @@ class Deployment:
     receivers: dict[str, Receiver]
 
 
-def deploy(pg: EmbeddedPostgres, tmp: Path, db: str, schema: list[str], sinks: str, receivers: dict[str, Receiver],
-           payload: str) -> Iterator[Deployment]:
+def deploy(
+    pg: EmbeddedPostgres,
+    tmp: Path,
+    db: str,
+    schema: list[str],
+    sinks: str,
+    receivers: dict[str, Receiver],
+    payload: str,
+) -> Iterator[Deployment]:
     """A database with ``schema`` and the stream app for ``sinks`` (whose batches are ``payload``), until the
     module is done; then the app and ``receivers`` are stopped."""
     try:
@@ -135,18 +145,27 @@ def filtering(pg: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory) ->
   - name: big_hooks
     tables: [orders]
     filter: "{BIG}"
-    destination: {{type: webhook, url: "{hooks['big_hooks'].url}", batch: false, timeout: 5s}}
+    destination: {{type: webhook, url: "{hooks["big_hooks"].url}", batch: false, timeout: 5s}}
   - name: all_orders
     tables: [orders]
     destination: {{type: sequin_stream}}
   - name: per_unit
     tables: [items]
     filter: "{PER_UNIT}"
-    destination: {{type: webhook, url: "{hooks['per_unit'].url}", batch: false, timeout: 5s}}
+    destination: {{type: webhook, url: "{hooks["per_unit"].url}", batch: false, timeout: 5s}}
 """
-    yield from deploy(pg, tmp_path_factory.mktemp("filtering"), "poison_filters",
-                      ["CREATE TABLE orders (id int PRIMARY KEY, amount numeric)",
-                       "CREATE TABLE items (id int PRIMARY KEY, qty int)"], sinks, hooks, "full")
+    yield from deploy(
+        pg,
+        tmp_path_factory.mktemp("filtering"),
+        "poison_filters",
+        [
+            "CREATE TABLE orders (id int PRIMARY KEY, amount numeric)",
+            "CREATE TABLE items (id int PRIMARY KEY, qty int)",
+        ],
+        sinks,
+        hooks,
+        "full",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +176,7 @@ def transforming(pg: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory)
   - name: hooks
     tables: [orders]
     transform: "tests.support.transforms:refuse_three"
-    destination: {{type: webhook, url: "{hooks['hooks'].url}", batch: false, timeout: 5s}}
+    destination: {{type: webhook, url: "{hooks["hooks"].url}", batch: false, timeout: 5s}}
   - name: stored
     tables: [orders]
     transform: "tests.support.transforms:refuse_three"
@@ -170,24 +189,45 @@ def transforming(pg: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory)
     transform: "tests.support.transforms:pass_through"
     destination: {{type: sequin_stream}}
 """
-    yield from deploy(pg, tmp_path_factory.mktemp("transforming"), "poison_transforms",
-                      ["CREATE TABLE orders (id int PRIMARY KEY, amount numeric)", MATRIX], sinks, hooks, "spool")
+    yield from deploy(
+        pg,
+        tmp_path_factory.mktemp("transforming"),
+        "poison_transforms",
+        ["CREATE TABLE orders (id int PRIMARY KEY, amount numeric)", MATRIX],
+        sinks,
+        hooks,
+        "spool",
+    )
 
 
 def test_a_filter_that_fails_on_some_rows_parks_only_them_and_retry_reevaluates_the_fixed_filter(
-        filtering: Deployment) -> None:
+    filtering: Deployment,
+) -> None:
     dsn, config, app, receiver = filtering.dsn, filtering.config, filtering.app, filtering.receivers["big_hooks"]
-    execute(dsn,
-            "INSERT INTO orders VALUES (1, 50), (2, 150), (3, 250), (4, 99.99), (5, 200)",
-            "UPDATE orders SET amount = 'NaN' WHERE id = 5",  # poison: CAST_INVALID_INPUT
-            "INSERT INTO orders VALUES (6, 1e20)",              # poison: out of decimal(12,2)'s range
-            "UPDATE orders SET amount = 300 WHERE id = 1",
-            "UPDATE orders SET amount = 500 WHERE id = 5",      # behind id 5's poison
-            "UPDATE orders SET amount = 120 WHERE id = 6",      # behind id 6's poison
-            "INSERT INTO orders VALUES (7, 1000)")
+    execute(
+        dsn,
+        "INSERT INTO orders VALUES (1, 50), (2, 150), (3, 250), (4, 99.99), (5, 200)",
+        "UPDATE orders SET amount = 'NaN' WHERE id = 5",  # poison: CAST_INVALID_INPUT
+        "INSERT INTO orders VALUES (6, 1e20)",  # poison: out of decimal(12,2)'s range
+        "UPDATE orders SET amount = 300 WHERE id = 1",
+        "UPDATE orders SET amount = 500 WHERE id = 5",  # behind id 5's poison
+        "UPDATE orders SET amount = 120 WHERE id = 6",  # behind id 6's poison
+        "INSERT INTO orders VALUES (7, 1000)",
+    )
     everything = wait_messages(dsn, "all_orders", 11, app)
-    assert changes(everything) == [(1, "50"), (2, "150"), (3, "250"), (4, "99.99"), (5, "200"), (5, "NaN"),
-                                   (6, "100000000000000000000"), (1, "300"), (5, "500"), (6, "120"), (7, "1000")]
+    assert changes(everything) == [
+        (1, "50"),
+        (2, "150"),
+        (3, "250"),
+        (4, "99.99"),
+        (5, "200"),
+        (5, "NaN"),
+        (6, "100000000000000000000"),
+        (1, "300"),
+        (5, "500"),
+        (6, "120"),
+        (7, "1000"),
+    ]
     good = [(2, "150"), (3, "250"), (5, "200"), (1, "300"), (7, "1000")]
     for sink in ("big_orders", "big_hooks"):
         held = wait_parked(dsn, sink, 4, app)
@@ -220,12 +260,18 @@ def test_a_filter_that_fails_on_some_rows_parks_only_them_and_retry_reevaluates_
 
     # fix the filter: NaN is not big (dropped), 1e20 is (delivered); restart with it, then retry
     assert app.stop() is not None
-    config.write_text(config.read_text().replace(
-        BIG, "coalesce(try_cast(record.amount AS decimal(30,2)) >= 100, false)"))
+    config.write_text(
+        config.read_text().replace(BIG, "coalesce(try_cast(record.amount AS decimal(30,2)) >= 100, false)")
+    )
     app.start().wait_streaming(dsn, timeout=600)
     for sink in ("big_orders", "big_hooks"):
-        retried = wait_for(lambda s=sink: (lambda r: r if "still parked 0" in r.stdout else None)(
-            cli(config, "buffer", "retry", "--sink", s)), 180, what=f"retry of {sink} delivering")
+        retried = wait_for(
+            lambda s=sink: (lambda r: r if "still parked 0" in r.stdout else None)(
+                cli(config, "buffer", "retry", "--sink", s)
+            ),
+            180,
+            what=f"retry of {sink} delivering",
+        )
         assert "filtered 1" in retried.stdout, retried.stdout + retried.stderr
     after = [(5, "500"), (6, "100000000000000000000"), (6, "120"), (5, "700")]
     final = wait_messages(dsn, "big_orders", len(good) + 1 + len(after), app)
@@ -234,8 +280,15 @@ def test_a_filter_that_fails_on_some_rows_parks_only_them_and_retry_reevaluates_
         by_group: dict[int, list[str]] = {}
         for m in got:
             by_group.setdefault(m["record"]["id"], []).append(str(m["record"]["amount"]))
-        assert by_group == {1: ["300"], 2: ["150"], 3: ["250"], 5: ["200", "500", "700"],
-                            6: ["100000000000000000000", "120"], 7: ["1000"], 8: ["800"]}
+        assert by_group == {
+            1: ["300"],
+            2: ["150"],
+            3: ["250"],
+            5: ["200", "500", "700"],
+            6: ["100000000000000000000", "120"],
+            7: ["1000"],
+            8: ["800"],
+        }
         assert len({m["metadata"]["idempotency_key"] for m in got}) == len(got)  # nothing twice
     for group in (5, 6):  # in position order within each group
         ordered = [position(m) for m in final if m["record"]["id"] == group]
@@ -245,10 +298,15 @@ def test_a_filter_that_fails_on_some_rows_parks_only_them_and_retry_reevaluates_
 
 
 def test_a_filter_that_divides_by_zero_on_one_row_parks_it_and_retry_keeps_it_until_fixed(
-        filtering: Deployment) -> None:
+    filtering: Deployment,
+) -> None:
     dsn, config, app, receiver = filtering.dsn, filtering.config, filtering.app, filtering.receivers["per_unit"]
-    execute(dsn, "INSERT INTO items VALUES (1, 10), (2, 0), (3, 200), (4, 5)",
-            "UPDATE items SET qty = 2 WHERE id = 2", "UPDATE items SET qty = 20 WHERE id = 1")
+    execute(
+        dsn,
+        "INSERT INTO items VALUES (1, 10), (2, 0), (3, 200), (4, 5)",
+        "UPDATE items SET qty = 2 WHERE id = 2",
+        "UPDATE items SET qty = 20 WHERE id = 1",
+    )
     held = wait_parked(dsn, "per_unit", 2, app)
     assert held[0].last_error.startswith(f'sink per_unit: filter "{PER_UNIT}" failed: [DIVIDE_BY_ZERO]')
     assert held[1].last_error == FOLLOWER_ERROR and json.loads(held[1].data)["record"] == {"id": 2, "qty": 2}
@@ -257,28 +315,52 @@ def test_a_filter_that_divides_by_zero_on_one_row_parks_it_and_retry_keeps_it_un
     app.check_alive()
 
     # retried with the filter unchanged: still failing, it stays parked with the new error
-    again = wait_for(lambda: (lambda r: r if "failed again 1" in r.stdout else None)(
-        cli(config, "buffer", "retry", "--sink", "per_unit")), 120, what="a retry that evaluates the filter")
+    again = wait_for(
+        lambda: (lambda r: r if "failed again 1" in r.stdout else None)(
+            cli(config, "buffer", "retry", "--sink", "per_unit")
+        ),
+        120,
+        what="a retry that evaluates the filter",
+    )
     assert again.returncode == 1 and "still parked 2" in again.stdout
     held = parked(dsn, "per_unit")
     assert held[0].attempts == 2 and "[DIVIDE_BY_ZERO]" in held[0].last_error and held[0].data is None
 
     config.write_text(config.read_text().replace(PER_UNIT, "try_divide(100, cast(record.qty AS int)) > 1"))
-    fixed = wait_for(lambda: (lambda r: r if "still parked 0" in r.stdout else None)(
-        cli(config, "buffer", "retry", "--sink", "per_unit")), 120, what="the retry with the fixed filter")
+    fixed = wait_for(
+        lambda: (lambda r: r if "still parked 0" in r.stdout else None)(
+            cli(config, "buffer", "retry", "--sink", "per_unit")
+        ),
+        120,
+        what="the retry with the fixed filter",
+    )
     assert "filtered 1" in fixed.stdout and "delivered 1" in fixed.stdout, fixed.stdout
     assert [(m["record"]["id"], m["record"]["qty"]) for m in sorted(receiver.messages(), key=position)] == [
-        (1, 10), (4, 5), (2, 2), (1, 20)]  # id 2's update, retried, in its place by position
+        (1, 10),
+        (4, 5),
+        (2, 2),
+        (1, 20),
+    ]  # id 2's update, retried, in its place by position
 
 
 def test_a_transform_that_raises_on_one_row_parks_it_for_both_sink_types_and_the_rest_arrive_exactly(
-        transforming: Deployment) -> None:
+    transforming: Deployment,
+) -> None:
     dsn, app, receiver = transforming.dsn, transforming.app, transforming.receivers["hooks"]
     exact = "12345678901234567890.1234567890"
-    execute(dsn, f"INSERT INTO orders SELECT i, {exact} + i FROM generate_series(1, 5) i",
-            "UPDATE orders SET amount = 1 WHERE id = 3", "UPDATE orders SET amount = 2 WHERE id = 4")
-    expected = [(1, "12345678901234567891.1234567890"), (2, "12345678901234567892.1234567890"),
-                (4, "12345678901234567894.1234567890"), (5, "12345678901234567895.1234567890"), (4, "2")]
+    execute(
+        dsn,
+        f"INSERT INTO orders SELECT i, {exact} + i FROM generate_series(1, 5) i",
+        "UPDATE orders SET amount = 1 WHERE id = 3",
+        "UPDATE orders SET amount = 2 WHERE id = 4",
+    )
+    expected = [
+        (1, "12345678901234567891.1234567890"),
+        (2, "12345678901234567892.1234567890"),
+        (4, "12345678901234567894.1234567890"),
+        (5, "12345678901234567895.1234567890"),
+        (4, "2"),
+    ]
     for sink in ("hooks", "stored"):
         held = wait_parked(dsn, sink, 2, app)
         assert "ValueError: cannot handle row 3" in held[0].last_error and held[0].data is None
@@ -304,13 +386,16 @@ def exact(value: Any) -> Any:
 
 def test_a_pass_through_transform_returns_every_value_to_the_last_digit(transforming: Deployment) -> None:
     dsn, app = transforming.dsn, transforming.app
-    execute(dsn, "INSERT INTO matrix VALUES (1, 12345678901234567890.1234567890, 'NaN', 0.1, 5e-324,"
-                 " 9223372036854775807, '{9223372036854775807,-9223372036854775808}',"
-                 " '{\"big\": 123456789012345678901234567890.123456789, \"f\": 1.10, \"n\": [1e3, -0.0]}',"
-                 " 'h\u00e9 \"quoted\" \\ tab\t', '2024-02-29 23:59:59.123456+00', '1999-12-31 23:59:59.999999',"
-                 " 1.500)",
-            "INSERT INTO matrix VALUES (2, -0.00000000000000000001, 'Infinity', 1.7976931348623157e308, -1e-300,"
-            " -9223372036854775808, '{}', '[1.000000000000000000001]', '', 'infinity', '-infinity', -999.999)")
+    execute(
+        dsn,
+        "INSERT INTO matrix VALUES (1, 12345678901234567890.1234567890, 'NaN', 0.1, 5e-324,"
+        " 9223372036854775807, '{9223372036854775807,-9223372036854775808}',"
+        ' \'{"big": 123456789012345678901234567890.123456789, "f": 1.10, "n": [1e3, -0.0]}\','
+        " 'h\u00e9 \"quoted\" \\ tab\t', '2024-02-29 23:59:59.123456+00', '1999-12-31 23:59:59.999999',"
+        " 1.500)",
+        "INSERT INTO matrix VALUES (2, -0.00000000000000000001, 'Infinity', 1.7976931348623157e308, -1e-300,"
+        " -9223372036854775808, '{}', '[1.000000000000000000001]', '', 'infinity', '-infinity', -999.999)",
+    )
     raw = wait_messages(dsn, "raw", 2, app)
     passed = wait_messages(dsn, "passed", 2, app)
     assert str(raw[0]["record"]["big"]) == "12345678901234567890.1234567890"  # the reference is exact

@@ -18,8 +18,12 @@ from tests.support.config import write_config
 from tests.support.postgres import execute
 
 
-def reader_for(tmp_path: Path, dsn: str, db: str, stream: str = "max_batch_wait: 300ms") -> tuple[ReplicationStreamReader, str]:
-    config = write_config(tmp_path / "sequin.yaml", f"""
+def reader_for(
+    tmp_path: Path, dsn: str, db: str, stream: str = "max_batch_wait: 300ms"
+) -> tuple[ReplicationStreamReader, str]:
+    config = write_config(
+        tmp_path / "sequin.yaml",
+        f"""
         databases:
           - name: app
             dsn: {dsn}
@@ -31,7 +35,8 @@ def reader_for(tmp_path: Path, dsn: str, db: str, stream: str = "max_batch_wait:
             tables: [kv]
             destination: {{type: sequin_stream}}
         stream: {{{stream}}}
-        """)
+        """,
+    )
     execute(dsn, "CREATE TABLE kv (id int PRIMARY KEY, v int)")
     initialize(load_config(config))
     options = {"config": str(config), "database": "app", "spool": str(tmp_path / "spool")}
@@ -40,8 +45,11 @@ def reader_for(tmp_path: Path, dsn: str, db: str, stream: str = "max_batch_wait:
 
 def next_offset(reader: ReplicationStreamReader, start: dict) -> dict:
     """latestOffset until the just-committed transactions arrive (the walsender may take a moment)."""
-    return wait_for(lambda: (lambda end: end if end != start else None)(reader.latestOffset(start, None)), 30,
-                    what="the committed transactions to reach the reader")
+    return wait_for(
+        lambda: (lambda end: end if end != start else None)(reader.latestOffset(start, None)),
+        30,
+        what="the committed transactions to reach the reader",
+    )
 
 
 def rows_of(reader: ReplicationStreamReader, start: dict, end: dict) -> list[dict]:
@@ -96,8 +104,12 @@ def test_commit_removes_spooled_batches_up_to_the_offset(tmp_path: Path, dsn: st
 def test_initial_offset_is_stable_when_the_slot_moves(tmp_path: Path, dsn: str, dbname: str) -> None:
     reader, slot = reader_for(tmp_path, dsn, dbname)
     first = reader.initialOffset()
-    execute(dsn, "SET synchronous_commit = on", "INSERT INTO kv VALUES (1, 1)",
-            f"SELECT pg_replication_slot_advance('{slot}', pg_current_wal_lsn())")
+    execute(
+        dsn,
+        "SET synchronous_commit = on",
+        "INSERT INTO kv VALUES (1, 1)",
+        f"SELECT pg_replication_slot_advance('{slot}', pg_current_wal_lsn())",
+    )
     with psycopg.connect(dsn) as conn:
         assert slot_info(conn, slot).confirmed_flush_lsn > first["lsn"]  # type: ignore[union-attr,operator]
     assert reader.initialOffset() == first
@@ -160,8 +172,9 @@ def test_spool_payload_rows_name_slices_and_a_lost_file_is_put_back(tmp_path: Pa
     assert Path(spooled.partitions(start, end)[0].path).exists()  # type: ignore[attr-defined]
 
 
-def test_a_large_transaction_spans_batches_and_the_slot_moves_only_at_its_commit(tmp_path: Path, dsn: str,
-                                                                                 dbname: str) -> None:
+def test_a_large_transaction_spans_batches_and_the_slot_moves_only_at_its_commit(
+    tmp_path: Path, dsn: str, dbname: str
+) -> None:
     """A transaction larger than a batch is handed on in chunks (bounded memory): its batches end
     at ``{"lsn", "idx"}`` offsets, each but the last carries the open-transaction marker, a commit
     inside it acknowledges only the last commit boundary, and a batch that ends inside it is re-read

@@ -94,7 +94,9 @@ def shop(pg: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory) -> Iter
     dsn = pg.create_database(db)
     execute(dsn, *SCHEMA)
     tmp = tmp_path_factory.mktemp("shop")
-    config = write_config(tmp / "sequin.yaml", with_destinations(CONFIG.format(dsn=dsn, db=db, checkpoint=tmp / "ckpt")))
+    config = write_config(
+        tmp / "sequin.yaml", with_destinations(CONFIG.format(dsn=dsn, db=db, checkpoint=tmp / "ckpt"))
+    )
     app = StreamApp(config, tmp / "app.log").start()
     try:
         app.wait_streaming(dsn)
@@ -105,10 +107,12 @@ def shop(pg: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 def messages_when(dsn: str, sink: str, count: int, app: StreamApp, timeout: float = 180.0) -> list[dict[str, Any]]:
     """Wait until ``sink`` holds at least ``count`` messages, then return them all."""
+
     def enough() -> list[dict[str, Any]] | None:
         app.check_alive()
         got = sink_messages(dsn, sink)
         return got if len(got) >= count else None
+
     return wait_for(enough, timeout, what=f"{count} messages in sink {sink}")
 
 
@@ -128,11 +132,14 @@ def test_changes_across_tables_arrive_exactly_and_in_commit_order(shop: tuple[st
     consumer = {s.name: s.consumer_id for s in config.sinks}
     started = datetime.now(timezone.utc).replace(microsecond=0)
     # T1: several statements, three tables
-    execute(dsn, "BEGIN",
-            "INSERT INTO accounts VALUES (1, 'Ada', 100.50), (2, 'Bob', 0)",
-            "INSERT INTO orders VALUES (10, 1, 'draft', 25.00, '{a,b}', '2024-05-01 10:00:00+00')",
-            "INSERT INTO items VALUES (10, 1, 'sku-1', 2), (10, 2, 'sku-2', 1)",
-            "COMMIT")
+    execute(
+        dsn,
+        "BEGIN",
+        "INSERT INTO accounts VALUES (1, 'Ada', 100.50), (2, 'Bob', 0)",
+        "INSERT INTO orders VALUES (10, 1, 'draft', 25.00, '{a,b}', '2024-05-01 10:00:00+00')",
+        "INSERT INTO items VALUES (10, 1, 'sku-1', 2), (10, 2, 'sku-2', 1)",
+        "COMMIT",
+    )
     # T2 and T3 interleave: T3 commits first, so it must come first.
     t2, t3 = psycopg.connect(dsn), psycopg.connect(dsn)
     t2.execute("UPDATE orders SET status = 'paid' WHERE id = 10")
@@ -144,12 +151,24 @@ def test_changes_across_tables_arrive_exactly_and_in_commit_order(shop: tuple[st
     t2.close()
     t3.close()
     # T4: deletes and a key change
-    execute(dsn, "BEGIN", "DELETE FROM items WHERE order_id = 10 AND line = 1",
-            "UPDATE accounts SET id = 3 WHERE id = 2", "DELETE FROM orders WHERE id = 11",
-            "UPDATE orders SET total = 30 WHERE id = 10", "COMMIT")
+    execute(
+        dsn,
+        "BEGIN",
+        "DELETE FROM items WHERE order_id = 10 AND line = 1",
+        "UPDATE accounts SET id = 3 WHERE id = 2",
+        "DELETE FROM orders WHERE id = 11",
+        "UPDATE orders SET total = 30 WHERE id = 10",
+        "COMMIT",
+    )
 
-    order10 = {"id": 10, "account_id": 1, "status": "draft", "total": Decimal("25.00"), "tags": ["a", "b"],
-               "placed_at": "2024-05-01T10:00:00Z"}
+    order10 = {
+        "id": 10,
+        "account_id": 1,
+        "status": "draft",
+        "total": Decimal("25.00"),
+        "tags": ["a", "b"],
+        "placed_at": "2024-05-01T10:00:00Z",
+    }
     order10_paid = {**order10, "status": "paid"}
     order11 = {"id": 11, "account_id": 2, "status": "paid", "total": 5, "tags": None, "placed_at": None}
     expected = [  # (txn, table, action, record, changes, record_pks)
@@ -169,8 +188,9 @@ def test_changes_across_tables_arrive_exactly_and_in_commit_order(shop: tuple[st
     ]
     got = messages_when(dsn, "everything", len(expected), app)
     assert len(got) == len(expected)
-    assert [(m["metadata"]["table_name"], m["action"], m["record"], m["changes"], m["metadata"]["record_pks"])
-            for m in got] == [e[1:] for e in expected]
+    assert [
+        (m["metadata"]["table_name"], m["action"], m["record"], m["changes"], m["metadata"]["record_pks"]) for m in got
+    ] == [e[1:] for e in expected]
     # positions: one commit LSN per transaction, increasing in commit order; idx counts within it
     by_txn: dict[int, list[dict[str, Any]]] = {}
     for (txn, *_), m in zip(expected, got):
@@ -185,7 +205,9 @@ def test_changes_across_tables_arrive_exactly_and_in_commit_order(shop: tuple[st
     # filter + actions + custom grouping: paid orders with total >= 10, no deletes
     paid = messages_when(dsn, "paid_orders", 2, app)
     assert [(m["action"], m["record"]["id"], m["record"]["total"]) for m in paid] == [
-        ("update", 10, Decimal("25.00")), ("update", 10, 30)]
+        ("update", 10, Decimal("25.00")),
+        ("update", 10, 30),
+    ]
     # record sink: latest rows, no deletes, no action/changes keys
     rows = messages_when(dsn, "account_rows", 4, app)
     assert [m["record"] for m in rows] == [e[3] for e in expected if e[1] == "accounts"]
@@ -198,9 +220,12 @@ def test_changes_across_tables_arrive_exactly_and_in_commit_order(shop: tuple[st
     assert tagged == [{"id": e[3]["id"], "action": e[2], "tag": "custom"} for e in expected if e[1] == "accounts"]
 
     with psycopg.connect(dsn) as conn:
-        groups = dict(conn.execute(
-            "SELECT sink || '/' || idempotency_key, group_id FROM sequin.stream_messages"
-            " WHERE sink IN ('everything', 'paid_orders', 'tagged')").fetchall())
+        groups = dict(
+            conn.execute(
+                "SELECT sink || '/' || idempotency_key, group_id FROM sequin.stream_messages"
+                " WHERE sink IN ('everything', 'paid_orders', 'tagged')"
+            ).fetchall()
+        )
     first = got[0]["metadata"]
     assert groups[f"everything/{first['idempotency_key']}"] == 'public.accounts:["1"]'
     assert groups[f"everything/{got[3]['metadata']['idempotency_key']}"] == 'public.items:["10","1"]'
@@ -210,7 +235,9 @@ def test_changes_across_tables_arrive_exactly_and_in_commit_order(shop: tuple[st
     # every stored message is below its sink's visibility watermark once its batch is whole
     with psycopg.connect(dsn) as conn:
         for sink in ("everything", "paid_orders", "account_rows", "item_records", "tagged"):
-            top = conn.execute("SELECT max(commit_lsn) FROM sequin.stream_messages WHERE sink = %s", (sink,)).fetchone()[0]
+            top = conn.execute(
+                "SELECT max(commit_lsn) FROM sequin.stream_messages WHERE sink = %s", (sink,)
+            ).fetchone()[0]
             assert store.visible_lsn(conn, "sequin", sink) >= top
 
 
@@ -218,8 +245,12 @@ def test_add_column_mid_stream(shop: tuple[str, StreamApp, Path]) -> None:
     dsn, app, _ = shop
     execute(dsn, "INSERT INTO evolving VALUES (1)")
     messages_when(dsn, "evolving", 1, app)
-    execute(dsn, "ALTER TABLE evolving ADD COLUMN label text", "INSERT INTO evolving VALUES (2, 'two')",
-            "UPDATE evolving SET label = 'one' WHERE id = 1")
+    execute(
+        dsn,
+        "ALTER TABLE evolving ADD COLUMN label text",
+        "INSERT INTO evolving VALUES (2, 'two')",
+        "UPDATE evolving SET label = 'one' WHERE id = 1",
+    )
     got = messages_when(dsn, "evolving", 3, app)
     assert [m["record"] for m in got] == [{"id": 1}, {"id": 2, "label": "two"}, {"id": 1, "label": "one"}]
 
@@ -238,8 +269,13 @@ def test_one_transaction_of_200k_rows(shop: tuple[str, StreamApp, Path]) -> None
 def test_5mb_toasted_value_updated_without_touching_it(shop: tuple[str, StreamApp, Path]) -> None:
     dsn, app, _ = shop
     big = "(SELECT string_agg(md5(i::text), '') FROM generate_series(1, 160000) i)"  # 5.1 MB, incompressible
-    execute(dsn, f"INSERT INTO docs_default VALUES (1, {big}, 0)", f"INSERT INTO docs_full VALUES (1, {big}, 0)",
-            "UPDATE docs_default SET n = 1", "UPDATE docs_full SET n = 1")
+    execute(
+        dsn,
+        f"INSERT INTO docs_default VALUES (1, {big}, 0)",
+        f"INSERT INTO docs_full VALUES (1, {big}, 0)",
+        "UPDATE docs_default SET n = 1",
+        "UPDATE docs_full SET n = 1",
+    )
     with psycopg.connect(dsn) as conn:
         body = conn.execute(f"SELECT {big}").fetchone()[0]
     assert len(body) == 5_120_000
@@ -268,7 +304,9 @@ def test_every_batch_with_changes_has_its_spark_phases_logged(shop: tuple[str, S
         app.check_alive()
         text = app.log_path.read_text(errors="replace")
         batches = set(re.findall(r"INFO sequin_provider\.spark\.pipeline: batch (\d+): \d+ changes ->", text))
-        phases = set(re.findall(r"progress batch (\d+): \d+ input rows, .*latestOffset=\d+.*triggerExecution=\d+", text))
+        phases = set(
+            re.findall(r"progress batch (\d+): \d+ input rows, .*latestOffset=\d+.*triggerExecution=\d+", text)
+        )
         return (batches, phases) if len(batches) >= 2 and batches <= phases else None
 
     batches, phases = wait_for(logged, 60, what="every batch with changes to have its phases logged")
@@ -290,7 +328,9 @@ def test_a_jvm_that_evaluates_sinks_sql_keeps_the_optimising_jit_tier(shop: tupl
 
 def simple_config(tmp_path: Path, dsn: str, db: str, store_dsn: str | None = None, heartbeat: str = "1s") -> Path:
     store = f"store: {{dsn: {store_dsn}}}\n        " if store_dsn else ""
-    return write_config(tmp_path / "sequin.yaml", f"""
+    return write_config(
+        tmp_path / "sequin.yaml",
+        f"""
         databases:
           - name: shop
             dsn: {dsn}
@@ -302,12 +342,15 @@ def simple_config(tmp_path: Path, dsn: str, db: str, store_dsn: str | None = Non
             tables: [kv]
             destination: {{type: sequin_stream}}
         stream:
-          checkpoint_location: {tmp_path / 'ckpt'}
+          checkpoint_location: {tmp_path / "ckpt"}
           max_batch_wait: 100ms
-        """)
+        """,
+    )
 
 
-def test_sigkill_mid_workload_loses_and_duplicates_nothing(tmp_path: Path, dsn: str, dbname: str, stream_app: Any) -> None:
+def test_sigkill_mid_workload_loses_and_duplicates_nothing(
+    tmp_path: Path, dsn: str, dbname: str, stream_app: Any
+) -> None:
     execute(dsn, "CREATE TABLE kv (id int PRIMARY KEY, v int)")
     config = simple_config(tmp_path, dsn, dbname)
     app = stream_app(config)
@@ -322,8 +365,11 @@ def test_sigkill_mid_workload_loses_and_duplicates_nothing(tmp_path: Path, dsn: 
         app = stream_app(config)
         app.wait_streaming(dsn)
     workload.stop()
-    wait_for(lambda: (lambda m: m if len(m) >= workload.committed else None)(sink_messages(dsn, "kv")),
-                        240, what="all committed changes in the sink")
+    wait_for(
+        lambda: (lambda m: m if len(m) >= workload.committed else None)(sink_messages(dsn, "kv")),
+        240,
+        what="all committed changes in the sink",
+    )
     time.sleep(2)  # anything extra (a duplicate) would show up now
     check_against_workload(sink_messages(dsn, "kv"), workload)
     assert workload.committed > 500
@@ -350,8 +396,11 @@ def supervised(pg: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory) -
     execute(dsn, "CREATE TABLE kv (id int PRIMARY KEY, v int)")
     tmp = tmp_path_factory.mktemp("supervised")
     supervisor = subprocess.Popen(["sleep", "600"])
-    app = StreamApp(simple_config(tmp, dsn, db, store_dsn=store_dsn), tmp / "stream-app.log",
-                    {"SEQUIN_SUPERVISOR_PID": str(supervisor.pid)})
+    app = StreamApp(
+        simple_config(tmp, dsn, db, store_dsn=store_dsn),
+        tmp / "stream-app.log",
+        {"SEQUIN_SUPERVISOR_PID": str(supervisor.pid)},
+    )
     try:
         app.start().wait_streaming(store_dsn)
         yield Supervised(dsn, db, f"{db}_store", store_dsn, supervisor, app)
@@ -361,14 +410,18 @@ def supervised(pg: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory) -
         supervisor.wait()
 
 
-def test_slot_does_not_pass_undelivered_changes_while_store_is_down(pg: EmbeddedPostgres,
-                                                                   supervised: Supervised) -> None:
+def test_slot_does_not_pass_undelivered_changes_while_store_is_down(
+    pg: EmbeddedPostgres, supervised: Supervised
+) -> None:
     dsn, dbname, store_db, store_dsn = supervised.dsn, supervised.db, supervised.store_db, supervised.store_dsn
     execute(dsn, "INSERT INTO kv VALUES (1, 1)")
     wait_for(lambda: len(sink_messages(store_dsn, "kv")) == 1, what="first message")
 
-    execute(pg.dsn("postgres"), f"ALTER DATABASE {store_db} WITH ALLOW_CONNECTIONS false",
-            f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{store_db}'")
+    execute(
+        pg.dsn("postgres"),
+        f"ALTER DATABASE {store_db} WITH ALLOW_CONNECTIONS false",
+        f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{store_db}'",
+    )
     try:
         with psycopg.connect(dsn) as conn:
             before = lsn_to_int(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
@@ -382,17 +435,22 @@ def test_slot_does_not_pass_undelivered_changes_while_store_is_down(pg: Embedded
         execute(pg.dsn("postgres"), f"ALTER DATABASE {store_db} WITH ALLOW_CONNECTIONS true")
     got = wait_for(lambda: (lambda m: m if len(m) == 3 else None)(sink_messages(store_dsn, "kv")), 120, what="catch-up")
     assert [(m["action"], m["record"]) for m in got] == [
-        ("insert", {"id": 1, "v": 1}), ("insert", {"id": 2, "v": 2}), ("update", {"id": 1, "v": 3})]
+        ("insert", {"id": 1, "v": 1}),
+        ("insert", {"id": 2, "v": 2}),
+        ("update", {"id": 1, "v": 3}),
+    ]
 
     def advanced() -> bool:
         with psycopg.connect(dsn) as conn:
             info = slot_info(conn, f"slot_{dbname}")
         return bool(info and info.confirmed_flush_lsn and info.confirmed_flush_lsn > before)
+
     wait_for(advanced, 60, what="the slot to advance after delivery")
 
 
-def test_heartbeats_keep_an_idle_slot_from_retaining_wal(pg: EmbeddedPostgres,
-                                                         shop: tuple[str, StreamApp, Path]) -> None:
+def test_heartbeats_keep_an_idle_slot_from_retaining_wal(
+    pg: EmbeddedPostgres, shop: tuple[str, StreamApp, Path]
+) -> None:
     """The module's app, idle now (none of its tables changes), beside a slot that nobody reads."""
     dsn, app, config = shop
     slot = load_config(config).database().slot.name
@@ -423,6 +481,7 @@ def test_heartbeats_keep_an_idle_slot_from_retaining_wal(pg: EmbeddedPostgres,
             # running transactions: its background writer does every 15 s, a checkpoint does at once
             execute(dsn, "CHECKPOINT")
             return retained(slot) < 16 * 1024 * 1024
+
         wait_for(released, 90, interval=1.0, what="the heartbeat to let the idle slot release WAL")
         assert retained("idle_control") > 64 * 1024 * 1024  # the checkpoints release nothing by themselves
         app.check_alive()
@@ -431,10 +490,12 @@ def test_heartbeats_keep_an_idle_slot_from_retaining_wal(pg: EmbeddedPostgres,
         execute(dsn, "SELECT pg_drop_replication_slot('idle_control')")
 
 
-def test_invalid_filter_stops_the_app_with_a_clear_error(tmp_path: Path, dsn: str, dbname: str, stream_app: Any) -> None:
+def test_invalid_filter_stops_the_app_with_a_clear_error(
+    tmp_path: Path, dsn: str, dbname: str, stream_app: Any
+) -> None:
     execute(dsn, "CREATE TABLE kv (id int PRIMARY KEY, v int)")
     config = simple_config(tmp_path, dsn, dbname)
-    config.write_text(config.read_text().replace("tables: [kv]", "tables: [kv]\n    filter: \"record.v >>> 1\""))
+    config.write_text(config.read_text().replace("tables: [kv]", 'tables: [kv]\n    filter: "record.v >>> 1"'))
     app = stream_app(config)
     assert app.proc is not None
     assert app.proc.wait(180) == 2
@@ -447,8 +508,11 @@ def test_stream_app_stops_when_its_supervisor_dies(supervised: Supervised) -> No
     dsn, store_dsn, supervisor, app = supervised.dsn, supervised.store_dsn, supervised.supervisor, supervised.app
     count = len(sink_messages(store_dsn, "kv"))
     execute(dsn, "INSERT INTO kv VALUES (100, 1)")
-    wait_for(lambda: [m["record"] for m in sink_messages(store_dsn, "kv")[count:]] == [{"id": 100, "v": 1}], 120,
-             what="the insert in the sink")
+    wait_for(
+        lambda: [m["record"] for m in sink_messages(store_dsn, "kv")[count:]] == [{"id": 100, "v": 1}],
+        120,
+        what="the insert in the sink",
+    )
     assert app.proc is not None and app.proc.poll() is None  # still running while the supervisor lives
     supervisor.kill()
     supervisor.wait()
@@ -475,8 +539,14 @@ def test_a_local_checkpoint_is_written_through_the_file_system_manager(tmp_path:
     try:
         checkpoint = tmp_path / "ckpt"
         use_local_checkpoint_manager(spark, str(checkpoint))
-        query = (spark.readStream.format("rate").option("rowsPerSecond", 100).load()
-                 .writeStream.format("noop").option("checkpointLocation", str(checkpoint)).start())
+        query = (
+            spark.readStream.format("rate")
+            .option("rowsPerSecond", 100)
+            .load()
+            .writeStream.format("noop")
+            .option("checkpointLocation", str(checkpoint))
+            .start()
+        )
         try:
             wait_for(lambda: (query.lastProgress or {}).get("batchId", -1) >= 2, 60, what="three micro-batches")
             execution = query._jsq.streamingQuery()  # Scala's protected members are public to py4j

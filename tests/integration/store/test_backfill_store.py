@@ -19,7 +19,14 @@ def conn(dsn: str) -> psycopg.Connection:
 
 def test_create_with_defaults(conn: psycopg.Connection) -> None:
     b = store.create_backfill(conn, "sequin", "orders", "public", "orders", rows_initial=42)
-    assert (b.kind, b.state, b.max_query_ms, b.rows_initial, b.rows_processed, b.cursor) == ("full", "pending", 5000, 42, 0, None)
+    assert (b.kind, b.state, b.max_query_ms, b.rows_initial, b.rows_processed, b.cursor) == (
+        "full",
+        "pending",
+        5000,
+        42,
+        0,
+        None,
+    )
     p = store.create_backfill(conn, "sequin", "orders", "public", "items", "partial", "updated_at", "2024-01-01", 250)
     assert (p.kind, p.sort_column, p.start_position, p.max_query_ms) == ("partial", "updated_at", "2024-01-01", 250)
     assert [x.id for x in store.list_backfills(conn, "sequin", "orders")] == [p.id, b.id]
@@ -27,7 +34,9 @@ def test_create_with_defaults(conn: psycopg.Connection) -> None:
 
 def test_at_most_one_active_per_sink_and_table(conn: psycopg.Connection) -> None:
     first = store.create_backfill(conn, "sequin", "orders", "public", "orders")
-    with pytest.raises(BackfillError, match=rf"already has an active backfill of public.orders: backfill {first.id} \(pending\)"):
+    with pytest.raises(
+        BackfillError, match=rf"already has an active backfill of public.orders: backfill {first.id} \(pending\)"
+    ):
         store.create_backfill(conn, "sequin", "orders", "public", "orders")
     store.create_backfill(conn, "sequin", "other_sink", "public", "orders")  # another sink: fine
     store.transition_backfill(conn, "sequin", first.id, "running")
@@ -67,12 +76,18 @@ def test_progress_only_while_running(conn: psycopg.Connection) -> None:
     assert (got.cursor, got.rows_processed, got.rows_emitted) == ({"id": [9]}, 9, 8)
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"max_query_ms": 0}, "between 1 and 600000"), ({"max_query_ms": 600_001}, "between 1 and 600000"),
-    ({"max_query_ms": "5000"}, "between 1 and 600000"), ({"max_query_ms": True}, "between 1 and 600000"),
-    ({"kind": "partial"}, "needs a sort column"), ({"sort_column": "x"}, "needs a sort column"),
-    ({"kind": "delta"}, "'full' or 'partial'"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_query_ms": 0}, "between 1 and 600000"),
+        ({"max_query_ms": 600_001}, "between 1 and 600000"),
+        ({"max_query_ms": "5000"}, "between 1 and 600000"),
+        ({"max_query_ms": True}, "between 1 and 600000"),
+        ({"kind": "partial"}, "needs a sort column"),
+        ({"sort_column": "x"}, "needs a sort column"),
+        ({"kind": "delta"}, "'full' or 'partial'"),
+    ],
+)
 def test_bad_requests(conn: psycopg.Connection, kwargs: dict, message: str) -> None:
     with pytest.raises(BackfillError, match=message):
         store.create_backfill(conn, "sequin", "s", "public", "t", **kwargs)
@@ -81,8 +96,10 @@ def test_bad_requests(conn: psycopg.Connection, kwargs: dict, message: str) -> N
 
 def test_the_table_itself_enforces_the_budget_range(conn: psycopg.Connection) -> None:
     with pytest.raises(psycopg.errors.CheckViolation):
-        conn.execute("INSERT INTO sequin.backfills (sink, table_schema, table_name, kind, max_query_ms)"
-                     " VALUES ('s', 'public', 't', 'full', 0)")
+        conn.execute(
+            "INSERT INTO sequin.backfills (sink, table_schema, table_name, kind, max_query_ms)"
+            " VALUES ('s', 'public', 't', 'full', 0)"
+        )
     conn.rollback()
 
 
@@ -108,8 +125,9 @@ def test_creating_and_moving_a_backfill_commit_durably_whatever_the_session_says
             store.transition_backfill(conn, "sequin", b.id, "running")
             store.transition_backfill(conn, "sequin", b.id, "cancelled")
             assert conn.execute("SHOW synchronous_commit").fetchone() == ("off",)  # the session's own is untouched
-            assert conn.execute("SELECT state, mode FROM sequin.seen_commit_modes WHERE id = %s ORDER BY state",
-                                (b.id,)).fetchall() == [("cancelled", "on"), ("pending", "on"), ("running", "on")]
+            assert conn.execute(
+                "SELECT state, mode FROM sequin.seen_commit_modes WHERE id = %s ORDER BY state", (b.id,)
+            ).fetchall() == [("cancelled", "on"), ("pending", "on"), ("running", "on")]
         finally:
             conn.rollback()
             conn.execute("DROP TRIGGER seen_commit_mode ON sequin.backfills")

@@ -17,9 +17,19 @@ from sequin_provider.config import parse_config
 
 
 def _config(dsn: str, max_retry_count: int | None) -> tuple[object, object]:
-    config = parse_config({"databases": [{"name": "app", "dsn": dsn}],
-                           "sinks": [{"name": "hook", "tables": ["kv"], "max_retry_count": max_retry_count,
-                                      "destination": {"type": "webhook", "url": "http://127.0.0.1:9/x"}}]})
+    config = parse_config(
+        {
+            "databases": [{"name": "app", "dsn": dsn}],
+            "sinks": [
+                {
+                    "name": "hook",
+                    "tables": ["kv"],
+                    "max_retry_count": max_retry_count,
+                    "destination": {"type": "webhook", "url": "http://127.0.0.1:9/x"},
+                }
+            ],
+        }
+    )
     return config, config.sinks[0]
 
 
@@ -27,8 +37,10 @@ def _park(dsn: str, rows: list[tuple[int, str, int]]) -> None:
     with psycopg.connect(dsn) as conn:
         store.migrate(conn, "sequin")
         conn.commit()
-        parked = [ParkRow("hook", lsn, 0, group, f"{lsn}:0", f'{{"n":{lsn}}}', None, attempts, "boom")
-                  for lsn, group, attempts in rows]
+        parked = [
+            ParkRow("hook", lsn, 0, group, f"{lsn}:0", f'{{"n":{lsn}}}', None, attempts, "boom")
+            for lsn, group, attempts in rows
+        ]
         assert buffer.park(conn, "sequin", parked) == len(rows)
         assert buffer.park(conn, "sequin", parked) == 0  # a replayed batch parks nothing twice
 
@@ -74,7 +86,8 @@ def test_max_retry_count_discards_with_the_last_error_and_the_group_moves_on(dsn
     with psycopg.connect(dsn) as conn:
         kept = buffer.list_messages(conn, "sequin", "hook")
         assert [(m.commit_lsn, m.state, m.attempts, m.last_error) for m in kept] == [
-            (10, "discarded", 2, "HTTP 400: attempt 2")]
+            (10, "discarded", 2, "HTTP 400: attempt 2")
+        ]
         assert store.buffer_counts(conn, "sequin") == {"hook": {"parked": 0, "discarded": 1}}
         assert buffer.set_state(conn, "sequin", "hook", "parked") == 1  # requeue: due now, attempts reset
         (requeued,) = buffer.list_messages(conn, "sequin", "hook")

@@ -55,7 +55,11 @@ def test_streamed_chunks_and_replays_of_them(dsn: str) -> None:
         # a replay overlapping what is stored, from a generator: the fallback must see every chunk once
         assert store.insert_stream_copy(conn, "sequin", (c for c in chunks), taken) == 1
         assert taken == chunks
-        assert [(m.commit_lsn, m.commit_idx) for m in store.stream_messages(conn, "sequin", "s")] == [(1, 0), (1, 1), (2, 0)]
+        assert [(m.commit_lsn, m.commit_idx) for m in store.stream_messages(conn, "sequin", "s")] == [
+            (1, 0),
+            (1, 1),
+            (2, 0),
+        ]
 
 
 def test_visibility_watermark_is_per_sink_and_never_moves_back(dsn: str) -> None:

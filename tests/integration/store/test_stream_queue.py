@@ -24,8 +24,9 @@ SINK = "q"
 def pending(conn: psycopg.Connection) -> tuple[int, int]:
     """(the sink's pending counter, the exact count of received and neither acked nor nacked messages)."""
     counter = conn.execute("SELECT pending FROM sequin.stream_pending WHERE sink = %s", (SINK,)).fetchone()
-    exact = conn.execute("SELECT count(*) FROM sequin.stream_messages WHERE sink = %s AND state = 'delivered'",
-                         (SINK,)).fetchone()
+    exact = conn.execute(
+        "SELECT count(*) FROM sequin.stream_messages WHERE sink = %s AND state = 'delivered'", (SINK,)
+    ).fetchone()
     return (int(counter[0]) if counter else 0), int(exact[0]) if exact else 0
 
 
@@ -58,7 +59,8 @@ def test_an_ack_id_holds_the_position_and_a_nonce_and_no_other_uuid_matches() ->
 
 
 def test_the_pending_counter_follows_receives_acks_nacks_redeliveries_and_stale_ids(
-        dsn: str, conn: psycopg.Connection) -> None:
+    dsn: str, conn: psycopg.Connection
+) -> None:
     put_stream_messages(dsn, SINK, [(10, 0, "a"), (20, 0, "b"), (30, 0, "c"), (40, 0, "a")])
     first = stream_queue.receive(conn, "sequin", SINK, 10, 0.3, 100)
     assert lsns(first) == [10, 20, 30] and pending(conn) == (3, 3)
@@ -103,8 +105,10 @@ def test_receiving_writes_no_index_entry(dsn: str, conn: psycopg.Connection) -> 
     put_stream_messages(dsn, SINK, [(i, 0, f"g{i}") for i in range(1, 201)])
     with conn.transaction():  # pg_stat_xact_user_tables counts this transaction's updates
         got = stream_queue.receive(conn, "sequin", SINK, 200, 30, 1000)
-        updated, hot = conn.execute("SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables"
-                                    " WHERE schemaname = 'sequin' AND relname = 'stream_messages'").fetchone()
+        updated, hot = conn.execute(
+            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables"
+            " WHERE schemaname = 'sequin' AND relname = 'stream_messages'"
+        ).fetchone()
     assert len(got) == 200
     assert updated == 200 and hot >= 180, (updated, hot)
 
@@ -127,13 +131,15 @@ def test_a_message_row_writes_one_index_entry(conn: psycopg.Connection) -> None:
     """The stream table's only index is its primary key (the position): a message row is the largest
     cost of the stream and of a backfill, and a receive finds groups' first messages without an
     index on groups (docs/performance.md, "Pull API"). An index added here should come with its measurement."""
-    indexes = conn.execute("SELECT indexdef FROM pg_indexes WHERE schemaname = 'sequin'"
-                           " AND tablename = 'stream_messages'").fetchall()
+    indexes = conn.execute(
+        "SELECT indexdef FROM pg_indexes WHERE schemaname = 'sequin' AND tablename = 'stream_messages'"
+    ).fetchall()
     assert [i[0].split(" USING ")[1] for i in indexes] == ["btree (sink, commit_lsn, commit_idx)"]
 
 
 def test_concurrent_receivers_acks_nacks_and_timeouts_keep_each_group_in_order(
-        dsn: str, conn: psycopg.Connection) -> None:
+    dsn: str, conn: psycopg.Connection
+) -> None:
     """Four receivers on one sink, each acking most of what it gets, nacking some and dropping
     some (their visibility times out): every message is acked exactly once; a message is never
     held by two receivers at once; a group's messages are received strictly in position order
@@ -162,7 +168,9 @@ def test_concurrent_receivers_acks_nacks_and_timeouts_keep_each_group_in_order(
                         elif roll < 0.95:
                             n = stream_queue.nack(c, "sequin", SINK, [d.ack_id])
                         with lock:
-                            held.append((record["g"], record["lsn"], record["idx"], at, settled if roll < 0.95 else None))
+                            held.append(
+                                (record["g"], record["lsn"], record["idx"], at, settled if roll < 0.95 else None)
+                            )
                             if roll < 0.85:
                                 acked.append(n)
                     if not got:

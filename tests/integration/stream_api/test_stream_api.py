@@ -55,8 +55,10 @@ def api(dsn: str, dbname: str, tmp_path: Path) -> Iterator[tuple[str, Path, http
         store.migrate(conn, "sequin")
         conn.commit()
         token = stream_queue.create_token(conn, "sequin", "tests")
-    with ApiServer(config) as server, httpx.Client(base_url=server.url, timeout=60,
-                                                   headers={"Authorization": f"Bearer {token}"}) as client:
+    with (
+        ApiServer(config) as server,
+        httpx.Client(base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {token}"}) as client,
+    ):
         yield dsn, config_path, client
 
 
@@ -76,7 +78,8 @@ def settle(client: httpx.Client, sink: str, op: str, received: list[dict[str, An
 
 
 def test_receive_gives_one_message_per_group_in_order_and_ack_releases_the_next(
-        api: tuple[str, Path, httpx.Client]) -> None:
+    api: tuple[str, Path, httpx.Client],
+) -> None:
     dsn, _, client = api
     put(dsn, "kv", [(100, 0, "a"), (100, 1, "b"), (200, 0, "a"), (300, 0, "c"), (300, 1, "a")])
     put(dsn, "kv", [(400, 0, "d")], visible=False)  # written but its batch is not whole yet: never served
@@ -94,8 +97,7 @@ def test_receive_gives_one_message_per_group_in_order_and_ack_releases_the_next(
         assert store.stream_counts(conn, "sequin", "kv") == {"total": 3, "visible": 2, "outstanding": 1}
 
 
-def test_visibility_timeout_returns_unacked_messages_and_nack_is_immediate(
-        api: tuple[str, Path, httpx.Client]) -> None:
+def test_visibility_timeout_returns_unacked_messages_and_nack_is_immediate(api: tuple[str, Path, httpx.Client]) -> None:
     dsn, _, client = api
     put(dsn, "quick", [(10, 0, "a"), (20, 0, "a"), (30, 0, "b")])
     got = receive(client, "quick", batch_size=10)
@@ -111,8 +113,9 @@ def test_visibility_timeout_returns_unacked_messages_and_nack_is_immediate(
     settle(client, "quick", "nack", again[:1])  # nack: visible again at once
     assert positions(receive(client, "quick", batch_size=10)) == [(10, 0)]
     with psycopg.connect(dsn) as conn:
-        counts = dict(conn.execute("SELECT commit_lsn, deliver_count FROM sequin.stream_messages"
-                                   " WHERE sink = 'quick'").fetchall())
+        counts = dict(
+            conn.execute("SELECT commit_lsn, deliver_count FROM sequin.stream_messages WHERE sink = 'quick'").fetchall()
+        )
     assert counts == {10: 3, 20: 0, 30: 2}
 
 
@@ -129,7 +132,8 @@ def test_max_ack_pending_stops_new_messages_while_redeliveries_flow(api: tuple[s
 
 
 def test_long_poll_returns_when_a_message_arrives_and_max_waiting_answers_429(
-        api: tuple[str, Path, httpx.Client]) -> None:
+    api: tuple[str, Path, httpx.Client],
+) -> None:
     dsn, _, client = api
     results: dict[str, Any] = {}
 
@@ -155,8 +159,7 @@ def test_long_poll_returns_when_a_message_arrives_and_max_waiting_answers_429(
     assert after.status_code == 200 and after.json() == {"data": []}  # waiters are counted down again
 
 
-def test_bad_requests_get_the_documented_error_and_leave_the_stream_alone(
-        api: tuple[str, Path, httpx.Client]) -> None:
+def test_bad_requests_get_the_documented_error_and_leave_the_stream_alone(api: tuple[str, Path, httpx.Client]) -> None:
     dsn, config_path, client = api
     put(dsn, "kv", [(5, 0, "a"), (6, 0, "b")])
     url = "/api/sequin_streams/kv"
@@ -173,14 +176,20 @@ def test_bad_requests_get_the_documented_error_and_leave_the_stream_alone(
         (client.get(f"{url}/receive", params={"batch_size": "x"}), 400, "bad_request"),
         (client.get(f"{url}/receive", params={"batch_size": 1001}), 400, "bad_request"),
         (client.post(f"{url}/receive", json={"wait_for": 100}), 400, "bad_request"),
-        (client.post(f"{url}/receive", content=b"{not json", headers={"Content-Type": "application/json"}), 400,
-         "bad_request"),
+        (
+            client.post(f"{url}/receive", content=b"{not json", headers={"Content-Type": "application/json"}),
+            400,
+            "bad_request",
+        ),
         (client.post(f"{url}/ack", json={"ack_ids": ["not-a-uuid"]}), 400, "bad_request"),
         (client.post(f"{url}/ack", json={"ack_ids": []}), 400, "bad_request"),
         (client.post(f"{url}/ack", json={}), 400, "bad_request"),
         (client.post(f"{url}/nack", json=["x"]), 400, "bad_request"),
-        (client.post(f"{url}/ack", content=b"x" * (2 * 1024 * 1024), headers={"Content-Type": "application/json"}),
-         413, "payload_too_large"),
+        (
+            client.post(f"{url}/ack", content=b"x" * (2 * 1024 * 1024), headers={"Content-Type": "application/json"}),
+            413,
+            "payload_too_large",
+        ),
     ]
     for i, (response, status, code) in enumerate(cases):
         assert response.status_code == status, (i, response.text)
@@ -188,23 +197,42 @@ def test_bad_requests_get_the_documented_error_and_leave_the_stream_alone(
         assert body["code"] == code and body["summary"], (i, body)
     assert "batch_size" in cases[4][0].json()["summary"]
     # a revoked token is refused with 403 (after the short token cache)
-    token = subprocess.run([sys.executable, "-m", "sequin_provider.cli", "--config", str(config_path), "token",
-                            "create", "short-lived"], capture_output=True, text=True, timeout=60)
+    token = subprocess.run(
+        [sys.executable, "-m", "sequin_provider.cli", "--config", str(config_path), "token", "create", "short-lived"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert token.returncode == 0, token.stderr
     secret = token.stdout.strip()
     headers = {"Authorization": f"Bearer {secret}"}
     assert unauth.post(f"{url}/receive", headers=headers).status_code == 200
-    revoked = subprocess.run([sys.executable, "-m", "sequin_provider.cli", "--config", str(config_path), "token",
-                              "revoke", "short-lived"], capture_output=True, text=True, timeout=60)
+    revoked = subprocess.run(
+        [sys.executable, "-m", "sequin_provider.cli", "--config", str(config_path), "token", "revoke", "short-lived"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert revoked.returncode == 0, revoked.stderr
-    refused = wait_for(lambda: (lambda r: r if r.status_code == 403 else None)(
-        unauth.post(f"{url}/receive", headers=headers)), 30, what="revoked token refused")
+    refused = wait_for(
+        lambda: (lambda r: r if r.status_code == 403 else None)(unauth.post(f"{url}/receive", headers=headers)),
+        30,
+        what="revoked token refused",
+    )
     assert refused.json()["code"] == "forbidden"
-    listed = subprocess.run([sys.executable, "-m", "sequin_provider.cli", "--config", str(config_path), "token",
-                             "list"], capture_output=True, text=True, timeout=60)
+    listed = subprocess.run(
+        [sys.executable, "-m", "sequin_provider.cli", "--config", str(config_path), "token", "list"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "short-lived" in listed.stdout and "revoked" in listed.stdout and secret not in listed.stdout
-    again = subprocess.run([sys.executable, "-m", "sequin_provider.cli", "--config", str(config_path), "token",
-                            "create", "tests"], capture_output=True, text=True, timeout=60)
+    again = subprocess.run(
+        [sys.executable, "-m", "sequin_provider.cli", "--config", str(config_path), "token", "create", "tests"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert again.returncode == 2 and "exists" in again.stderr
     unauth.close()
     # none of it touched the stream (one message above went to the short-lived token's receive)
@@ -230,7 +258,8 @@ def test_openapi_document_describes_the_endpoints(api: tuple[str, Path, httpx.Cl
 
 
 def test_four_consumers_on_a_stream_fed_by_the_stream_app_each_message_once_in_group_order(
-        pg: Any, dsn: str, dbname: str, tmp_path: Path, stream_app: Any) -> None:
+    pg: Any, dsn: str, dbname: str, tmp_path: Path, stream_app: Any
+) -> None:
     execute(dsn, "CREATE TABLE kv (k int PRIMARY KEY, v int)")
     config_path = write_config(tmp_path / "sequin.yaml", CONFIG.format(dsn=dsn, db=dbname, ckpt=tmp_path / "ckpt"))
     app: StreamApp = stream_app(config_path)
@@ -245,8 +274,9 @@ def test_four_consumers_on_a_stream_fed_by_the_stream_app_each_message_once_in_g
             with conn.transaction():
                 for _ in range(rng.randint(1, 60)):
                     k = rng.randint(1, 30)
-                    conn.execute("INSERT INTO kv VALUES (%s, %s) ON CONFLICT (k) DO UPDATE SET v = EXCLUDED.v",
-                                 (k, batch))
+                    conn.execute(
+                        "INSERT INTO kv VALUES (%s, %s) ON CONFLICT (k) DO UPDATE SET v = EXCLUDED.v", (k, batch)
+                    )
                     expected += 1
     lock = threading.Lock()
     received: list[tuple[int, str, tuple[int, int], str]] = []  # (sequence, group, position, key)
@@ -266,8 +296,14 @@ def test_four_consumers_on_a_stream_fed_by_the_stream_app_each_message_once_in_g
                     with lock:
                         for m in got:
                             meta = m["data"]["metadata"]
-                            received.append((len(received), json.dumps(meta["record_pks"]),
-                                             (meta["commit_lsn"], meta["commit_idx"]), meta["idempotency_key"]))
+                            received.append(
+                                (
+                                    len(received),
+                                    json.dumps(meta["record_pks"]),
+                                    (meta["commit_lsn"], meta["commit_idx"]),
+                                    meta["idempotency_key"],
+                                )
+                            )
                     if got:
                         if rng.random() < 0.3:
                             time.sleep(0.01)  # some consumers are slower

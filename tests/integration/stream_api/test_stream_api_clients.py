@@ -62,9 +62,20 @@ class ApiProcess:
 
     def start(self) -> ApiProcess:
         with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "sequin_provider.cli", "--config",
-                                          str(self.config_path), "api", "--port", str(self.port)],
-                                         stdout=log, stderr=log)
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "sequin_provider.cli",
+                    "--config",
+                    str(self.config_path),
+                    "api",
+                    "--port",
+                    str(self.port),
+                ],
+                stdout=log,
+                stderr=log,
+            )
 
         def healthy() -> bool:
             assert self.proc is not None and self.proc.poll() is None, self.log()
@@ -72,6 +83,7 @@ class ApiProcess:
                 return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
             except httpx.TransportError:
                 return False
+
         wait_for(healthy, 60, what="sequin api to serve")
         return self
 
@@ -143,9 +155,12 @@ class RawPoll:
     def __init__(self, api: Api, sink: str, body: dict[str, Any]) -> None:
         payload = json.dumps(body).encode()
         self.sock = socket.create_connection(("127.0.0.1", api.process.port), timeout=30)
-        self.sock.sendall(f"POST /api/sequin_streams/{sink}/receive HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                          f"Authorization: Bearer {api.token}\r\nContent-Type: application/json\r\n"
-                          f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        self.sock.sendall(
+            f"POST /api/sequin_streams/{sink}/receive HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Authorization: Bearer {api.token}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
 
     def answered(self) -> bool:
         """Whether any answer (or the connection's end) arrived, without waiting."""
@@ -171,8 +186,9 @@ class RawPoll:
                 return None
             data += chunk
         head, _, body = data.partition(b"\r\n\r\n")
-        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"content-length"))
+        length = next(
+            int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+        )
         while len(body) < length:
             chunk = self.sock.recv(65536)
             assert chunk, f"connection closed mid-answer: {data!r}"
@@ -187,8 +203,11 @@ class RawPoll:
 def deliveries(dsn: str, sink: str) -> dict[int, int]:
     """commit_lsn -> deliver_count of a sink's messages."""
     with psycopg.connect(dsn) as conn:
-        return dict(conn.execute("SELECT commit_lsn, deliver_count FROM sequin.stream_messages WHERE sink = %s",
-                                 (sink,)).fetchall())
+        return dict(
+            conn.execute(
+                "SELECT commit_lsn, deliver_count FROM sequin.stream_messages WHERE sink = %s", (sink,)
+            ).fetchall()
+        )
 
 
 def receive_all(client: httpx.Client, sink: str, count: int, within: float) -> list[dict[str, Any]]:
@@ -211,14 +230,19 @@ def receive_all(client: httpx.Client, sink: str, count: int, within: float) -> l
 def test_messages_arriving_after_a_client_cancelled_its_poll_go_to_a_live_client_at_once(api: Api) -> None:
     async def cancelled_poll() -> None:
         async with httpx.AsyncClient(base_url=api.process.url, timeout=60, headers=api.headers) as client:
+
             def send() -> asyncio.Task[httpx.Response]:
-                return asyncio.create_task(client.post("/api/sequin_streams/one_waiter/receive",
-                                                       json={"batch_size": 10, "wait_for": 20000}))
+                return asyncio.create_task(
+                    client.post("/api/sequin_streams/one_waiter/receive", json={"batch_size": 10, "wait_for": 20000})
+                )
+
             poll = send()
             async with httpx.AsyncClient(base_url=api.process.url, timeout=60, headers=api.headers) as other:
+
                 async def waiting() -> bool:  # max_waiting is 1: a second poll is refused while ours waits
                     r = await other.post("/api/sequin_streams/one_waiter/receive", json={"wait_for": 500})
                     return r.status_code == 429
+
                 for _ in range(50):
                     await asyncio.sleep(0.3)  # the poll reaches the server before the probe
                     if poll.done():  # refused because a probe held the slot: send it again
@@ -270,8 +294,12 @@ def test_abandoned_polls_three_times_max_waiting_leave_no_429_for_a_live_client(
         for p in polls:
             p.abandon()
         # the three slots free as soon as the server sees the connections close (before the fix: 429 for 60 s)
-        wait_for(lambda: asyncio.run(live_polls(3)) == [200, 200, 200], 5, interval=0.1,
-                 what=f"round {round_}: three live polls accepted")
+        wait_for(
+            lambda: asyncio.run(live_polls(3)) == [200, 200, 200],
+            5,
+            interval=0.1,
+            what=f"round {round_}: three live polls accepted",
+        )
     polls = [RawPoll(api, "three_waiters", {"wait_for": 60000}) for _ in range(3)]
     time.sleep(0.5)
     put(api.dsn, "three_waiters", [(7, 0, "a"), (8, 0, "b"), (9, 0, "c")])
@@ -284,8 +312,9 @@ def test_a_client_gone_while_its_messages_were_claimed_gets_them_released_at_onc
     """The claim is held up (the sink's pending counter is locked) while the client disconnects:
     what it claimed is released, visible at once and not counted as delivered. Once for a plain
     receive, once for a long poll woken by the messages."""
-    execute(api.dsn, "INSERT INTO sequin.stream_pending (sink, pending) VALUES ('slow_claim', 0)"
-                     " ON CONFLICT DO NOTHING")
+    execute(
+        api.dsn, "INSERT INTO sequin.stream_pending (sink, pending) VALUES ('slow_claim', 0) ON CONFLICT DO NOTHING"
+    )
     for lsns, body in (([1, 2, 3], {"batch_size": 10}), ([4, 5, 6], {"batch_size": 10, "wait_for": 20000})):
         messages = [(lsn, 0, f"g{lsn}") for lsn in lsns]
         with psycopg.connect(api.dsn) as blocker:
@@ -298,10 +327,18 @@ def test_a_client_gone_while_its_messages_were_claimed_gets_them_released_at_onc
                 put(api.dsn, "slow_claim", messages)
                 poll = RawPoll(api, "slow_claim", body)
             with psycopg.connect(api.dsn, autocommit=True) as watcher:
-                wait_for(lambda: watcher.execute(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                    " AND wait_event_type = 'Lock'").fetchone()[0] == 1, 10, interval=0.05,  # type: ignore[index]
-                    what="the claim to wait for the pending counter's lock")
+                wait_for(
+                    lambda: (
+                        watcher.execute(
+                            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                            " AND wait_event_type = 'Lock'"
+                        ).fetchone()[0]
+                        == 1
+                    ),
+                    10,
+                    interval=0.05,  # type: ignore[index]
+                    what="the claim to wait for the pending counter's lock",
+                )
             poll.abandon()
             time.sleep(0.5)  # the server sees the connection close while the claim waits
             blocker.rollback()  # the claim completes now, into a closed connection
@@ -313,7 +350,9 @@ def test_a_client_gone_while_its_messages_were_claimed_gets_them_released_at_onc
             acked = live.post("/api/sequin_streams/slow_claim/ack", json={"ack_ids": [m["ack_id"] for m in got]})
             assert acked.status_code == 200
         with psycopg.connect(api.dsn) as conn:  # the release took its messages off the pending count too
-            assert conn.execute("SELECT pending FROM sequin.stream_pending WHERE sink = 'slow_claim'").fetchone() == (0,)
+            assert conn.execute("SELECT pending FROM sequin.stream_pending WHERE sink = 'slow_claim'").fetchone() == (
+                0,
+            )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -368,14 +407,17 @@ def test_sigterm_after_postgres_stopped_exits_within_five_seconds_without_traceb
 
 BATCH_SIZE_ERROR = "Invalid `{0}`. `{0}` must be an integer between 1 and 1000."
 WAIT_FOR_FORMAT_ERROR = "Invalid `wait_for`. When using duration strings, format must be like '60s', '5m', or '1000ms'."
-WAIT_FOR_RANGE_ERROR = ("Invalid `wait_for`. Must be between 500 and 300,000 milliseconds, or use duration format"
-                        " like '60s', '5m', '1000ms'.")
+WAIT_FOR_RANGE_ERROR = (
+    "Invalid `wait_for`. Must be between 500 and 300,000 milliseconds, or use duration format"
+    " like '60s', '5m', '1000ms'."
+)
 
 
 def test_the_input_forms_sequins_server_accepts_are_accepted(api: Api) -> None:
     put(api.dsn, "forms", [(i, 0, f"g{i}") for i in range(1, 7)])  # six groups: six deliverable messages
     url = "/api/sequin_streams/forms/receive"
     with api.client() as client:
+
         def count(response: httpx.Response) -> int:
             """How many messages came; nacked, so the next request finds all six again."""
             assert response.status_code == 200, response.text
@@ -417,15 +459,39 @@ def test_the_input_forms_sequins_server_refuses_get_its_400(api: Api) -> None:
     put(api.dsn, "refused", [(50, 0, "z")])
     url = "/api/sequin_streams/refused/receive"
     refused: list[tuple[dict[str, Any] | None, dict[str, str] | None, str]] = [
-        *(({"batch_size": v}, None, BATCH_SIZE_ERROR.format("batch_size"))
-          for v in (0, "0", 1001, "1001", -1, "-1", "x", "", " 5", "5 ", "5.0", 5.0, 2.5, "1_000", "\u0665", True,
-                    [5], {"n": 5})),
+        *(
+            ({"batch_size": v}, None, BATCH_SIZE_ERROR.format("batch_size"))
+            for v in (
+                0,
+                "0",
+                1001,
+                "1001",
+                -1,
+                "-1",
+                "x",
+                "",
+                " 5",
+                "5 ",
+                "5.0",
+                5.0,
+                2.5,
+                "1_000",
+                "\u0665",
+                True,
+                [5],
+                {"n": 5},
+            )
+        ),
         ({"max_batch_size": "0"}, None, BATCH_SIZE_ERROR.format("max_batch_size")),
         ({"batch_size": "x", "wait_for": "x"}, None, BATCH_SIZE_ERROR.format("batch_size")),  # batch_size first
-        *(({"wait_for": v}, None, WAIT_FOR_FORMAT_ERROR)
-          for v in ("x", "", "1h", "1.5s", "-1", " 1s", "1S", "1 s", "\u0665s")),
-        *(({"wait_for": v}, None, WAIT_FOR_RANGE_ERROR)
-          for v in (100, "100", "100ms", 499, 300001, "6m", "301s", -1, 1000.0, True, ["1s"], {"ms": 1000})),
+        *(
+            ({"wait_for": v}, None, WAIT_FOR_FORMAT_ERROR)
+            for v in ("x", "", "1h", "1.5s", "-1", " 1s", "1S", "1 s", "\u0665s")
+        ),
+        *(
+            ({"wait_for": v}, None, WAIT_FOR_RANGE_ERROR)
+            for v in (100, "100", "100ms", 499, 300001, "6m", "301s", -1, 1000.0, True, ["1s"], {"ms": 1000})
+        ),
         (None, {"batch_size": "x"}, BATCH_SIZE_ERROR.format("batch_size")),
         (None, {"batch_size": ""}, BATCH_SIZE_ERROR.format("batch_size")),
         (None, {"wait_for": "1h"}, WAIT_FOR_FORMAT_ERROR),
@@ -438,7 +504,10 @@ def test_the_input_forms_sequins_server_refuses_get_its_400(api: Api) -> None:
         not_json = client.post(url, content=b"{batch_size: 1", headers={"Content-Type": "application/json"})
     for (body, query, summary), answer in zip(refused, answers):
         assert answer.status_code == 400 and answer.json() == {"code": "bad_request", "summary": summary}, (
-            body, query, answer.text)
+            body,
+            query,
+            answer.text,
+        )
     assert not_an_object.status_code == 400 and not_an_object.json()["code"] == "bad_request"
     assert not_json.status_code == 400 and not_json.json()["code"] == "bad_request"
     assert deliveries(api.dsn, "refused") == {50: 0}  # nothing was claimed by a refused request

@@ -33,24 +33,32 @@ class SinkReport:
     def ok(self) -> bool:
         """Nothing lost, nothing invented, no reordering, no acked message delivered again, and the
         replay equals the tables."""
-        return not (self.lost or self.unexpected or self.order_violations or self.redelivered_after_ack
-                    or self.state_mismatches)
+        return not (
+            self.lost or self.unexpected or self.order_violations or self.redelivered_after_ack or self.state_mismatches
+        )
 
     def line(self) -> str:
         """The one-line summary printed per run and sink."""
-        return (f"sink {self.sink}: changes committed {self.committed}, delivered {self.delivered}"
-                f" (+{self.reads} reads), lost {self.lost}, order violations {self.order_violations},"
-                f" duplicates {self.duplicates} (after ack {self.redelivered_after_ack}), unexpected {self.unexpected},"
-                f" state mismatches {self.state_mismatches}")
+        return (
+            f"sink {self.sink}: changes committed {self.committed}, delivered {self.delivered}"
+            f" (+{self.reads} reads), lost {self.lost}, order violations {self.order_violations},"
+            f" duplicates {self.duplicates} (after ack {self.redelivered_after_ack}), unexpected {self.unexpected},"
+            f" state mismatches {self.state_mismatches}"
+        )
 
     def _example(self, text: str) -> None:
         if len(self.examples) < 10:
             self.examples.append(text)
 
 
-def check_sink(sink: str, committed: Iterable[Change], deliveries: Sequence[dict[str, Any]],
-               final: dict[tuple[str, str], dict[str, Any]], key_of: Any,
-               acked: Mapping[str, int] | None = None) -> SinkReport:
+def check_sink(
+    sink: str,
+    committed: Iterable[Change],
+    deliveries: Sequence[dict[str, Any]],
+    final: dict[tuple[str, str], dict[str, Any]],
+    key_of: Any,
+    acked: Mapping[str, int] | None = None,
+) -> SinkReport:
     """Judge ``deliveries`` (messages in the order the sink's consumer got them, duplicates included).
 
     - lost: committed changes never delivered; unexpected: delivered changes that never committed;

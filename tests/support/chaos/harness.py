@@ -80,10 +80,36 @@ class Profile:
     drain_timeout: float
 
 
-SHORT = Profile("short", kills=1, acked_kills=1, pg_restarts=("fast", "immediate"), store_down=5, webhook_down=5, webhook_slow=4,
-                webhook_errors=8, rate=300, seed_accounts=2_000, accounts=3_000, orders=800, drain_timeout=300)
-FULL = Profile("full", kills=4, acked_kills=2, pg_restarts=("fast", "immediate"), store_down=20, webhook_down=30, webhook_slow=15,
-               webhook_errors=30, rate=500, seed_accounts=20_000, accounts=25_000, orders=5_000, drain_timeout=900)
+SHORT = Profile(
+    "short",
+    kills=1,
+    acked_kills=1,
+    pg_restarts=("fast", "immediate"),
+    store_down=5,
+    webhook_down=5,
+    webhook_slow=4,
+    webhook_errors=8,
+    rate=300,
+    seed_accounts=2_000,
+    accounts=3_000,
+    orders=800,
+    drain_timeout=300,
+)
+FULL = Profile(
+    "full",
+    kills=4,
+    acked_kills=2,
+    pg_restarts=("fast", "immediate"),
+    store_down=20,
+    webhook_down=30,
+    webhook_slow=15,
+    webhook_errors=30,
+    rate=500,
+    seed_accounts=20_000,
+    accounts=25_000,
+    orders=5_000,
+    drain_timeout=900,
+)
 PROFILES = {p.name: p for p in (SHORT, FULL)}
 
 
@@ -109,16 +135,27 @@ class RoundResult:
 
     def lines(self) -> list[str]:
         """The summary: one line for the round, one per sink."""
-        head = (f"chaos round {self.round_no} ({self.profile}, seed {self.seed}): {len(self.faults)} faults"
-                f" [{', '.join(self.faults)}], stream app started {self.app_starts}x, backfill runs {self.backfill_runs},"
-                f" {self.workload_transactions} transactions, {self.seconds:.0f}s")
+        head = (
+            f"chaos round {self.round_no} ({self.profile}, seed {self.seed}): {len(self.faults)} faults"
+            f" [{', '.join(self.faults)}], stream app started {self.app_starts}x, backfill runs {self.backfill_runs},"
+            f" {self.workload_transactions} transactions, {self.seconds:.0f}s"
+        )
         return [head, *(f"  {r.line()}" for r in self.reports), *(f"  note: {n}" for n in self.notes)]
 
     def as_json(self) -> dict[str, Any]:
-        return {"round": self.round_no, "profile": self.profile, "seed": self.seed, "faults": self.faults,
-                "app_starts": self.app_starts, "backfill_runs": self.backfill_runs, "seconds": round(self.seconds, 1),
-                "transactions": self.workload_transactions, "ok": self.ok,
-                "sinks": [{k: v for k, v in vars(r).items()} for r in self.reports], "notes": self.notes}
+        return {
+            "round": self.round_no,
+            "profile": self.profile,
+            "seed": self.seed,
+            "faults": self.faults,
+            "app_starts": self.app_starts,
+            "backfill_runs": self.backfill_runs,
+            "seconds": round(self.seconds, 1),
+            "transactions": self.workload_transactions,
+            "ok": self.ok,
+            "sinks": [{k: v for k, v in vars(r).items()} for r in self.reports],
+            "notes": self.notes,
+        }
 
 
 class Supervisor:
@@ -144,8 +181,9 @@ class Supervisor:
     def _start_app(self) -> None:
         with self.lock:
             self.started_at = datetime.now(timezone.utc)
-            self.app = StreamAppProcess(self.config, self.workdir / "stream-app.log",
-                                        {TEST_STALL_AFTER_STORE_ENV: str(self.stall_trigger)}).start()
+            self.app = StreamAppProcess(
+                self.config, self.workdir / "stream-app.log", {TEST_STALL_AFTER_STORE_ENV: str(self.stall_trigger)}
+            ).start()
             self.starts += 1
 
     def _run(self) -> None:
@@ -158,8 +196,12 @@ class Supervisor:
 
     def wait_streaming(self, since: datetime, timeout: float = 240.0) -> None:
         """Wait until the current app has completed a micro-batch since it started and since ``since``."""
-        wait_for(lambda: streaming_status(self.store_dsn, SCHEMA, after=self.started_at, batch_after=since), timeout,
-                 interval=0.5, what="the stream app to stream again")
+        wait_for(
+            lambda: streaming_status(self.store_dsn, SCHEMA, after=self.started_at, batch_after=since),
+            timeout,
+            interval=0.5,
+            what="the stream app to stream again",
+        )
 
     def kill_after_store(self, acking: float = 2.0) -> None:
         """SIGKILL the app right after a micro-batch is in the store and visible, before Spark
@@ -223,8 +265,9 @@ class StreamConsumer(Worker):
     ``acked`` the keys of each batch whose ack took every message: key -> how many messages were
     recorded when its first ack returned (a later delivery of the key is an acked message come back)."""
 
-    def __init__(self, store_dsn: str, received: list[dict[str, Any]], acked: dict[str, int], lock: threading.Lock,
-                 name: str) -> None:
+    def __init__(
+        self, store_dsn: str, received: list[dict[str, Any]], acked: dict[str, int], lock: threading.Lock, name: str
+    ) -> None:
         super().__init__(name)
         self.store_dsn = store_dsn
         self.received = received
@@ -289,14 +332,28 @@ class Backfills(Worker):
             return
         sink, table = self.todo[0]
         if self.current is None or self._state(self.current) not in ("pending", "running"):
-            with psycopg.connect(self.source_dsn, autocommit=True, connect_timeout=5) as source, \
-                    psycopg.connect(self.store_dsn, connect_timeout=5) as conn:
+            with (
+                psycopg.connect(self.source_dsn, autocommit=True, connect_timeout=5) as source,
+                psycopg.connect(self.store_dsn, connect_timeout=5) as conn,
+            ):
                 self.current = create_backfill(source, conn, self.config, sink, table).id
         self.runs += 1
         with open(self.workdir / f"backfill-{self.current}.log", "ab") as log:
-            code = subprocess.run([sys.executable, str(ROOT / "spark_apps" / "backfill.py"), "--config",
-                                   str(self.config_path), "--backfill-id", str(self.current)], env=app_env(),
-                                  stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT), timeout=900).returncode
+            code = subprocess.run(
+                [
+                    sys.executable,
+                    str(ROOT / "spark_apps" / "backfill.py"),
+                    "--config",
+                    str(self.config_path),
+                    "--backfill-id",
+                    str(self.current),
+                ],
+                env=app_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=str(ROOT),
+                timeout=900,
+            ).returncode
         if code == 0:
             self.todo.pop(0)
             self.current = None
@@ -323,8 +380,15 @@ def fault_plan(profile: Profile, rng: random.Random) -> list[str]:
 class ChaosRound:
     """Sets up a round's databases and pipeline, injects the faults, drains and checks."""
 
-    def __init__(self, pg: EmbeddedPostgres, workdir: Path, profile: Profile, round_no: int, seed: int,
-                 log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        pg: EmbeddedPostgres,
+        workdir: Path,
+        profile: Profile,
+        round_no: int,
+        seed: int,
+        log: Callable[[str], None] = print,
+    ) -> None:
         self.pg = pg
         self.workdir = workdir
         self.profile = profile
@@ -342,8 +406,11 @@ class ChaosRound:
         create_schema(source_dsn, p.seed_accounts)
         receiver = Receiver().start()
         config = self.workdir / "sequin.yaml"
-        config.write_text(CONFIG.format(source=source_dsn, store=store_dsn, db=self.db, url=receiver.url,
-                                        checkpoint=self.workdir / "checkpoint"))
+        config.write_text(
+            CONFIG.format(
+                source=source_dsn, store=store_dsn, db=self.db, url=receiver.url, checkpoint=self.workdir / "checkpoint"
+            )
+        )
         supervisor = Supervisor(config, self.workdir, store_dsn).start()
         received: list[dict[str, Any]] = []
         acked: dict[str, int] = {}
@@ -393,14 +460,25 @@ class ChaosRound:
             with open(self.workdir / f"delivered-{sink}.jsonl", "w") as out:
                 for m in messages:
                     meta = m["metadata"]
-                    out.write(json.dumps({"key": meta["idempotency_key"], "lsn": meta["commit_lsn"],
-                                          "idx": meta["commit_idx"], "table": meta["table_name"], "action": m["action"],
-                                          "pk": row_key(meta["table_name"], m["record"]),
-                                          "ver": int(m["record"]["ver"])}) + "\n")
+                    out.write(
+                        json.dumps(
+                            {
+                                "key": meta["idempotency_key"],
+                                "lsn": meta["commit_lsn"],
+                                "idx": meta["commit_idx"],
+                                "table": meta["table_name"],
+                                "action": m["action"],
+                                "pk": row_key(meta["table_name"], m["record"]),
+                                "ver": int(m["record"]["ver"]),
+                            }
+                        )
+                        + "\n"
+                    )
         self.log(f"evidence kept in {self.workdir}: committed.tsv, delivered-<sink>.jsonl")
 
-    def _inject(self, fault: str, supervisor: Supervisor, receiver: Receiver, backfills: Backfills,
-                store_dsn: str) -> None:
+    def _inject(
+        self, fault: str, supervisor: Supervisor, receiver: Receiver, backfills: Backfills, store_dsn: str
+    ) -> None:
         p = self.profile
         if fault == "kill":
             supervisor.kill()
@@ -438,8 +516,15 @@ class ChaosRound:
         else:
             raise ValueError(f"unknown fault {fault!r}")
 
-    def _drain(self, source_dsn: str, received: list[dict[str, Any]], acked: dict[str, int], lock: threading.Lock,
-               receiver: Receiver, backfills: Backfills) -> None:
+    def _drain(
+        self,
+        source_dsn: str,
+        received: list[dict[str, Any]],
+        acked: dict[str, int],
+        lock: threading.Lock,
+        receiver: Receiver,
+        backfills: Backfills,
+    ) -> None:
         deadline = time.monotonic() + self.profile.drain_timeout
         if not backfills.done.wait(max(1.0, deadline - time.monotonic())):
             self.result.notes.append(f"backfills not done after {self.profile.drain_timeout:.0f}s: {backfills.todo}")
@@ -451,14 +536,22 @@ class ChaosRound:
             time.sleep(5.0)
         self.result.notes.append(f"not drained after {self.profile.drain_timeout:.0f}s")
 
-    def _check(self, source_dsn: str, received: list[dict[str, Any]], acked: dict[str, int], lock: threading.Lock,
-               receiver: Receiver) -> list[SinkReport]:
+    def _check(
+        self,
+        source_dsn: str,
+        received: list[dict[str, Any]],
+        acked: dict[str, int],
+        lock: threading.Lock,
+        receiver: Receiver,
+    ) -> list[SinkReport]:
         committed = committed_changes(source_dsn)
         final = final_rows(source_dsn)
         with lock:
             stream_deliveries, stream_acked = list(received), dict(acked)
-        return [check_sink("stream", committed, stream_deliveries, final, row_key, stream_acked),
-                check_sink("hooks", committed, receiver.messages(), final, row_key)]
+        return [
+            check_sink("stream", committed, stream_deliveries, final, row_key, stream_acked),
+            check_sink("hooks", committed, receiver.messages(), final, row_key),
+        ]
 
 
 def write_results(path: Path, results: list[RoundResult]) -> None:

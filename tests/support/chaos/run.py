@@ -32,8 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     results: list[RoundResult] = []
     with EmbeddedPostgres() as pg:
         for n in range(1, args.rounds + 1):
-            result = ChaosRound(pg, out / f"round-{n}", PROFILES[args.profile], n, seed + n - 1,
-                                log=lambda line: print(line, flush=True)).run()
+            result = ChaosRound(
+                pg,
+                out / f"round-{n}",
+                PROFILES[args.profile],
+                n,
+                seed + n - 1,
+                log=lambda line: print(line, flush=True),
+            ).run()
             results.append(result)
             print("\n".join(result.lines()), flush=True)
             write_results(out / "results.json", results)

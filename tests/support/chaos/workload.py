@@ -48,8 +48,10 @@ def create_schema(dsn: str, seed_accounts: int) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         for statement in SCHEMA:
             conn.execute(statement)
-        conn.execute("INSERT INTO accounts SELECT g, nextval('chaos_ver'), 0, 'seed' FROM generate_series(1, %s) g",
-                     (seed_accounts,))
+        conn.execute(
+            "INSERT INTO accounts SELECT g, nextval('chaos_ver'), 0, 'seed' FROM generate_series(1, %s) g",
+            (seed_accounts,),
+        )
         for statement in AUDIT_TRIGGERS:
             conn.execute(statement)
         conn.execute("ANALYZE")
@@ -154,22 +156,28 @@ class Workload:
             what = rng.random()
             if what < 0.35:
                 ids = rng.sample(range(1, self.accounts + 1), min(n, self.accounts))
-                conn.execute("INSERT INTO accounts (id, ver, balance, note) SELECT i, nextval('chaos_ver'), 0, 'new'"
-                             " FROM unnest(%s::int[]) i ON CONFLICT (id) DO UPDATE SET ver = EXCLUDED.ver,"
-                             " balance = accounts.balance + 1, note = 'upserted'", (ids,))
+                conn.execute(
+                    "INSERT INTO accounts (id, ver, balance, note) SELECT i, nextval('chaos_ver'), 0, 'new'"
+                    " FROM unnest(%s::int[]) i ON CONFLICT (id) DO UPDATE SET ver = EXCLUDED.ver,"
+                    " balance = accounts.balance + 1, note = 'upserted'",
+                    (ids,),
+                )
             elif what < 0.55:
                 ids = rng.sample(range(1, self.accounts + 1), min(n, self.accounts))
-                conn.execute("UPDATE accounts SET ver = nextval('chaos_ver'), balance = balance - 1 WHERE id = ANY(%s)",
-                             (ids,))
+                conn.execute(
+                    "UPDATE accounts SET ver = nextval('chaos_ver'), balance = balance - 1 WHERE id = ANY(%s)", (ids,)
+                )
             elif what < 0.62:
                 ids = rng.sample(range(1, self.accounts + 1), min(n, self.accounts))
                 conn.execute("DELETE FROM accounts WHERE id = ANY(%s)", (ids,))
             elif what < 0.90:
                 orders = rng.sample(range(1, self.orders + 1), min(max(1, n // 4), self.orders))
-                conn.execute("INSERT INTO lines (order_id, line, ver, qty) SELECT o, l, nextval('chaos_ver'), 1"
-                             " FROM unnest(%s::int[]) o, generate_series(1, 4) l ON CONFLICT (order_id, line)"
-                             " DO UPDATE SET ver = EXCLUDED.ver, qty = lines.qty + 1", (orders,))
+                conn.execute(
+                    "INSERT INTO lines (order_id, line, ver, qty) SELECT o, l, nextval('chaos_ver'), 1"
+                    " FROM unnest(%s::int[]) o, generate_series(1, 4) l ON CONFLICT (order_id, line)"
+                    " DO UPDATE SET ver = EXCLUDED.ver, qty = lines.qty + 1",
+                    (orders,),
+                )
             else:
                 orders = rng.sample(range(1, self.orders + 1), min(max(1, n // 4), self.orders))
                 conn.execute("DELETE FROM lines WHERE order_id = ANY(%s) AND line > 2", (orders,))
-
