@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 from devtools.embedded_postgres import EmbeddedPostgres
-from sequin_provider import buffer, replication, store
+from sequin_provider import replication, store
 from sequin_provider.hooks.sequin import SequinHook
 from tests.support.airflow import sequin_connection
 
@@ -20,10 +20,10 @@ from tests.support.airflow import sequin_connection
 def park(dsn: str, sink: str, n: int, schema: str = "sequin", start: int = 0) -> None:
     """Park ``n`` messages of ``sink`` in the buffer."""
     rows = [
-        buffer.ParkRow(sink, 100 + i, 0, f"g{i}", f"k{i}", "{}", None, 1, "HTTP 500") for i in range(start, start + n)
+        store.ParkRow(sink, 100 + i, 0, f"g{i}", f"k{i}", "{}", None, 1, "HTTP 500") for i in range(start, start + n)
     ]
     with psycopg.connect(dsn) as conn:
-        buffer.park(conn, schema, rows)
+        store.park_messages(conn, schema, rows)
 
 
 @pytest.fixture
@@ -94,7 +94,7 @@ def test_parked_counts_per_sink(hook: SequinHook, dsn: str) -> None:
     park(dsn, "orders", 3)
     park(dsn, "users", 1)
     with psycopg.connect(dsn) as conn:
-        buffer.set_state(conn, "sequin", "users", "discarded")
+        store.set_buffered_state(conn, "sequin", "users", "discarded")
         conn.commit()
     assert hook.parked_counts() == {"orders": {"parked": 3, "discarded": 0}, "users": {"parked": 0, "discarded": 1}}
     assert hook.parked_counts("orders") == {"orders": {"parked": 3, "discarded": 0}}

@@ -23,7 +23,7 @@ import pytest
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, TaskDeferred
 
 from devtools.stream_process import wait_for
-from sequin_provider import buffer, store
+from sequin_provider import store
 from sequin_provider.backfill import run_lock, server_lock
 from sequin_provider.operators.backfill import SequinBackfillOperator
 from sequin_provider.operators.buffer import SequinBufferRetryOperator
@@ -410,11 +410,9 @@ def test_with_a_backfill_server_up_the_operator_submits_nothing_and_waits_for_th
 
 
 def park(dsn: str, sink: str, n: int) -> None:
-    rows = [
-        buffer.ParkRow(sink, 100 + i, 0, "g1", f"k{i}", json.dumps({"n": i}), None, 1, "HTTP 500") for i in range(n)
-    ]
+    rows = [store.ParkRow(sink, 100 + i, 0, "g1", f"k{i}", json.dumps({"n": i}), None, 1, "HTTP 500") for i in range(n)]
     with psycopg.connect(dsn) as conn:
-        buffer.park(conn, "sequin", rows)
+        store.park_messages(conn, "sequin", rows)
 
 
 def test_buffer_retry_delivers_parked_messages_in_order_and_reports(env: Env) -> None:

@@ -14,7 +14,7 @@ import pytest
 from airflow.sdk.exceptions import AirflowException, AirflowSensorTimeout, AirflowSkipException, TaskDeferred
 from psycopg.conninfo import conninfo_to_dict
 
-from sequin_provider import buffer, store
+from sequin_provider import store
 from sequin_provider.sensors.sequin import (
     BackfillCompletedSensor,
     ParkedMessagesSensor,
@@ -54,9 +54,9 @@ def conn_env(dsn: str, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def park(dsn: str, sink: str, n: int) -> None:
-    rows = [buffer.ParkRow(sink, 100 + i, 0, f"g{i}", f"k{i}", "{}", None, 1, "HTTP 500") for i in range(n)]
+    rows = [store.ParkRow(sink, 100 + i, 0, f"g{i}", f"k{i}", "{}", None, 1, "HTTP 500") for i in range(n)]
     with psycopg.connect(dsn) as conn:
-        buffer.park(conn, "sequin", rows)
+        store.park_messages(conn, "sequin", rows)
 
 
 def run_deferred(deferred: TaskDeferred) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
-from sequin_provider import buffer, replication, store
+from sequin_provider import replication, store
 from sequin_provider.triggers.sequin import (
     BackfillCompletedTrigger,
     HeartbeatTrigger,
@@ -77,9 +77,9 @@ def soon(seconds: float = 0.4) -> float:
 
 
 def park(dsn: str, sink: str, n: int) -> None:
-    rows = [buffer.ParkRow(sink, 100 + i, 0, f"g{i}", f"k{i}", "{}", None, 1, "HTTP 500") for i in range(n)]
+    rows = [store.ParkRow(sink, 100 + i, 0, f"g{i}", f"k{i}", "{}", None, 1, "HTTP 500") for i in range(n)]
     with psycopg.connect(dsn) as conn:
-        buffer.park(conn, "sequin", rows)
+        store.park_messages(conn, "sequin", rows)
 
 
 def test_slot_lag_success_timeout_and_missing_slot(conn_env: str, slot: str) -> None:

@@ -56,7 +56,7 @@ def test_a_replayed_batch_skips_what_its_consumer_group_acked(dsn: str) -> None:
         acked = receive_ack(conn, 3)
         assert acked == [(100, 0), (100, 1), (100, 2)]
         assert store.acked_positions(conn, "sequin", SINK) == acked
-        counts = stream_queue.stream_counts(conn, "sequin", SINK)
+        counts = store.stream_counts(conn, "sequin", SINK)
         assert (counts["total"], counts["outstanding"]) == (5, 0)  # the ledger is not pending, nor stored messages
 
         # the replay meets stored rows (the fallback path): only what is neither stored nor acked lands

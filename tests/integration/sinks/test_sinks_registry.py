@@ -181,13 +181,13 @@ def test_a_pushed_kind_is_delivered_in_group_order_parks_failures_and_is_retried
     assert [m for m in sent if int(m[5:-1]) % 2] == ['{"n":1}', '{"n":3}', '{"n":5}', '{"n":7}']
     assert [m for m in sent if not int(m[5:-1]) % 2] == ['{"n":2}']
     with psycopg.connect(dsn) as conn:
-        parked = buffer.list_messages(conn, "sequin", "mem")
+        parked = store.list_buffered(conn, "sequin", "mem")
         assert [(m.commit_lsn, m.attempts, m.last_error) for m in parked] == [
             (4, 1, "memory list: refused"),
             (6, 0, buffer.FOLLOWER_ERROR),
         ]
-        buffer.set_state(conn, "sequin", "mem", "discarded")  # and back: due now
-        buffer.set_state(conn, "sequin", "mem", "parked")
+        store.set_buffered_state(conn, "sequin", "mem", "discarded")  # and back: due now
+        store.set_buffered_state(conn, "sequin", "mem", "parked")
         conn.commit()
     REFUSE.clear()
     DELIVERED.clear()
@@ -252,7 +252,7 @@ def test_a_stored_kinds_writer_copies_holds_parked_groups_and_parks_failed_trans
         ]
         assert [
             (m.commit_lsn, m.attempts, m.last_error.startswith("transform"))
-            for m in buffer.list_messages(conn, "sequin", "picky")
+            for m in store.list_buffered(conn, "sequin", "picky")
         ] == [(3, 1, True), (5, 0, False), (6, 0, False)]
 
 

@@ -278,7 +278,7 @@ def test_truncate_reaches_pull_consumers_and_a_webhook_as_a_barrier_and_skip_sen
         receiver.stop()
 
 
-def position_of(m: buffer.Parked) -> tuple[int, int]:
+def position_of(m: store.Parked) -> tuple[int, int]:
     return m.commit_lsn, m.commit_idx
 
 
@@ -465,7 +465,7 @@ def test_retry_redelivers_parked_messages_in_position_order_through_a_barrier(ds
     with psycopg.connect(dsn) as conn:
         store.migrate(conn, "sequin")
         conn.commit()
-        buffer.park(
+        store.park_messages(
             conn,
             "sequin",
             [
@@ -476,7 +476,7 @@ def test_retry_redelivers_parked_messages_in_position_order_through_a_barrier(ds
     delivered: list[int] = []
     lock = threading.Lock()
 
-    def deliver(message: buffer.Parked, data: str) -> None:
+    def deliver(message: store.Parked, data: str) -> None:
         time.sleep(0.02 if message.commit_lsn in (1, 2) else 0.0)  # the earliest ones are slow
         with lock:
             delivered.append(int(data))

@@ -20,7 +20,7 @@ import pytest
 
 from devtools.embedded_postgres import EmbeddedPostgres
 from devtools.stream_process import wait_for
-from sequin_provider import buffer
+from sequin_provider import store
 from sequin_provider.buffer import FOLLOWER_ERROR
 from sequin_provider.config import load_config
 from sequin_provider.spark.pipeline import payload_mode
@@ -50,13 +50,13 @@ def config_of(tmp_path: Path, dsn: str, db: str, sinks: str) -> Path:
     return write_config(tmp_path / "sequin.yaml", CONFIG.format(dsn=dsn, db=db, ckpt=tmp_path / "ckpt", sinks=sinks))
 
 
-def parked(dsn: str, sink: str) -> list[buffer.Parked]:
+def parked(dsn: str, sink: str) -> list[store.Parked]:
     with psycopg.connect(dsn) as conn:
-        return buffer.list_messages(conn, "sequin", sink)
+        return store.list_buffered(conn, "sequin", sink)
 
 
-def wait_parked(dsn: str, sink: str, count: int, app: Any) -> list[buffer.Parked]:
-    def enough() -> list[buffer.Parked] | None:
+def wait_parked(dsn: str, sink: str, count: int, app: Any) -> list[store.Parked]:
+    def enough() -> list[store.Parked] | None:
         app.check_alive()
         found = parked(dsn, sink)
         return found if len(found) >= count else None

@@ -12,8 +12,9 @@ from datetime import datetime, timezone
 import psycopg
 
 from sequin_provider import buffer, store
-from sequin_provider.buffer import DeliveryError, Parked, ParkRow
+from sequin_provider.buffer import DeliveryError
 from sequin_provider.config import parse_config
+from sequin_provider.store import Parked, ParkRow
 
 
 def _config(dsn: str, max_retry_count: int | None) -> tuple[object, object]:
@@ -41,8 +42,8 @@ def _park(dsn: str, rows: list[tuple[int, str, int]]) -> None:
             ParkRow("hook", lsn, 0, group, f"{lsn}:0", f'{{"n":{lsn}}}', None, attempts, "boom")
             for lsn, group, attempts in rows
         ]
-        assert buffer.park(conn, "sequin", parked) == len(rows)
-        assert buffer.park(conn, "sequin", parked) == 0  # a replayed batch parks nothing twice
+        assert store.park_messages(conn, "sequin", parked) == len(rows)
+        assert store.park_messages(conn, "sequin", parked) == 0  # a replayed batch parks nothing twice
 
 
 def test_retry_delivers_each_group_in_order_and_stops_a_group_at_its_failure(dsn: str) -> None:
@@ -59,7 +60,7 @@ def test_retry_delivers_each_group_in_order_and_stops_a_group_at_its_failure(dsn
     assert sorted(sent) == [1, 2, 3, 5] and [n for n in sent if n in (1, 3, 5)] == [1, 3, 5]
     assert (report.delivered, report.failed, report.discarded, report.still_parked) == (4, 1, 0, 1)
     with psycopg.connect(dsn) as conn:
-        (left,) = buffer.list_messages(conn, "sequin", "hook")
+        (left,) = store.list_buffered(conn, "sequin", "hook")
     assert (left.commit_lsn, left.attempts, left.last_error) == (4, 1, "HTTP 503: busy")
     assert left.next_attempt_at > datetime.now(timezone.utc)  # backed off: not due at once
     again = buffer.retry_sink(config, sink, deliver)  # type: ignore[arg-type]
@@ -84,13 +85,13 @@ def test_max_retry_count_discards_with_the_last_error_and_the_group_moves_on(dsn
     second = buffer.retry_sink(config, sink, deliver)  # type: ignore[arg-type]
     assert (second.discarded, second.delivered, sent) == (1, 1, [11])
     with psycopg.connect(dsn) as conn:
-        kept = buffer.list_messages(conn, "sequin", "hook")
+        kept = store.list_buffered(conn, "sequin", "hook")
         assert [(m.commit_lsn, m.state, m.attempts, m.last_error) for m in kept] == [
             (10, "discarded", 2, "HTTP 400: attempt 2")
         ]
         assert store.buffer_counts(conn, "sequin") == {"hook": {"parked": 0, "discarded": 1}}
-        assert buffer.set_state(conn, "sequin", "hook", "parked") == 1  # requeue: due now, attempts reset
-        (requeued,) = buffer.list_messages(conn, "sequin", "hook")
+        assert store.set_buffered_state(conn, "sequin", "hook", "parked") == 1  # requeue: due now, attempts reset
+        (requeued,) = store.list_buffered(conn, "sequin", "hook")
     assert (requeued.state, requeued.attempts) == ("parked", 0)
 
 
@@ -109,8 +110,8 @@ def test_parked_groups_names_exactly_the_asked_groups_with_parked_messages(dsn: 
     other sinks' do not block a group."""
     _park(dsn, [(1, "a", 1), (2, "b", 0), (3, "c", 1), (4, "d", 1)])
     with psycopg.connect(dsn) as conn:
-        assert buffer.set_state(conn, "sequin", "hook", "discarded", group="d") == 1
-        buffer.park(conn, "sequin", [ParkRow("other", 9, 0, "e", "9:0", "{}", None, 1, "boom")])
+        assert store.set_buffered_state(conn, "sequin", "hook", "discarded", group="d") == 1
+        store.park_messages(conn, "sequin", [ParkRow("other", 9, 0, "e", "9:0", "{}", None, 1, "boom")])
         conn.commit()
         many_asked = buffer.parked_groups(conn, "sequin", "hook", ["a", "b", "x", "y", "z", "d", "e"])
         few_asked = buffer.parked_groups(conn, "sequin", "hook", ["b", "x"])  # 3 parked groups > 2 asked

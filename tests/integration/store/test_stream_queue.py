@@ -81,7 +81,7 @@ def test_the_pending_counter_follows_receives_acks_nacks_redeliveries_and_stale_
     assert lsns(third) == [20, 40] and pending(conn) == (3, 3)
     assert stream_queue.ack(conn, "sequin", SINK, [d.ack_id for d in third] + [again[2].ack_id]) == 3
     assert pending(conn) == (0, 0)
-    assert stream_queue.stream_counts(conn, "sequin", SINK)["total"] == 0
+    assert store.stream_counts(conn, "sequin", SINK)["total"] == 0
 
 
 def test_a_counter_gone_wrong_is_recounted_when_it_reads_full(dsn: str, conn: psycopg.Connection) -> None:
@@ -184,7 +184,7 @@ def test_concurrent_receivers_acks_nacks_and_timeouts_keep_each_group_in_order(
     for t in threads:
         t.join()
     assert errors == []
-    assert sum(acked) == 300 and stream_queue.stream_counts(conn, "sequin", SINK)["total"] == 0
+    assert sum(acked) == 300 and store.stream_counts(conn, "sequin", SINK)["total"] == 0
     assert pending(conn) == (0, 0)
     by_message: dict[tuple[int, int], list[tuple[float, float | None]]] = {}
     by_group: dict[str, list[tuple[float, int, int]]] = {}
