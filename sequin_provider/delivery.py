@@ -227,10 +227,15 @@ class PushResult:
     parked: list[ParkRow] = field(default_factory=list)
 
 
+Send = Callable[[list[str], list[str]], None]
+"""A pushed sink's request: rendered messages in order and their idempotency keys (the same order),
+which a destination that deduplicates uses (a JetStream message id, a Redis dedupe key, ...)."""
+
+
 def push_in_group_order(
     sink: str,
     messages: Outgoing,
-    send: Callable[[list[str]], None],
+    send: Send,
     batch_size: int,
     lanes: int,
     parked_groups: set[str] | Mapping[str, tuple[int, int]],
@@ -272,7 +277,7 @@ def _send_lanes(
     sink: str,
     messages: Outgoing,
     indices: Iterable[int],
-    send: Callable[[list[str]], None],
+    send: Send,
     batch_size: int,
     lanes: int,
     heads: Mapping[str, tuple[int, int]],
@@ -280,7 +285,7 @@ def _send_lanes(
 ) -> None:
     """``push_in_group_order`` for the messages at ``indices`` (in position order), none of them a truncate."""
     lock = threading.Lock()
-    groups, data, failed = messages.group_id, messages.data, messages.failed
+    groups, data, failed, keys = messages.group_id, messages.data, messages.failed, messages.idempotency_key
     count = max(lanes, 1)
     lane_of: dict[str, int] = {}
     by_lane: dict[int, list[int]] = {}
@@ -310,7 +315,7 @@ def _send_lanes(
             if not pending:
                 return
             try:
-                send([data[i] for i in pending])  # type: ignore[misc]  # pending holds rendered messages only
+                send([data[i] for i in pending], [keys[i] for i in pending])  # type: ignore[misc]  # rendered only
             except DeliveryError as exc:
                 park(pending, str(exc), 1)
                 blocked.update(groups[i] for i in pending)
@@ -346,7 +351,7 @@ def _send_lanes(
 def _send_through_barriers(
     sink: str,
     messages: Outgoing,
-    send: Callable[[list[str]], None],
+    send: Send,
     batch_size: int,
     lanes: int,
     heads: dict[str, tuple[int, int]],
@@ -384,7 +389,7 @@ def _send_through_barriers(
             result.parked.append(messages.park_row(sink, i, 1, messages.failed[i][1]))
         else:
             try:
-                send([messages.data[i]])  # type: ignore[list-item]  # not failed: rendered
+                send([messages.data[i]], [messages.idempotency_key[i]])  # type: ignore[list-item]  # rendered
             except DeliveryError as exc:
                 result.parked.append(messages.park_row(sink, i, 1, str(exc)))
             else:

@@ -90,9 +90,13 @@ class DestinationKind(ABC):
         """This kind's typed options (a frozen dataclass) from the ``destination:`` mapping at
         ``path``; a bad key or value raises ``reader.fail(<path>.<key>, reason)``."""
 
-    @abstractmethod
     def retry(self, config: SequinConfig, sink: SinkConfig, render: Render, workers: int) -> RetryReport:
-        """Redeliver the sink's due parked messages (``buffer.retry_sink`` with this kind's delivery)."""
+        """Redeliver the sink's due parked messages (``buffer.retry_sink`` with this kind's delivery).
+        A pushed kind's default: each message sent again on its own through a fresh ``pusher``,
+        ``workers`` groups at a time (``sinks.push.retry_through_pusher``); a stored kind says how."""
+        from sequin_provider.sinks.push import retry_through_pusher
+
+        return retry_through_pusher(self.pusher(sink), config, sink, render, workers)
 
     def counts(self, conn: psycopg.Connection[Any], schema: str, sink: str) -> dict[str, int]:
         """Message counts of a sink of this kind for ``sequin status`` and the Airflow view (the

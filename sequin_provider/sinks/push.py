@@ -9,6 +9,8 @@ import logging
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
+from sequin_provider.buffer import Render, RetryReport, retry_sink
+from sequin_provider.config import SequinConfig, SinkConfig
 from sequin_provider.delivery import Outgoing, push_in_group_order
 from sequin_provider.store import park_messages, parked_barriers, parked_heads
 
@@ -16,6 +18,17 @@ if TYPE_CHECKING:
     from sequin_provider.sinks.sequin_stream import SequinStreamSink
 
 log = logging.getLogger(__name__)
+
+
+def retry_through_pusher(
+    pusher: PushSink, config: SequinConfig, sink: SinkConfig, render: Render, workers: int
+) -> RetryReport:
+    """Redeliver a pushed sink's due parked messages through ``pusher``, one message per request
+    with its idempotency key (``buffer.retry_sink``), and close it."""
+    try:
+        return retry_sink(config, sink, lambda m, data: pusher.send([data], [m.idempotency_key]), render, workers)
+    finally:
+        pusher.close()
 
 
 class PushSink(ABC):
@@ -29,9 +42,11 @@ class PushSink(ABC):
     """Groups sent concurrently at most."""
 
     @abstractmethod
-    def send(self, messages: list[str]) -> None:
+    def send(self, messages: list[str], keys: list[str]) -> None:
         """Deliver ``messages`` (rendered JSON, in order) as one request; ``DeliveryError`` unless
-        the destination took all of them."""
+        the destination took all of them. ``keys`` are their idempotency keys (the same order,
+        identical on every replay: ``"<commit_lsn>:<commit_idx>"``, a backfill read's
+        ``backfill:<id>:[<pk>]``), for a destination that can drop what it already has."""
 
     def close(self) -> None:
         """Release connections (the default holds none)."""

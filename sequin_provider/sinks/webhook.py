@@ -26,9 +26,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from sequin_provider import buffer
-from sequin_provider.buffer import DeliveryError, Render, RetryReport
-from sequin_provider.config import SequinConfig, SinkConfig
+from sequin_provider.buffer import DeliveryError
+from sequin_provider.config import SinkConfig
 from sequin_provider.sinks.base import DestinationKind, OptionReader
 from sequin_provider.sinks.push import PushSink
 from sequin_provider.sinks.registry import register
@@ -128,14 +127,6 @@ class WebhookKind(DestinationKind):
         """A client of the sink's URL."""
         return WebhookClient(sink)
 
-    def retry(self, config: SequinConfig, sink: SinkConfig, render: Render, workers: int) -> RetryReport:
-        """Each due parked message POSTed again on its own, ``workers`` groups at a time."""
-        client = WebhookClient(sink)
-        try:
-            return buffer.retry_sink(config, sink, lambda m, data: client.send([data]), render, workers)
-        finally:
-            client.close()
-
 
 class WebhookClient(PushSink):
     """Posts rendered messages of one webhook sink; keeps its connections alive between requests.
@@ -210,8 +201,9 @@ class WebhookClient(PushSink):
             return messages[0].encode()
         return ('{"data":[' + ",".join(messages) + "]}").encode()
 
-    def send(self, messages: list[str]) -> None:
-        """POST ``messages`` (in order) as one request; raises DeliveryError unless answered 2xx."""
+    def send(self, messages: list[str], keys: list[str] | None = None) -> None:
+        """POST ``messages`` (in order) as one request; raises DeliveryError unless answered 2xx.
+        (A webhook receiver dedupes by the messages' own ``idempotency_key``: ``keys`` are unused.)"""
         if self._proxy_error:
             raise DeliveryError(self._proxy_error)
         body = self.body(messages)

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pytest
 
 from sequin_provider import buffer, store
-from sequin_provider.buffer import DeliveryError, Render, RetryReport
+from sequin_provider.buffer import DeliveryError
 from sequin_provider.cli import main as cli_main
 from sequin_provider.config import ConfigError, SequinConfig, SinkConfig, parse_config
 from sequin_provider.delivery import Outgoing
@@ -61,7 +61,7 @@ class MemoryListSink(PushSink):
         options: MemoryListOptions = sink.destination.options
         self.sink, self.name, self.batch_size, self.lanes = sink.name, options.list_name, options.batch_size, 4
 
-    def send(self, messages: list[str]) -> None:
+    def send(self, messages: list[str], keys: list[str]) -> None:
         if REFUSE.intersection(messages):
             raise DeliveryError("memory list: refused")
         with _LOCK:
@@ -83,10 +83,6 @@ class MemoryListKind(DestinationKind):
 
     def pusher(self, sink: SinkConfig) -> MemoryListSink:
         return MemoryListSink(sink)
-
-    def retry(self, config: SequinConfig, sink: SinkConfig, render: Render, workers: int) -> RetryReport:
-        pusher = MemoryListSink(sink)
-        return buffer.retry_sink(config, sink, lambda m, data: pusher.send([data]), render, workers)
 
     def counts(self, conn: psycopg.Connection[Any], schema: str, sink: str) -> dict[str, int]:
         """Requests and messages its list got (a test names the list after its sink)."""
@@ -219,7 +215,7 @@ def test_a_stored_kinds_writer_copies_holds_parked_groups_and_parks_failed_trans
                 {
                     "name": "picky",
                     "tables": ["t"],
-                    "transform": "tests.transforms:refuse_three",
+                    "transform": "tests.support.transforms:refuse_three",
                     "destination": {"type": "sequin_stream"},
                 },
             ],

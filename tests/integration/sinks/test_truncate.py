@@ -402,7 +402,7 @@ def test_push_sends_a_truncate_after_every_earlier_message_of_its_table_and_befo
     sent: list[str] = []
     lock = threading.Lock()
 
-    def send(batch: list[str]) -> None:
+    def send(batch: list[str], keys: list[str]) -> None:
         time.sleep(0.01 * (len(batch) % 3))
         with lock:
             sent.extend(batch)
@@ -425,7 +425,7 @@ def test_push_parks_a_truncate_and_its_tables_later_messages_behind_an_earlier_f
     ]
     sent: list[str] = []
 
-    def send(batch: list[str]) -> None:
+    def send(batch: list[str], keys: list[str]) -> None:
         if "1" in batch:
             raise DeliveryError("HTTP 500")
         sent.extend(batch)

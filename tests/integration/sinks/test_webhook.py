@@ -71,13 +71,15 @@ def test_backoff_doubles_with_jitter_and_is_capped() -> None:
 
 def test_push_keeps_group_order_and_parks_a_failed_group_behind_its_first_failure() -> None:
     sent: list[list[str]] = []
+    keys_sent: dict[str, str] = {}
     lock = threading.Lock()
 
-    def send(batch: list[str]) -> None:
+    def send(batch: list[str], keys: list[str]) -> None:
         if any('"bad"' in m for m in batch):
             raise DeliveryError("HTTP 400: no")
         with lock:
             sent.append(batch)
+            keys_sent.update(zip(keys, batch))
 
     rows: list[tuple[int, int, str, str, str | None]] = [
         (i, 0, f"g{i % 3}", f"k{i}", json.dumps("bad" if i == 4 else f"m{i}")) for i in range(12)
@@ -86,6 +88,7 @@ def test_push_keeps_group_order_and_parks_a_failed_group_behind_its_first_failur
     msgs = Outgoing(*(list(column) for column in zip(*rows)), failed={7: ('"src"', "transform failed")})  # type: ignore[arg-type]
     result = push_in_group_order("s", msgs, send, batch_size=1, lanes=4, parked_groups={"g2"})
     delivered = [m for batch in sent for m in batch]
+    assert keys_sent == {f"k{i}": json.dumps(f"m{i}") for i in (0, 1, 3, 6)}  # each message with its own key
     # g1: m1 ok, m4 refused -> m7, m10 parked behind it; g0: m0, m3, m6 ok, then the failed transform parks m9
     assert sorted(delivered) == sorted(json.dumps(f"m{i}") for i in (0, 1, 3, 6))
     parked = {(r.commit_lsn, r.commit_idx): (r.attempts, r.error) for r in result.parked}
