@@ -1,0 +1,128 @@
+"""Routing: which target of a destination a message goes to (a stream key, a subject, a routing key,
+a table), from the message itself.
+
+A route is written in ``sequin.yaml`` as either
+
+- a template: text with placeholders ``{table_schema}``, ``{table_name}``, ``{action}`` and
+  ``{record.<column>}`` (a column of the row; a delete's key columns are always there), e.g.
+  ``"cdc.{table_schema}.{table_name}"`` or ``"orders-{record.region}"``; a template without
+  placeholders is a fixed name and costs nothing per message;
+- or ``"module:function"``: a function of the message (its JSON as a dict) returning the target.
+
+A bad template (an unknown placeholder, an unbalanced brace) or a malformed function name is a
+config error naming the key path. A message whose route cannot be computed (a column it does not
+have, a function that raises or returns no text) raises ``DeliveryError``: the message is parked
+with that error, and its group waits, like a message the destination refused.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import string
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from sequin_provider.exceptions import DeliveryError
+from sequin_provider.sinks.base import OptionReader
+
+PLACEHOLDERS = ("table_schema", "table_name", "action")
+"""The message fields a template may name, besides ``record.<column>``."""
+FUNCTION = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+RECORD_FIELD = re.compile(r"^record\.(\w+)$")
+
+
+@dataclass(frozen=True)
+class Route:
+    """A parsed route: ``target(message)`` is the target name of one rendered message."""
+
+    spec: str
+    parts: tuple[tuple[str, str | None], ...] = ()
+    """The template as (literal text, placeholder or None) pairs; empty for a function."""
+    function: str | None = None
+    _resolved: dict[str, Callable[[dict[str, Any]], Any]] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def fixed(self) -> str | None:
+        """The target when it does not depend on the message, else None."""
+        if self.function is None and all(name is None for _, name in self.parts):
+            return "".join(text for text, _ in self.parts)
+        return None
+
+    def target(self, message: str) -> str:
+        """The target name of ``message`` (its rendered JSON); ``DeliveryError`` when it has none."""
+        fixed = self.fixed
+        if fixed is not None:
+            return fixed
+        try:
+            data = json.loads(message)
+        except ValueError as exc:
+            raise DeliveryError(f"route {self.spec!r}: the message is not JSON: {exc}") from None
+        if self.function is not None:
+            return self._call(data)
+        out = []
+        for text, name in self.parts:
+            out.append(text)
+            if name is not None:
+                out.append(_field(data, name, self.spec))
+        return "".join(out)
+
+    def _call(self, data: dict[str, Any]) -> str:
+        func = self._resolved.get("f")
+        if func is None:
+            module, _, name = self.function.partition(":")  # type: ignore[union-attr]
+            try:
+                func = getattr(importlib.import_module(module), name)
+            except (ImportError, AttributeError) as exc:
+                raise DeliveryError(f"route {self.spec!r} cannot be loaded: {exc}") from None
+            self._resolved["f"] = func
+        try:
+            value = func(data)
+        except Exception as exc:  # noqa: BLE001  # the user's function: its error parks the message
+            raise DeliveryError(f"route {self.spec!r} failed: {type(exc).__name__}: {exc}") from None
+        if not isinstance(value, str) or not value:
+            raise DeliveryError(f"route {self.spec!r} returned {value!r}, not a non-empty string")
+        return value
+
+
+def _field(data: dict[str, Any], name: str, spec: str) -> str:
+    """A placeholder's value in a message: metadata fields, the action, or a record column."""
+    if name == "action":
+        value = data.get("action")
+    elif name in ("table_schema", "table_name"):
+        value = (data.get("metadata") or {}).get(name)
+    else:
+        column = RECORD_FIELD.match(name).group(1)  # type: ignore[union-attr]  # checked at parse
+        record = data.get("record") or {}
+        if column not in record:
+            raise DeliveryError(f"route {spec!r}: the message's record has no column {column!r}")
+        value = record[column]
+    if value is None:
+        raise DeliveryError(f"route {spec!r}: {{{name}}} is null in the message")
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def parse_route(reader: OptionReader, value: Any, path: str) -> Route:
+    """A route from ``sequin.yaml`` at ``path`` (see the module's docstring); errors name the path."""
+    spec = reader.string(value, path)
+    if FUNCTION.match(spec) and "{" not in spec:
+        return Route(spec, function=spec)
+    try:
+        parsed = list(string.Formatter().parse(spec))
+    except ValueError as exc:
+        raise reader.fail(
+            path,
+            f"not a valid template ({exc}): use {{table_schema}}, {{table_name}}, "
+            f"{{action}}, {{record.<column>}}, or 'module:function'",
+        ) from None
+    parts: list[tuple[str, str | None]] = []
+    for text, name, format_spec, conversion in parsed:
+        if name is not None and (format_spec or conversion or not (name in PLACEHOLDERS or RECORD_FIELD.match(name))):
+            raise reader.fail(
+                path,
+                f"unknown placeholder {{{name}}} (known: {{table_schema}}, {{table_name}}, "
+                f"{{action}}, {{record.<column>}})",
+            )
+        parts.append((text, name))
+    return Route(spec, tuple(parts))
