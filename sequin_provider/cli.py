@@ -72,6 +72,8 @@ def _status(config: SequinConfig) -> list[dict[str, Any]]:
                     }
         except psycopg.Error as exc:
             entry["store_error"] = str(exc).strip()
+        health = {sink.name: sink.destination.kind.health(sink) for sink in config.sinks_of(db.name)}
+        entry["health"] = {name: line for name, line in health.items() if line is not None}
         out.append(entry)
     return out
 
@@ -101,6 +103,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         for sink, counts in sorted((entry.get("sinks") or {}).items()):
             if counts:
                 print(f"  sink {sink}: {_counts_line(counts)}")
+        for sink, line in sorted((entry.get("health") or {}).items()):
+            print(f"  sink {sink} destination: {line}")
         for key in ("error", "store_error"):
             if key in entry:
                 print(f"  {key.replace('_', ' ')}: {entry[key]}")

@@ -68,6 +68,7 @@ def status_page(config: Any, service: Any, token: str | None) -> str:
                             counts.get("outstanding", ""),
                             parked.get(sink.name, {}).get("parked", 0),
                             parked.get(sink.name, {}).get("discarded", 0),
+                            sink.destination.kind.health(sink) or "",
                         ]
                     )
                 for b in store.list_backfills(conn, schema)[:50] if store.schema_version(conn, schema) else []:
@@ -89,7 +90,10 @@ def status_page(config: Any, service: Any, token: str | None) -> str:
         "<h2>Replication slots</h2>"
         + table(["database", "slot", "active", "lag bytes"], rows_slots)
         + "<h2>Sinks</h2>"
-        + table(["sink", "type", "tables", "visible messages", "outstanding", "parked", "discarded"], rows_sinks)
+        + table(
+            ["sink", "type", "tables", "visible messages", "outstanding", "parked", "discarded", "destination"],
+            rows_sinks,
+        )
         + "<h2>Backfills</h2>"
         + table(["id", "sink", "table", "kind", "progress", "error"], rows_backfills)
     )

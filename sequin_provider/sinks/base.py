@@ -103,6 +103,12 @@ class DestinationKind(ABC):
         buffer's parked/discarded counts are every kind's and shown besides). None by default."""
         return {}
 
+    def health(self, sink: SinkConfig) -> str | None:
+        """One line on the destination of ``sink`` for ``sequin status`` and the Airflow view
+        (reachable, its stream/exchange/table present: ``"ok"`` or what is wrong), within a few
+        seconds; None when the kind has nothing to check (the default)."""
+        return None
+
     def pusher(self, sink: SinkConfig) -> PushSink:
         """The executor-side sender of a pushed sink's messages (``sinks.push.PushSink``)."""
         raise TypeError(f"destination type {self.name!r} is stored, not pushed")

@@ -89,6 +89,10 @@ class MemoryListKind(DestinationKind):
         requests = DELIVERED.get(sink, [])
         return {"requests": len(requests), "delivered": sum(len(r) for r in requests)}
 
+    def health(self, sink: SinkConfig) -> str | None:
+        """The list's state (a real kind checks that its server answers)."""
+        return "refusing" if REFUSE else "ok"
+
 
 # --- its test ----------------------------------------------------------------------------------
 
@@ -279,10 +283,12 @@ def test_sequin_status_shows_each_kinds_own_counts(
         "mem": {"requests": 2, "delivered": 3},
     }
     assert entry["messages"] == {"changes": 2}
+    assert entry["health"] == {"mem": "ok"}  # the stream kind has no destination to check
     assert cli_main(["--config", str(config), "status"]) == 0
     assert capsys.readouterr().out.splitlines()[1:] == [
         "  sink changes: 2 messages in the stream",
         "  sink mem: 2 requests, 3 delivered",
+        "  sink mem destination: ok",
     ]
 
 
