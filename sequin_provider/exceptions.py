@@ -71,6 +71,18 @@ class DeliveryError(SequinError, RuntimeError):
     """A sink did not take a message (its text says why: HTTP status, timeout, connection error)."""
 
 
+class DestinationError(SequinError):
+    """A sink's destination cannot be used as configured (unreachable, credentials refused, its
+    stream/exchange/table missing with ``create`` off); raised by ``sequin init`` and the stream app's
+    start, before anything is delivered. The text names the sink."""
+
+    retryable = True
+
+    def __init__(self, sink: str, reason: str) -> None:
+        self.sink, self.reason = sink, reason
+        super().__init__(f"sink {sink!r}: {reason}")
+
+
 class SupervisionError(SequinError):
     """The supervised stream app could not be kept running (it kept failing, or its lock was lost)."""
 

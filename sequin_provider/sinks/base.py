@@ -103,6 +103,12 @@ class DestinationKind(ABC):
         buffer's parked/discarded counts are every kind's and shown besides). None by default."""
         return {}
 
+    def prepare(self, sink: SinkConfig) -> list[str]:
+        """Check (and, where its options say so, create) the destination of ``sink`` at ``sequin
+        init`` and the stream app's start; returns what it created, for the report. Raises
+        ``exceptions.DestinationError`` (naming the sink) when it cannot be used. Nothing by default."""
+        return []
+
     def health(self, sink: SinkConfig) -> str | None:
         """One line on the destination of ``sink`` for ``sequin status`` and the Airflow view
         (reachable, its stream/exchange/table present: ``"ok"`` or what is wrong), within a few
