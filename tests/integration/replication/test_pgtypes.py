@@ -33,7 +33,7 @@ from sequin_provider.pgtypes import NATIVE_KINDS, PG_TYPES, Rule
 from sequin_provider.replication import REPLICATION_SESSION_OPTIONS
 from tests.support.pgoutput_messages import insert_message, relation_message
 
-C_SOURCE = Path(__file__).resolve().parent.parent / "sequin_provider" / "_pgoutput_c.c"
+C_SOURCE = Path(__file__).resolve().parents[3] / "sequin_provider" / "_pgoutput_c.c"
 
 SAMPLES: dict[str, list[str]] = {
     "bool": ["t", "f"],
