@@ -23,9 +23,12 @@ import pytest
 from devtools.stream_process import wait_for
 from sequin_provider import store
 from sequin_provider.config import ConfigError, parse_config
+from sequin_provider.delivery import Outgoing
 from sequin_provider.exceptions import DestinationError
 from sequin_provider.provisioning import initialize
 from sequin_provider.sinks.nats_jetstream import derived_subjects, subject_matches, valid_subject
+from sequin_provider.sinks.retry import retry_sinks
+from sequin_provider.sinks.sequin_stream import SequinStreamSink
 from tests.support.config import write_config
 from tests.support.postgres import execute
 from tests.support.stream_app import cli
@@ -260,6 +263,79 @@ def test_subject_helpers() -> None:
 
 
 # --- against the server ---------------------------------------------------------------------------
+
+
+def test_pusher_parks_while_the_server_is_away_and_retry_delivers_each_group_in_order(
+    dsn: str, names: tuple[str, str]
+) -> None:
+    """The shared push path without Spark: deliver through the proxy, down -> every message parked
+    (the connection lost, then refused); up -> ``sequin buffer retry``'s entry point delivers them in
+    order; the same batch delivered again adds nothing (``Nats-Msg-Id``)."""
+    prefix, stream = names
+    execute(dsn, *TABLES)
+    with psycopg.connect(dsn) as conn:
+        store.migrate(conn, "sequin")
+        conn.commit()
+    with TcpProxy(NATS_PORT) as proxy:
+        config = parse_config(
+            {
+                "databases": [{"name": "app", "dsn": dsn}],
+                "sinks": [
+                    {
+                        "name": "jets",
+                        "tables": ["a"],
+                        "destination": {
+                            "type": "nats_jetstream",
+                            "servers": f"nats://127.0.0.1:{proxy.port}",
+                            "subject": f"{prefix}.{{record.id}}",
+                            "stream": stream,
+                            "create_stream": True,
+                            "batch_size": 3,
+                            "timeout": "2s",
+                        },
+                    }
+                ],
+            },
+            "sequin.yaml",
+        )
+        sink = config.sinks[0]
+        assert sink.destination.kind.prepare(sink) == [
+            f"JetStream stream '{stream}' (subjects {prefix}.*) for sink 'jets'"
+        ]
+
+        def batch(first: int) -> Outgoing:
+            out = Outgoing()
+            for n in range(first, first + 12):
+                message = json.dumps({"record": {"id": n % 3}, "metadata": {"idempotency_key": f"{n}:0"}, "n": n})
+                out.extend(Outgoing([n], [0], [f"g{n % 3}"], [f"{n}:0"], [message]))
+            return out
+
+        pusher = sink.destination.kind.pusher(sink)
+        keeper = SequinStreamSink(dsn, "sequin")
+        try:
+            assert pusher.deliver(batch(1), keeper, "sequin") == (12, 0)
+            proxy.down()
+            assert pusher.deliver(batch(13), keeper, "sequin") == (0, 12)
+            assert pusher.deliver(batch(25), keeper, "sequin") == (0, 12)  # behind the parked groups
+            with psycopg.connect(dsn) as conn:
+                parked = store.list_buffered(conn, "sequin", "jets")
+            assert len(parked) == 24 and all("nats_jetstream jets" in m.last_error for m in parked if m.attempts)
+            proxy.up()
+            with psycopg.connect(dsn) as conn:  # due now
+                store.set_buffered_state(conn, "sequin", "jets", "discarded")
+                store.set_buffered_state(conn, "sequin", "jets", "parked")
+                conn.commit()
+            (report,) = retry_sinks(config, "jets")
+            assert (report.delivered, report.still_parked) == (24, 0)
+            assert pusher.deliver(batch(1), keeper, "sequin") == (12, 0)  # a replay: dropped as duplicates
+            assert pusher.duplicates == 12
+        finally:
+            keeper.close()
+            pusher.close()
+    got = read_stream(stream)
+    assert sorted(m["n"] for _, _, m in got) == list(range(1, 37))  # each once
+    for g in range(3):  # one group per subject, each in order
+        assert [m["n"] for subject, _, m in got if subject == f"{prefix}.{g}"] == list(range(3 if g == 0 else g, 37, 3))
 
 
 def test_three_tables_and_a_backfill_land_exactly_once_in_group_order(
