@@ -371,9 +371,9 @@ async def _check(sink: SinkConfig, options: NatsJetStreamOptions, create: bool) 
             info = await jsm.stream_info(options.stream)
         except nats.js.errors.NotFoundError:
             if not (create and options.create_stream):
+                why = "" if options.create_stream else " (create_stream is false)"
                 raise DestinationError(
-                    sink.name,
-                    f"JetStream stream {options.stream!r} does not exist on {options.where} (create_stream is false)",
+                    sink.name, f"JetStream stream {options.stream!r} does not exist on {options.where}{why}"
                 ) from None
             info = await jsm.add_stream(
                 name=options.stream, subjects=list(options.capture), duplicate_window=options.duplicate_window
@@ -476,15 +476,17 @@ class JetStreamPublisher(PushSink):
             finally:
                 lost.cancel()
             if not everything.done():
+                acked, was_lost = sum(a.done() for a in acks), conn.lost.is_set()
                 everything.cancel()
-                if conn.lost.is_set():
-                    await self._drop(conn)
+                await self._drop(conn)  # lost, or a server that stopped answering: the next request reconnects
+                if was_lost:
                     raise DeliveryError(
                         f"nats_jetstream {self.sink}: the connection was lost before the acknowledgements"
+                        f" ({acked} of {len(acks)} acknowledged)"
                     )
                 raise DeliveryError(
                     f"nats_jetstream {self.sink}: no acknowledgement within {self.timeout:g}s"
-                    f" ({sum(a.done() for a in acks)} of {len(acks)} acknowledged)"
+                    f" ({acked} of {len(acks)} acknowledged)"
                 )
             results = everything.result()
         except DeliveryError:
