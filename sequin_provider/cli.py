@@ -11,6 +11,7 @@ import psycopg
 
 from sequin_provider import store
 from sequin_provider.config import ConfigError, SequinConfig, load_config
+from sequin_provider.exceptions import DestinationError
 from sequin_provider.pgoutput import int_to_lsn
 from sequin_provider.replication import ReplicationError, slot_info
 from sequin_provider.store import BackfillError
@@ -521,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (ConfigError, ReplicationError, BackfillError, TokenError) as exc:
+    except (ConfigError, ReplicationError, BackfillError, TokenError, DestinationError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except psycopg.OperationalError as exc:
