@@ -106,10 +106,10 @@ def _redis_module(sink: str) -> Any:
     return redis
 
 
-def connect(sink: SinkConfig, timeout: float | None = None) -> redis.Redis:
+def connect(sink: SinkConfig, timeout: float | None = None, retries: int = 1) -> redis.Redis:
     """A client of the sink's Redis (its own connection pool): every wait bounded by ``timeout``
-    (default: the sink's), one reconnection on a dropped connection, no other retries (the buffer
-    retries)."""
+    (default: the sink's), a command whose connection dropped or timed out sent again ``retries``
+    times on a fresh one, no other retries (the buffer retries)."""
     redis = _redis_module(sink.name)
     from redis.backoff import NoBackoff
     from redis.retry import Retry
@@ -120,7 +120,7 @@ def connect(sink: SinkConfig, timeout: float | None = None) -> redis.Redis:
         options.url,
         socket_timeout=wait,
         socket_connect_timeout=wait,
-        retry=Retry(NoBackoff(), 1),
+        retry=Retry(NoBackoff(), retries),
         client_name=f"sequin:{sink.name}",
     )
 
@@ -207,7 +207,7 @@ class RedisStreamKind(DestinationKind):
             redis = _redis_module(sink.name)
         except DestinationError as exc:
             return exc.reason
-        client = connect(sink, timeout=min(2.0, sink.destination.options.timeout))
+        client = connect(sink, timeout=min(2.0, sink.destination.options.timeout), retries=0)
         try:
             return _problem(sink, client) or "ok"
         except redis.RedisError as exc:
