@@ -16,6 +16,7 @@ from sequin_provider.config import (
 )
 from sequin_provider.sinks.sequin_stream import SequinStreamOptions
 from sequin_provider.sinks.webhook import WebhookOptions
+from tests.support.config import builtin_kind_names
 
 GOOD = """
 databases:
@@ -131,7 +132,7 @@ def test_dsn_uri_is_the_airflow_conn_form_and_resolves_back_to_the_same_connecti
         (
             GOOD.replace("type: sequin_stream", "type: kafka"),
             "sinks[0].destination.type",
-            "unknown destination type 'kafka' (sequin_stream | webhook | nats_jetstream)",
+            f"unknown destination type 'kafka' ({' | '.join(builtin_kind_names())})",
         ),
         (
             GOOD.replace("heartbeat_interval: 500ms", "heartbeat_interval: soon"),
