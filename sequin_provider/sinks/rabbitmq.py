@@ -51,9 +51,7 @@ def _pika() -> Any:
     try:
         import pika
     except ImportError:
-        raise ImportError(
-            "the rabbitmq destination needs pika: pip install 'sequin-provider[rabbitmq]'"
-        ) from None
+        raise ImportError("the rabbitmq destination needs pika: pip install 'sequin-provider[rabbitmq]'") from None
     return pika
 
 
@@ -185,7 +183,7 @@ class RabbitMQKind(DestinationKind):
             )
         declare = reader.boolean(item.get("declare_exchange", False), f"{path}.declare_exchange")
         if declare and not exchange:
-            raise reader.fail(f"{path}.declare_exchange", "the default exchange (exchange: \"\") cannot be declared")
+            raise reader.fail(f"{path}.declare_exchange", 'the default exchange (exchange: "") cannot be declared')
         return RabbitMQOptions(
             routing_key=parse_route(reader, item["routing_key"], f"{path}.routing_key"),
             url=url,
@@ -376,7 +374,9 @@ class RabbitMQPublisher(PushSink):
 
     def properties(self, key: str) -> Any:
         """The AMQP properties of the message with idempotency key ``key``."""
-        return _pika().BasicProperties(content_type="application/json", delivery_mode=self.delivery_mode, message_id=key)
+        return _pika().BasicProperties(
+            content_type="application/json", delivery_mode=self.delivery_mode, message_id=key
+        )
 
     def runs(self, messages: list[str], keys: list[str]) -> list[tuple[str, list[bytes], list[Any]]]:
         """The messages as runs of consecutive messages with one routing key, each message with its

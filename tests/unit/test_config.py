@@ -131,7 +131,7 @@ def test_dsn_uri_is_the_airflow_conn_form_and_resolves_back_to_the_same_connecti
         (
             GOOD.replace("type: sequin_stream", "type: kafka"),
             "sinks[0].destination.type",
-            "unknown destination type 'kafka' (sequin_stream | webhook)",
+            "unknown destination type 'kafka' (sequin_stream | webhook | rabbitmq)",
         ),
         (
             GOOD.replace("heartbeat_interval: 500ms", "heartbeat_interval: soon"),
