@@ -19,6 +19,7 @@ BUILTIN_MODULES = (
     "sequin_provider.sinks.webhook",
     "sequin_provider.sinks.nats_jetstream",
     "sequin_provider.sinks.redis_stream",
+    "sequin_provider.sinks.rabbitmq",
 )
 """Modules that register the built-in destination kinds, in the order they are listed."""
 

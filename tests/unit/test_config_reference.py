@@ -28,6 +28,7 @@ DESTINATION_EXAMPLES: dict[str, dict[str, Any]] = {
     "webhook": {"type": "webhook", "url": "http://127.0.0.1:9/hook"},
     "nats_jetstream": {"type": "nats_jetstream", "subject": "cdc.{table_schema}.{table_name}", "stream": "CDC"},
     "redis_stream": {"type": "redis_stream", "stream_key": "cdc.{table_schema}.{table_name}"},
+    "rabbitmq": {"type": "rabbitmq", "exchange": "cdc", "routing_key": "cdc.{table_name}"},
 }
 """A valid ``destination:`` of each registered kind (a new kind adds its own here)."""
 
