@@ -6,9 +6,12 @@ needed). The stream tests compare the whole target with the source, row for row,
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import socket
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -17,12 +20,19 @@ import pytest
 
 from devtools.embedded_postgres import EmbeddedPostgres
 from devtools.stream_process import wait_for
+from sequin_provider import store
 from sequin_provider.config import ConfigError, load_config, parse_config
 from sequin_provider.exceptions import DeliveryError, DestinationError
 from sequin_provider.provisioning import initialize
 from sequin_provider.sinks.postgres_table import PostgresTableSink
+from tests.support.backfills import backfill
 from tests.support.config import write_config
+from tests.support.key_workload import KeyWorkload
 from tests.support.postgres import execute
+from tests.support.stream_app import cli
+from tests.support.tcp_proxy import TcpProxy
+from tests.support.type_matrix import INSERT as MATRIX_INSERT
+from tests.support.type_matrix import SETUP as MATRIX_SETUP
 
 CONFIG = """
 databases:
@@ -292,3 +302,124 @@ def test_prepare_refuses_a_wrong_password(dsn: str, dbname: str, tmp_path: Path)
     finally:
         cluster.stop()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+# --- through the stream app ------------------------------------------------------------------------
+
+STREAM_TABLES = {"kv_a": "id", "kv_b": "id", "lines": "order_id, line", "matrix": "id"}
+
+
+def stream_setup(dsn: str, target: str, seeded: int) -> None:
+    """The source's tables (``kv_a`` with ``seeded`` rows only a backfill delivers) and the target's types."""
+    execute(
+        dsn,
+        "CREATE TABLE kv_a (id int PRIMARY KEY, v int)",
+        "CREATE TABLE kv_b (id int PRIMARY KEY, v int)",
+        "CREATE TABLE lines (order_id int, line int, qty int, note text, PRIMARY KEY (order_id, line))",
+        *MATRIX_SETUP,
+        f"INSERT INTO kv_a SELECT g, 0 FROM generate_series(0, {seeded - 1}) g",
+    )
+    execute(target, *MATRIX_SETUP[:3])  # the enum and domains the matrix's columns are of
+
+
+def lines_and_matrix(dsn: str) -> None:
+    """Changes of the composite-key table and the type matrix (every kind of value, then updated)."""
+    execute(
+        dsn,
+        "INSERT INTO lines SELECT o, l, o * l, repeat('x', 3000 * (o % 2)) FROM generate_series(1, 20) o,"
+        " generate_series(1, 3) l",
+        "UPDATE lines SET qty = qty + 1 WHERE line = 2",  # unchanged TOAST: note is left out of the record
+        "DELETE FROM lines WHERE order_id % 5 = 0",
+        MATRIX_INSERT,
+        MATRIX_INSERT.replace("VALUES (1,", "VALUES (2,"),
+        "UPDATE matrix SET c0 = 1 WHERE id = 2",
+    )
+
+
+def test_three_tables_a_racing_backfill_truncates_and_a_sigkill_leave_the_mirror_equal_to_the_source(
+    dsn: str, dbname: str, target: str, tmp_path: Path, stream_app: Any
+) -> None:
+    seeded = 300
+    stream_setup(dsn, target, seeded)
+    config = write(tmp_path, dsn, dbname, target, ", ".join(STREAM_TABLES), create=True)
+    report = initialize(load_config(config))
+    assert {f"table mirror.{t} (from public.{t})" for t in STREAM_TABLES} <= set(report.created)
+    app = stream_app(config)
+    app.wait_streaming(dsn)
+    a = KeyWorkload(dsn, keys=400, seed=11, state=dict.fromkeys(range(seeded), 0), table="kv_a").start()
+    b = KeyWorkload(dsn, keys=100, seed=12, table="kv_b").start()
+    try:
+        lines_and_matrix(dsn)
+        created = backfill(dsn, config, "mirror", "public.kv_a")
+        backfill_run: dict[str, Any] = {}
+        runner = threading.Thread(
+            target=lambda: backfill_run.update(done=cli(config, "backfill", "run", str(created.id))), daemon=True
+        )
+        runner.start()  # the backfill races the writes
+        time.sleep(4)
+        execute(dsn, "TRUNCATE kv_b")
+        time.sleep(2)
+        app.kill()  # mid-run: batches in flight are delivered again by the restarted app
+        time.sleep(2)
+        execute(dsn, "TRUNCATE kv_b", "UPDATE lines SET qty = 0 WHERE order_id = 1")
+        app = stream_app(config)
+        app.wait_streaming(dsn)
+        time.sleep(4)
+        runner.join(600)
+        assert backfill_run["done"].returncode == 0, backfill_run["done"].stdout + backfill_run["done"].stderr
+    finally:
+        a.stop()
+        b.stop()
+    assert a.committed > 100 and b.committed > 100
+    wait_mirrored(dsn, target, STREAM_TABLES)
+    with psycopg.connect(dsn) as conn:
+        assert store.list_buffered(conn, "sequin", "mirror") == []
+
+
+def test_the_target_down_then_back_parks_and_the_retry_mirrors_the_source(
+    dsn: str, dbname: str, target: str, tmp_path: Path, stream_app: Any
+) -> None:
+    stream_setup(dsn, target, 0)
+    port = int(psycopg.conninfo.conninfo_to_dict(target).get("port") or 5432)
+    with TcpProxy(port) as proxy:
+        through = psycopg.conninfo.make_conninfo(target, host="127.0.0.1", port=proxy.port)
+        config = write(tmp_path, dsn, dbname, through, "kv_a, kv_b", create=True)
+        initialize(load_config(config))
+        app = stream_app(config)
+        app.wait_streaming(dsn)
+        rng = random.Random(5)
+
+        def some_writes(n: int) -> None:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                for _ in range(n):
+                    table, key = rng.choice(("kv_a", "kv_b")), rng.randrange(50)
+                    if rng.random() < 0.2:
+                        conn.execute(f"DELETE FROM {table} WHERE id = %s", (key,))
+                    else:
+                        conn.execute(
+                            f"INSERT INTO {table} VALUES (%s, %s) ON CONFLICT (id) DO UPDATE SET v = EXCLUDED.v",
+                            (key, rng.randrange(1000)),
+                        )
+
+        some_writes(200)
+        wait_mirrored(dsn, target, {"kv_a": "id", "kv_b": "id"})
+        proxy.down()
+        some_writes(200)
+        execute(dsn, "TRUNCATE kv_b")
+        some_writes(100)
+
+        def parked() -> list[Any]:
+            with psycopg.connect(dsn) as conn:
+                return store.list_buffered(conn, "sequin", "mirror")
+
+        held = wait_for(parked, 120, what="changes parked while the target is down")
+        assert any("postgres_table mirror" in (m.last_error or "") for m in held)
+        proxy.up()
+        some_writes(100)  # their groups wait behind the parked ones
+
+        def retried() -> bool:
+            done = cli(config, "buffer", "retry", "--sink", "mirror")
+            return "still parked 0" in done.stdout
+
+        wait_for(retried, 240, 1.0, what="the retry delivering every parked change")
+        wait_mirrored(dsn, target, {"kv_a": "id", "kv_b": "id"})
