@@ -192,8 +192,12 @@ class SequinConfig:
         return self.store.dsn or self.database(database).dsn
 
     def connections(self) -> dict[str, str]:
-        """``{conn_id: DSN}`` of the Airflow connections the file names (databases and store)."""
+        """``{conn_id: DSN}`` of the Airflow connections the file names (databases, store, and the
+        destinations whose options name one: ``conn_id`` and ``dsn`` attributes)."""
         named = [(db.conn_id, db.dsn) for db in self.databases] + [(self.store.conn_id, self.store.dsn)]
+        for sink in self.sinks:
+            options = sink.destination.options
+            named.append((getattr(options, "conn_id", None), getattr(options, "dsn", None)))
         return {conn_id: dsn for conn_id, dsn in named if conn_id is not None and dsn is not None}
 
     def tables_of(self, database: str) -> list[TableConfig]:

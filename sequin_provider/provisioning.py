@@ -54,7 +54,7 @@ def initialize(config: SequinConfig, database: str | None = None) -> InitReport:
             raise ReplicationError(f"database {db.name!r} is not ready for capture:\n  - " + "\n  - ".join(errors))
         report.warnings += _delete_warnings(config, db.name, infos)
         for sink in config.sinks_of(db.name):
-            report.created += sink.destination.kind.prepare(sink)  # DestinationError names the sink
+            report.created += sink.destination.kind.prepare_from_source(sink, conn)  # DestinationError names the sink
         version = server_version(conn)
         with psycopg.connect(config.store_dsn(db.name), connect_timeout=10) as store_conn:
             applied = store.migrate(store_conn, config.store.schema)

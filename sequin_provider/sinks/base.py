@@ -57,6 +57,10 @@ class OptionReader(Protocol):
     def duration(self, value: Any, path: str) -> float:
         """Seconds from ``15``, ``"15s"``, ``"500ms"``, ``"2m"``."""
 
+    def connection(self, value: dict[str, Any], path: str) -> tuple[str | None, str | None]:
+        """``(dsn, conn_id)`` of a mapping's ``dsn:`` or ``conn_id:`` (an Airflow connection, resolved
+        as the databases' and the store's are); ``(None, None)`` if it has neither."""
+
 
 class DestinationKind(ABC):
     """One kind of destination (``destination.type``): how its options are read, whether it is
@@ -108,6 +112,12 @@ class DestinationKind(ABC):
         init`` and the stream app's start; returns what it created, for the report. Raises
         ``exceptions.DestinationError`` (naming the sink) when it cannot be used. Nothing by default."""
         return []
+
+    def prepare_from_source(self, sink: SinkConfig, source: psycopg.Connection[Any]) -> list[str]:
+        """``prepare`` for ``sequin init``, which also hands over a connection to the sink's source
+        database (autocommit), for a kind that needs its catalog (a table mirror creating its target
+        from the source's columns). By default: ``prepare(sink)``."""
+        return self.prepare(sink)
 
     def health(self, sink: SinkConfig) -> str | None:
         """One line on the destination of ``sink`` for ``sequin status`` and the Airflow view

@@ -29,6 +29,11 @@ DESTINATION_EXAMPLES: dict[str, dict[str, Any]] = {
     "nats_jetstream": {"type": "nats_jetstream", "subject": "cdc.{table_schema}.{table_name}", "stream": "CDC"},
     "redis_stream": {"type": "redis_stream", "stream_key": "cdc.{table_schema}.{table_name}"},
     "rabbitmq": {"type": "rabbitmq", "exchange": "cdc", "routing_key": "cdc.{table_name}"},
+    "postgres_table": {
+        "type": "postgres_table",
+        "dsn": "postgresql://127.0.0.1/mirror",
+        "table": "mirror.{table_name}",
+    },
 }
 """A valid ``destination:`` of each registered kind (a new kind adds its own here)."""
 

@@ -1,0 +1,300 @@
+"""Postgres table sink: apply each change to a table of another Postgres database (docs/postgres_table.md).
+
+An insert, update or backfill ``read`` is an upsert by the target's primary key, a delete a delete, a
+TRUNCATE a TRUNCATE of the target; each ``send`` is one transaction. Nothing older ever lands over
+something newer: every target row keeps the position of the change it holds (``_sequin_lsn``,
+``_sequin_idx``) and an upsert only replaces an older row; a delete leaves a *tombstone* (its key and
+position in ``<schema>._sequin_tombstones``) so a replayed older insert cannot bring the row back, and
+a truncate leaves its position in ``<schema>._sequin_truncates`` so nothing from before it can. Replays
+(a restarted app, a retried batch) are therefore harmless, and the message keys are not needed.
+
+Within one request the changes of a row are collapsed to its last one (the earlier ones are overwritten
+anyway), so a request costs one set-based statement per target table and action: the rows go to the
+server as the messages' own JSON and Postgres converts each value with the target column's type
+(``json_to_record``: a json column keeps its text), never through Python floats.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+import psycopg
+
+from sequin_provider.config import SinkConfig
+from sequin_provider.exceptions import DeliveryError, DestinationError
+from sequin_provider.sinks.base import DestinationKind, OptionReader
+from sequin_provider.sinks.push import PushSink
+from sequin_provider.sinks.registry import register
+from sequin_provider.sinks.routing import Route, parse_route
+
+POSITION_COLUMNS = ("_sequin_lsn", "_sequin_idx")
+"""The hidden columns of a target row: the position of the change it holds."""
+TOMBSTONES = "_sequin_tombstones"
+"""Per target schema: (table_name, key, lsn, idx) of deleted rows, so an older insert stays deleted."""
+TRUNCATES = "_sequin_truncates"
+"""Per target schema: (table_name, lsn, idx) of the last truncate of each target table."""
+UPSERT_ACTIONS = ("insert", "update", "read")
+
+
+@dataclass(frozen=True)
+class PostgresTableOptions:
+    """A postgres_table destination's settings (docs/postgres_table.md)."""
+
+    dsn: str = field(repr=False)
+    table: Route
+    conn_id: str | None = None
+    columns: Mapping[str, str] = field(default_factory=dict)
+    create_table: bool = False
+    batch_size: int = 500
+    timeout: float = 30.0
+    concurrency: int = 2
+
+
+class PostgresTableKind(DestinationKind):
+    """``type: postgres_table``: pushed, each request one transaction of upserts and deletes."""
+
+    name = "postgres_table"
+    stored = False
+
+    def parse_options(self, reader: OptionReader, value: Mapping[str, Any], path: str) -> PostgresTableOptions:
+        """``dsn`` or ``conn_id``, ``table`` (a route), ``columns``, ``create_table``, ``batch_size``,
+        ``timeout``, ``concurrency``."""
+        allowed = {"dsn", "conn_id", "table", "columns", "create_table", "batch_size", "timeout", "concurrency"}
+        item = self.option_keys(reader, value, path, allowed, {"table"})
+        dsn, conn_id = reader.connection(item, path)
+        if dsn is None:
+            raise reader.fail(f"{path}.dsn", "is required (or conn_id)")
+        columns = item.get("columns") or {}
+        if not isinstance(columns, dict):
+            raise reader.fail(f"{path}.columns", "expected a mapping of source column to target column")
+        mapped = {
+            reader.string(k, f"{path}.columns"): reader.string(v, f"{path}.columns.{k}") for k, v in columns.items()
+        }
+        if len(set(mapped.values())) != len(mapped):
+            raise reader.fail(f"{path}.columns", "two source columns map onto the same target column")
+        if set(mapped.values()) & set(POSITION_COLUMNS) or set(mapped) & set(POSITION_COLUMNS):
+            raise reader.fail(f"{path}.columns", f"{', '.join(POSITION_COLUMNS)} are the sink's own columns")
+        return PostgresTableOptions(
+            dsn=dsn,
+            conn_id=conn_id,
+            table=parse_route(reader, item["table"], f"{path}.table"),
+            columns=mapped,
+            create_table=reader.boolean(item.get("create_table", False), f"{path}.create_table"),
+            batch_size=reader.integer(item.get("batch_size", 500), f"{path}.batch_size", 1, 10000),
+            timeout=reader.duration(item.get("timeout", 30), f"{path}.timeout"),
+            concurrency=reader.integer(item.get("concurrency", 2), f"{path}.concurrency", 1, 32),
+        )
+
+    def pusher(self, sink: SinkConfig) -> PostgresTableSink:
+        """A writer into the sink's target database."""
+        return PostgresTableSink(sink)
+
+    def prepare(self, sink: SinkConfig) -> list[str]:
+        """Connect, check (or create) the targets the route names for the sink's tables (without the
+        source's catalog: a missing target is an error)."""
+        return self._prepare(sink, None)
+
+    def prepare_from_source(self, sink: SinkConfig, source: psycopg.Connection[Any]) -> list[str]:
+        """``prepare`` with the source's catalog: ``create_table`` creates a missing target from the
+        source table's columns and key, and the target is checked to hold every source column."""
+        return self._prepare(sink, source)
+
+    def _prepare(self, sink: SinkConfig, source: psycopg.Connection[Any] | None) -> list[str]:
+        from sequin_provider.sinks import postgres_table_schema as schema
+
+        options: PostgresTableOptions = sink.destination.options
+        try:
+            with connect(options, sink.name, autocommit=True) as conn:
+                return schema.prepare_targets(conn, source, sink, options)
+        except (DeliveryError, schema.TargetError) as exc:
+            raise DestinationError(sink.name, str(exc)) from None
+        except psycopg.Error as exc:
+            raise DestinationError(sink.name, f"postgres_table: {_reason(exc)}") from None
+
+    def health(self, sink: SinkConfig) -> str | None:
+        """``ok`` when the target database answers and the targets the route names exist."""
+        from sequin_provider.sinks import postgres_table_schema as schema
+
+        options: PostgresTableOptions = sink.destination.options
+        try:
+            with connect(options, sink.name, autocommit=True, timeout=2.0) as conn:
+                targets = schema.fixed_targets(sink, options).values()
+                missing = [t for t in targets if schema.target_columns(conn, t) is None]
+        except DeliveryError as exc:
+            return str(exc)
+        except psycopg.Error as exc:
+            return f"postgres_table: {_reason(exc)}"
+        return f"missing table {', '.join(missing)}" if missing else "ok"
+
+
+def connect(
+    options: PostgresTableOptions, sink: str, autocommit: bool = False, timeout: float | None = None
+) -> psycopg.Connection[Any]:
+    """A connection to the target database, every wait bounded: the connect by ``timeout``, a
+    statement by the server's ``statement_timeout``, a dead peer by TCP keepalives and
+    ``tcp_user_timeout``. ``DeliveryError`` naming the sink when it cannot be had."""
+    seconds = options.timeout if timeout is None else timeout
+    millis = max(int(seconds * 1000), 1000)
+    try:
+        return psycopg.connect(
+            options.dsn,
+            autocommit=autocommit,
+            connect_timeout=max(int(seconds), 1),
+            keepalives=1,
+            keepalives_idle=5,
+            keepalives_interval=2,
+            keepalives_count=3,
+            tcp_user_timeout=millis,
+            options=f"-c statement_timeout={millis} -c lock_timeout={millis}",
+            application_name=f"sequin postgres_table {sink}",
+        )
+    except psycopg.Error as exc:
+        raise DeliveryError(f"postgres_table {sink}: cannot connect: {_reason(exc)}") from None
+
+
+def _reason(exc: BaseException) -> str:
+    """A one-line reason of a psycopg error."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}"[:500]
+
+
+@dataclass
+class _Change:
+    """One message of a request, parsed."""
+
+    index: int
+    action: str
+    target: str
+    position: tuple[int, int]
+    columns: frozenset[str] = frozenset()
+    key: tuple[str, ...] = ()
+    partial: bool = False
+    """An update that left unchanged TOAST columns out of its record (it sets only the others)."""
+
+
+class PostgresTableSink(PushSink):
+    """Applies one postgres_table sink's messages to its target tables; a connection per lane (pool)."""
+
+    def __init__(self, sink: SinkConfig) -> None:
+        from sequin_provider.sinks.postgres_table_schema import TargetCache
+
+        self.options: PostgresTableOptions = sink.destination.options
+        self.sink = sink.name
+        self.batch_size = self.options.batch_size
+        self.lanes = self.options.concurrency
+        self.targets = TargetCache(self.options.columns)
+        self._idle: queue.SimpleQueue[psycopg.Connection[Any]] = queue.SimpleQueue()
+
+    def send(self, messages: list[str], keys: list[str] | None = None) -> None:
+        """Apply ``messages`` (in order) in one transaction; ``DeliveryError`` unless all committed.
+        (Replays are harmless by position: ``keys`` are unused.)"""
+        conn = self._take()
+        ok = False
+        try:
+            with conn.transaction():
+                for segment in self._segments(conn, messages):
+                    self._apply(conn, segment, messages)
+        except DeliveryError:
+            self._give_back(conn)
+            raise
+        except psycopg.OperationalError as exc:  # the connection is gone or unusable
+            conn.close()
+            raise DeliveryError(f"postgres_table {self.sink}: {_reason(exc)}") from None
+        except psycopg.Error as exc:
+            self._give_back(conn)
+            raise DeliveryError(f"postgres_table {self.sink}: {_reason(exc)}") from None
+        except BaseException:
+            conn.close()
+            raise
+        else:
+            ok = True
+        finally:
+            if not ok:
+                self.targets.forget()  # the target may have been altered, or its creation rolled back
+        self._give_back(conn)
+
+    def _take(self) -> psycopg.Connection[Any]:
+        try:
+            return self._idle.get_nowait()
+        except queue.Empty:
+            return connect(self.options, self.sink)
+
+    def _give_back(self, conn: psycopg.Connection[Any]) -> None:
+        if conn.closed or conn.info.transaction_status != 0:  # not idle: do not reuse
+            conn.close()
+        else:
+            self._idle.put(conn)
+
+    def _segments(self, conn: psycopg.Connection[Any], messages: list[str]) -> Iterator[list[_Change]]:
+        """The messages as runs of changes that may be applied as sets (each row once, its last
+        change), split at each truncate and where a partial update (unchanged TOAST columns left out)
+        follows an earlier change of its row."""
+        current: dict[tuple[str, tuple[str, ...]], _Change] = {}
+        for i, text in enumerate(messages):
+            change = self._parse(conn, i, text)
+            if change.action == "truncate":
+                if current:
+                    yield list(current.values())
+                    current = {}
+                yield [change]
+                continue
+            slot = (change.target, change.key)
+            if slot in current and change.partial:
+                yield list(current.values())
+                current = {}
+            current.pop(slot, None)
+            current[slot] = change
+        if current:
+            yield list(current.values())
+
+    def _parse(self, conn: psycopg.Connection[Any], i: int, text: str) -> _Change:
+        try:
+            data = json.loads(text)
+            action, metadata, record = data["action"], data["metadata"], data["record"]
+            position = (int(metadata["commit_lsn"]), int(metadata["commit_idx"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise DeliveryError(
+                f"postgres_table {self.sink}: not a change message (needs action, record, metadata): {exc!r}"
+            ) from None
+        target = self.options.table.target(text)
+        if action == "truncate":
+            self.targets.get(conn, target, self.sink)
+            return _Change(i, action, target, position)
+        if action not in (*UPSERT_ACTIONS, "delete") or not isinstance(record, dict):
+            raise DeliveryError(f"postgres_table {self.sink}: cannot apply action {action!r}")
+        table = self.targets.get(conn, target, self.sink)
+        partial = bool(metadata.get("unchanged_toast_columns"))
+        return _Change(i, action, target, position, frozenset(record), table.key_of(record, self.sink), partial)
+
+    def _apply(self, conn: psycopg.Connection[Any], changes: list[_Change], messages: list[str]) -> None:
+        from sequin_provider.sinks import postgres_table_schema as schema
+
+        if changes[0].action == "truncate":
+            (change,) = changes
+            schema.truncate(conn, self.targets.get(conn, change.target, self.sink), change.position)
+            return
+        groups: dict[tuple[str, bool, frozenset[str]], list[int]] = {}
+        for c in changes:
+            delete = c.action == "delete"
+            groups.setdefault((c.target, delete, frozenset() if delete else c.columns), []).append(c.index)
+        for (target, delete, columns), indices in groups.items():
+            table = self.targets.get(conn, target, self.sink)
+            rows = "[" + ",".join(messages[i] for i in indices) + "]"
+            if delete:
+                schema.delete_rows(conn, table, rows, self.sink)
+            else:
+                schema.upsert_rows(conn, table, columns, rows, self.sink)
+
+    def close(self) -> None:
+        """Close the idle connections."""
+        while True:
+            try:
+                self._idle.get_nowait().close()
+            except queue.Empty:
+                return
+
+
+KIND = register(PostgresTableKind())
