@@ -14,7 +14,11 @@ import threading
 
 from sequin_provider.sinks.base import DestinationKind
 
-BUILTIN_MODULES = ("sequin_provider.sinks.sequin_stream", "sequin_provider.sinks.webhook")
+BUILTIN_MODULES = (
+    "sequin_provider.sinks.sequin_stream",
+    "sequin_provider.sinks.webhook",
+    "sequin_provider.sinks.iceberg",
+)
 """Modules that register the built-in destination kinds, in the order they are listed."""
 
 _KINDS: dict[str, DestinationKind] = {}
