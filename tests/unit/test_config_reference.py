@@ -26,6 +26,7 @@ UNKNOWN = "zz_not_a_key"
 DESTINATION_EXAMPLES: dict[str, dict[str, Any]] = {
     "sequin_stream": {"type": "sequin_stream"},
     "webhook": {"type": "webhook", "url": "http://127.0.0.1:9/hook"},
+    "iceberg": {"type": "iceberg", "catalog": {"uri": "sqlite:///catalog.db", "warehouse": "/tmp/lake"}},
 }
 """A valid ``destination:`` of each registered kind (a new kind adds its own here)."""
 

@@ -121,7 +121,7 @@ def test_a_registered_kind_is_parsed_into_its_typed_options(memory_kind: Destina
     assert sink.destination.options == MemoryListOptions("L", 2)
     assert sink.destination.kind is memory_kind and memory_kind.pushed and not memory_kind.stored
     assert kind("memory_list") is memory_kind
-    assert [k.name for k in kinds()] == ["sequin_stream", "webhook", "memory_list"]
+    assert [k.name for k in kinds()] == ["sequin_stream", "webhook", "iceberg", "memory_list"]
 
 
 @pytest.mark.parametrize(
@@ -141,9 +141,9 @@ def test_a_registered_kind_is_parsed_into_its_typed_options(memory_kind: Destina
         (
             {"type": "kafka"},
             "sinks[0].destination.type",
-            "unknown destination type 'kafka' (sequin_stream | webhook | memory_list)",
+            "unknown destination type 'kafka' (sequin_stream | webhook | iceberg | memory_list)",
         ),
-        ({"list_name": "L"}, "sinks[0].destination.type", "is required (sequin_stream | webhook | memory_list)"),
+        ({"list_name": "L"}, "sinks[0].destination.type", "is required (sequin_stream | webhook | iceberg | memory_list)"),
     ],
 )
 def test_bad_destinations_name_the_key_path(
@@ -155,7 +155,7 @@ def test_bad_destinations_name_the_key_path(
 
 
 def test_unregistered_the_kind_is_unknown() -> None:
-    with pytest.raises(ConfigError, match=r"unknown destination type 'memory_list' \(sequin_stream \| webhook\)$"):
+    with pytest.raises(ConfigError, match=r"unknown destination type 'memory_list' \(sequin_stream \| webhook \| iceberg\)$"):
         _config("postgresql:///x", {"type": "memory_list", "list_name": "L"})
 
 
