@@ -143,7 +143,11 @@ def test_a_registered_kind_is_parsed_into_its_typed_options(memory_kind: Destina
             "sinks[0].destination.type",
             "unknown destination type 'kafka' (sequin_stream | webhook | iceberg | memory_list)",
         ),
-        ({"list_name": "L"}, "sinks[0].destination.type", "is required (sequin_stream | webhook | iceberg | memory_list)"),
+        (
+            {"list_name": "L"},
+            "sinks[0].destination.type",
+            "is required (sequin_stream | webhook | iceberg | memory_list)",
+        ),
     ],
 )
 def test_bad_destinations_name_the_key_path(
@@ -155,7 +159,9 @@ def test_bad_destinations_name_the_key_path(
 
 
 def test_unregistered_the_kind_is_unknown() -> None:
-    with pytest.raises(ConfigError, match=r"unknown destination type 'memory_list' \(sequin_stream \| webhook \| iceberg\)$"):
+    with pytest.raises(
+        ConfigError, match=r"unknown destination type 'memory_list' \(sequin_stream \| webhook \| iceberg\)$"
+    ):
         _config("postgresql:///x", {"type": "memory_list", "list_name": "L"})
 
 
