@@ -87,7 +87,7 @@ def parse_message(text: str) -> Message:
         stamp = metadata.get("commit_timestamp")
         return Message(
             (int(metadata["commit_lsn"]), int(metadata["commit_idx"])),
-            top["action"][0],
+            top["action"][0] if "action" in top else "record",  # a record sink's message: the row's latest state
             metadata["idempotency_key"],
             metadata["table_schema"],
             metadata["table_name"],

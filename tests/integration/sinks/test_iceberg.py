@@ -311,6 +311,19 @@ def test_a_replayed_batch_commits_nothing_and_a_down_catalog_is_waited_for(
             assert kind.commit_batch(loaded, sink, later, store) == (3, 0)
             assert time.monotonic() - started >= 2.5
             assert table_state(config, "a") == (before[0] + (1 if mode == "changelog" else 2), "21:0")
+            if mode == "mirror":  # a value that does not fit its column: parked, and its group's next behind it
+                bad = _messages(dsn)
+                bad.commit_lsn[:] = [30, 30, 31]
+                bad.data[:] = [
+                    d.replace('"commit_lsn": 1', '"commit_lsn": 3').replace('"n": 1.5', '"n": "NaN"') for d in bad.data
+                ]
+                assert kind.commit_batch(loaded, sink, bad, store) == (1, 2)
+                assert table_state(config, "a")[1] == "30:1"  # id 2's insert went on
+                with psycopg.connect(dsn) as conn:
+                    parked = conn.execute(
+                        "SELECT commit_lsn, commit_idx, attempts FROM sequin.buffered_messages ORDER BY 1, 2"
+                    ).fetchall()
+                assert parked == [(30, 0, 1), (31, 0, 0)]
             store.close()
             kind.tables(sink, None).reset()
         # down past commit_timeout: the batch fails (Spark replays it when the app restarts)
