@@ -11,7 +11,10 @@ position order by one task, and what fails is parked (DESIGN §9): with ``payloa
 same tasks do it, each reading the batch's whole spool file and sending the groups that first
 appear in its own slice (``PushWriter.write_share``); otherwise each push sink gets one more job,
 the batch repartitioned by group and sorted by position. The batch completes, and the slot may
-advance, only after every partition has written, delivered or parked.
+advance, only after every partition has written, delivered or parked. A batched kind's sinks
+(``DestinationKind.batched``: Iceberg) are written last, on the driver: it collects each such sink's
+messages of the batch (``batch_outgoing``) and hands them to ``kind.commit_batch`` at once, so the
+kind can commit the batch as one transaction before the batch completes.
 """
 
 from __future__ import annotations
