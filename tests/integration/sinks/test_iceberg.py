@@ -173,7 +173,11 @@ def workload(dsn: str, rng: random.Random, steps: int, truncate: bool = False) -
                             (f"k{i % 7}", i, json.dumps({"s": step, "l": [1, None, "x"]})),
                         )
                     elif roll < 0.7:
-                        conn.execute("UPDATE a SET id = id + 1000 WHERE id = %s", (i,))  # a key change
+                        fresh = 1000 + step * 10 + rng.randint(0, 9) + rng.randint(0, 10**6) * 1000
+                        conn.execute(  # a key change (to a key not taken)
+                            "UPDATE a SET id = %s WHERE id = %s AND NOT EXISTS (SELECT FROM a WHERE id = %s)",
+                            (fresh, i, fresh),
+                        )
                     elif roll < 0.9:
                         conn.execute("DELETE FROM a WHERE id = %s", (i,))
                         conn.execute("DELETE FROM b WHERE id = %s", (i,))
