@@ -30,8 +30,10 @@ if TYPE_CHECKING:
 
     from sequin_provider.buffer import Render, RetryReport
     from sequin_provider.config import SequinConfig, SinkConfig
+    from sequin_provider.delivery import Outgoing
     from sequin_provider.exceptions import ConfigError
     from sequin_provider.sinks.push import PushSink
+    from sequin_provider.sinks.sequin_stream import SequinStreamSink
     from sequin_provider.sinks.stored import StoredSinkWriter, StreamTableWriter
 
 
@@ -73,10 +75,16 @@ class DestinationKind(ABC):
     Sequin Stream API serves them), written by the executors' COPY (``writer``). False: pushed from
     the executors (``pusher``)."""
 
+    batched: ClassVar[bool] = False
+    """True (a kind that is not stored): the driver hands the kind a sink's messages of each
+    micro-batch at once, in position order, after the batch's rows are known (``commit_batch``),
+    instead of the executors pushing them a request at a time: for a destination that takes a
+    batch as one transaction (Iceberg: one commit per micro-batch and table)."""
+
     @property
     def pushed(self) -> bool:
         """Whether the executors deliver this kind's messages (``pusher``), parking failures."""
-        return not self.stored
+        return not self.stored and not self.batched
 
     def option_keys(
         self,
@@ -124,6 +132,15 @@ class DestinationKind(ABC):
         (reachable, its stream/exchange/table present: ``"ok"`` or what is wrong), within a few
         seconds; None when the kind has nothing to check (the default)."""
         return None
+
+    def commit_batch(
+        self, config: SequinConfig, sink: SinkConfig, messages: Outgoing, store: SequinStreamSink
+    ) -> tuple[int, int]:
+        """A batched kind (``batched``): write ``messages``, the sink's messages of one micro-batch in
+        position order, durably before returning, parking in the buffer what it refuses (through
+        ``store``, the driver's store connection); returns (delivered, parked). Raising fails the batch (Spark replays it), so a
+        kind must make a replayed batch a no-op. Called by the driver once per micro-batch and sink."""
+        raise TypeError(f"destination type {self.name!r} is not batched")
 
     def pusher(self, sink: SinkConfig) -> PushSink:
         """The executor-side sender of a pushed sink's messages (``sinks.push.PushSink``)."""

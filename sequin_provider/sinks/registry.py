@@ -21,6 +21,7 @@ BUILTIN_MODULES = (
     "sequin_provider.sinks.redis_stream",
     "sequin_provider.sinks.rabbitmq",
     "sequin_provider.sinks.postgres_table",
+    "sequin_provider.sinks.iceberg",
 )
 """Modules that register the built-in destination kinds, in the order they are listed."""
 

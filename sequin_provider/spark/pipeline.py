@@ -11,7 +11,10 @@ position order by one task, and what fails is parked (DESIGN §9): with ``payloa
 same tasks do it, each reading the batch's whole spool file and sending the groups that first
 appear in its own slice (``PushWriter.write_share``); otherwise each push sink gets one more job,
 the batch repartitioned by group and sorted by position. The batch completes, and the slot may
-advance, only after every partition has written, delivered or parked.
+advance, only after every partition has written, delivered or parked. A batched kind's sinks
+(``DestinationKind.batched``: Iceberg) are written last, on the driver: it collects each such sink's
+messages of the batch (``batch_outgoing``) and hands them to ``kind.commit_batch`` at once, so the
+kind can commit the batch as one transaction before the batch completes.
 """
 
 from __future__ import annotations
@@ -223,6 +226,31 @@ class StreamWriter:
             },
             schema=WRITE_RESULT_SCHEMA,
         )
+
+
+def batch_outgoing(projected: DataFrame, i: int, sink: SinkConfig, database: str) -> Outgoing:
+    """Sink ``i``'s messages of a projected batch (``project_batch``), collected on the driver,
+    rendered and transformed as a push sink's (``message_render.outgoing``), in position order:
+    a ``payload=spool`` batch's slices are read from its spool file, a ``payload=full`` batch's
+    selected rows are collected."""
+    rendering = SinkRendering.of(sink, database)
+    if "spool_rows" in projected.columns:
+        parts = [
+            with_selections(changes, [rendering])
+            for slices in projected.toArrow().to_batches()
+            for changes in spool_slice_rows(slices)
+        ]
+        column = 0  # the one rendering's ``_select_0``
+    else:
+        wanted = [*RENDER_COLUMNS, f"_select_{i}"] + ([f"_group_{i}"] if f"_group_{i}" in projected.columns else [])
+        parts = projected.where(F.col(f"_select_{i}")).select(*wanted).toArrow().to_batches()
+        column = i
+    parts = [p for p in parts if p.num_rows]
+    if not parts:
+        return Outgoing()
+    table = pa.Table.from_batches(parts).sort_by([("commit_lsn", "ascending"), ("commit_idx", "ascending")])
+    batch = table.combine_chunks().to_batches()[0]
+    return outgoing(_rendered(batch, column, rendering), sink, load_transform(sink.transform))
 
 
 SHARE_KEY_COLUMNS = ["commit_lsn", "commit_idx", "table_schema", "table_name", "record_pks"]
@@ -437,6 +465,8 @@ class Pipeline:
         self.stream_sinks = [s.name for s in self.sinks if s.destination.kind.stored]
         self.push_sinks = [(i, s) for i, s in enumerate(self.sinks) if s.destination.kind.pushed]
         self._push = {s.name: push_partitions(config.source, self.database.name, s.name) for _, s in self.push_sinks}
+        self.batch_sinks = [(i, s) for i, s in enumerate(self.sinks) if s.destination.kind.batched]
+        """Sinks whose kind takes each micro-batch's messages at once on the driver (``DestinationKind.commit_batch``)."""
         self.payload = payload_mode(self.sinks)
         self._test_stall = os.environ.get(TEST_STALL_AFTER_STORE_ENV) or None  # read once: free when unset
 
@@ -473,7 +503,7 @@ class Pipeline:
             log.info(
                 "batch %d: push sinks %s delivered %d, parked %d",
                 batch_id,
-                ", ".join(s.name for _, s in self.push_sinks),
+                ", ".join(s.name for _, s in [*self.push_sinks, *self.batch_sinks]),
                 delivered,
                 parked,
             )
@@ -511,16 +541,40 @@ class Pipeline:
         job and of each push job."""
         # a spooled batch is one job: its tasks also send the push sinks' shares (StreamWriter.write)
         push_jobs = self.push_sinks if self.payload == "full" else []
-        if push_jobs:
+        reread = bool(push_jobs or (self.batch_sinks and self.payload == "full"))
+        if reread:
             projected = projected.persist()  # rendered once, read by the stream job and each push job
         try:
             results = projected.mapInArrow(self._write, WRITE_RESULT_DDL).toArrow()
             truncated = sorted(set(pc.list_flatten(results.column("truncated")).to_pylist())) if push_jobs else []
             pushed = [self._push_sink(projected, i, sink, truncated) for i, sink in push_jobs]
+            # batched kinds last: the driver has the whole batch's messages of the sink, written at once
+            pushed += [self._commit_batch(projected, i, sink) for i, sink in self.batch_sinks]
         finally:
-            if push_jobs:
+            if reread:
                 projected.unpersist()
         return results, pushed
+
+    def _commit_batch(self, projected: DataFrame, i: int, sink: SinkConfig) -> pa.Table:
+        """Hand a batched sink's messages of the batch (``batch_outgoing``) to its kind
+        (``DestinationKind.commit_batch``: durable, or parked, when it returns; raising fails the
+        batch); a one-row report as the tasks'."""
+        started = time.monotonic()
+        messages = batch_outgoing(projected, i, sink, self.database.name)
+        delivered, parked = sink.destination.kind.commit_batch(self.config, sink, messages, self._visibility)
+        return pa.Table.from_pydict(
+            {
+                "rows": [len(messages)],
+                "written": [0],
+                "max_lsn": [max(messages.commit_lsn, default=None)],
+                "store_seconds": [time.monotonic() - started],
+                "delivered": [delivered],
+                "parked": [parked],
+                "open_lsn": [None],
+                "truncated": [[]],
+            },
+            schema=WRITE_RESULT_SCHEMA,
+        )
 
     def _deliver_around_poison(self, df: DataFrame, batch_id: int, error: Exception) -> tuple[pa.Table, list[pa.Table]]:
         """The batch failed with ``error``: if sinks' filters fail on some of its changes

@@ -34,6 +34,7 @@ DESTINATION_EXAMPLES: dict[str, dict[str, Any]] = {
         "dsn": "postgresql://127.0.0.1/mirror",
         "table": "mirror.{table_name}",
     },
+    "iceberg": {"type": "iceberg", "catalog": {"uri": "sqlite:///catalog.db", "warehouse": "/tmp/lake"}},
 }
 """A valid ``destination:`` of each registered kind (a new kind adds its own here)."""
 
