@@ -341,6 +341,11 @@ def test_a_retry_resumes_the_backfill_its_earlier_try_started_and_others_are_sti
         AirflowFailException, match="an earlier try of this task started it with max_query_ms 5000 \\(now 100\\)"
     ):
         changed.execute(context)
+    narrowed = SequinBackfillOperator(
+        task_id="b", sink="items_sink", table="items", where="id > 5", application=str(env.app)
+    )
+    with pytest.raises(AirflowFailException, match="started it with where None \\(now 'id > 5'\\)"):
+        narrowed.execute(context)
     assert env.app_events() == [] and [b.id for b in env.backfills()] == [earlier.id]
     # the retry: same task instance, same request -> the same backfill goes to the app (which fails here)
     retry = SequinBackfillOperator(
