@@ -61,6 +61,13 @@ from sequin_provider.operators.backfill import SequinBackfillOperator
             title="Query timeout (ms)",
             description="Time budget of one page query; pages shrink when they hit it.",
         ),
+        "where": Param(
+            None,
+            type=["null", "string"],
+            title="Only rows where",
+            description="optional: an SQL condition over the table's columns, e.g. status = 'paid' AND "
+            "region = 'eu'; only matching rows are sent. Runs on the source (for operators). Empty: every row.",
+        ),
     },
 )
 def sequin_backfill() -> None:
@@ -72,6 +79,7 @@ def sequin_backfill() -> None:
         sort_column="{{ params.sort_column }}",
         start_position="{{ params.start_position }}",
         max_query_ms="{{ params.max_query_ms }}",
+        where="{{ params.where }}",
     )
 
 

@@ -155,7 +155,15 @@ def cmd_backfill_start(args: argparse.Namespace) -> int:
         store.migrate(conn, config.store.schema)
         conn.commit()
         backfill = create_backfill(
-            source, conn, config, args.sink, args.table, args.sort_column, args.start_position, args.max_query_ms
+            source,
+            conn,
+            config,
+            args.sink,
+            args.table,
+            args.sort_column,
+            args.start_position,
+            args.max_query_ms,
+            where=args.where,
         )
     print(
         f"backfill {backfill.id}: {backfill.kind} backfill of {backfill.table_schema}.{backfill.table_name} for sink "
@@ -254,7 +262,8 @@ def cmd_backfill_status(args: argparse.Namespace) -> int:
     for b in out:
         print(
             f"backfill {b.id} [{b.sink} {b.table_schema}.{b.table_name} {b.kind}"
-            f"{' from ' + b.sort_column + ' >= ' + repr(b.start_position) if b.sort_column else ''}]: {progress_line(b)}"
+            f"{' from ' + b.sort_column + ' >= ' + repr(b.start_position) if b.sort_column else ''}"
+            f"{' where ' + b.where if b.where else ''}]: {progress_line(b)}"
             f"{'; requested by ' + b.requested_by if b.requested_by else ''}"
         )
     return 0
@@ -490,6 +499,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sort-column", default=None, help="partial backfill: rows with sort column >= start position")
     p.add_argument("--start-position", default=None)
     p.add_argument("--max-query-ms", type=int, default=5000, help="time budget of one page query (1-600000)")
+    p.add_argument(
+        "--where",
+        default=None,
+        help="only the rows matching this SQL condition over the table's columns (run on the source; for operators)",
+    )
     p.add_argument("--no-run", action="store_true", help="only record it (pending)")
     _add_run_options(p)
     p.set_defaults(func=cmd_backfill_start)

@@ -5,6 +5,8 @@
   budget), the run and server locks, placement and ``follow_backfill``, ``progress_line``. Its
   public names are re-exported here (``from sequin_provider.backfill import create_backfill``).
 - ``reader``: reading a backfill's rows: key ranges, keyset pages, the page protocol (``RangeReader``).
+- ``row_filter``: a backfill's optional SQL condition (``--where``): checked lexically and by the
+  source before it is recorded, AND-ed in parentheses into every page.
 - ``source_sql``: a page rendered by the source's own SQL, byte for byte the decoder's record JSON.
 - ``watermarks``: the watermark window protocol between pages and the change stream.
 

@@ -17,6 +17,7 @@ import psycopg
 from psycopg import sql
 
 from sequin_provider import store
+from sequin_provider.backfill.row_filter import check_row_filter, row_filter_sql
 from sequin_provider.config import SequinConfig, TableConfig, UnknownSinkError
 from sequin_provider.replication import table_info
 from sequin_provider.session_lock import SessionLock
@@ -119,6 +120,7 @@ class BackfillPlan:
     start_position: str | None
     max_query_ms: int
     estimated_rows: int | None
+    where: str | None = None  # the SQL condition its rows match (``backfill.row_filter``)
 
 
 def plan_backfill(
@@ -129,11 +131,14 @@ def plan_backfill(
     sort_column: str | None = None,
     start_position: str | None = None,
     max_query_ms: int = DEFAULT_MAX_QUERY_MS,
+    where: str | None = None,
 ) -> BackfillPlan:
     """Check a backfill request against the config and the source catalog (DESIGN §2.6).
 
     A request with ``sort_column`` is partial: rows with ``sort_column >= start_position`` in
-    ``(sort_column, primary key)`` order. Raises ``BackfillError`` naming what is wrong.
+    ``(sort_column, primary key)`` order. ``where``: only the rows matching this SQL condition
+    (checked by the source: ``row_filter.check_row_filter``; empty: every row). Raises
+    ``BackfillError`` naming what is wrong.
     """
     try:
         sink = config.sink(sink_name)
@@ -178,6 +183,7 @@ def plan_backfill(
                 f"start position {start_position!r} is not a valid {sort_type} for {sort_column!r}: "
                 f"{str(exc).strip().splitlines()[0]}"
             ) from None
+    where = check_row_filter(source, sql.Identifier(table.schema, table.name), where)
     return BackfillPlan(
         sink.name,
         table,
@@ -187,7 +193,8 @@ def plan_backfill(
         sort_type,
         start_position,
         max_query_ms,
-        _estimate_rows(source, table, sort_column, sort_type, start_position),
+        _estimate_rows(source, table, sort_column, sort_type, start_position, where),
+        where,
     )
 
 
@@ -197,15 +204,23 @@ def _estimate_rows(
     sort_column: str | None,
     sort_type: str | None,
     start_position: str | None,
+    where: str | None = None,
 ) -> int | None:
     """The planner's row estimate (cheap on any table size), for progress and ETA."""
-    query = sql.SQL("EXPLAIN (FORMAT JSON) SELECT 1 FROM {}").format(sql.Identifier(table.schema, table.name))
-    params: tuple[Any, ...] = ()
+    conditions: list[sql.Composable] = []
     if sort_column is not None and sort_type is not None:
-        query = sql.SQL("{} WHERE {} >= CAST(%s AS {})").format(query, sql.Identifier(sort_column), sql.SQL(sort_type))
-        params = (start_position,)
+        conditions.append(
+            sql.SQL("{} >= CAST({} AS {})").format(
+                sql.Identifier(sort_column), sql.Literal(start_position), sql.SQL(sort_type)
+            )
+        )
+    if where is not None:
+        conditions.append(row_filter_sql(where))
+    query = sql.SQL("EXPLAIN (FORMAT JSON) SELECT 1 FROM {}").format(sql.Identifier(table.schema, table.name))
+    if conditions:  # no parameters: a condition's % is not a placeholder
+        query = sql.SQL("{} WHERE {}").format(query, sql.SQL(" AND ").join(conditions))
     try:
-        plan = source.execute(query, params).fetchone()[0]  # type: ignore[index]
+        plan = source.execute(query).fetchone()[0]  # type: ignore[index]
         return int(plan[0]["Plan"]["Plan Rows"])
     except (psycopg.Error, KeyError, IndexError, TypeError):
         return None
@@ -221,10 +236,12 @@ def create_backfill(
     start_position: str | None = None,
     max_query_ms: int = DEFAULT_MAX_QUERY_MS,
     requested_by: str | None = None,
+    where: str | None = None,
 ) -> store.Backfill:
     """Validate a backfill request and record it as pending (nothing is recorded when it is invalid);
-    ``requested_by`` names who asked (an Airflow task instance), so that its retry can find it."""
-    plan = plan_backfill(source, config, sink_name, table_name, sort_column, start_position, max_query_ms)
+    ``requested_by`` names who asked (an Airflow task instance), so that its retry can find it;
+    ``where``: only the rows matching this SQL condition (``plan_backfill``)."""
+    plan = plan_backfill(source, config, sink_name, table_name, sort_column, start_position, max_query_ms, where)
     return store.create_backfill(
         store_conn,
         config.store.schema,
@@ -237,6 +254,7 @@ def create_backfill(
         plan.max_query_ms,
         plan.estimated_rows,
         requested_by,
+        plan.where,
     )
 
 

@@ -30,6 +30,7 @@ from psycopg import sql
 
 from sequin_provider import store
 from sequin_provider.backfill.control import PageSizeOptimizer
+from sequin_provider.backfill.row_filter import row_filter_sql
 from sequin_provider.backfill.source_sql import record_sql, text_array_sql
 from sequin_provider.backfill.watermarks import HIGH_PREFIX, LOW_PREFIX, Watermark, page_reads, watermark_content
 from sequin_provider.config import SequinConfig, SinkConfig
@@ -151,6 +152,7 @@ class PageQuery:
     upper: list[str] | None
     sort_column: str | None = None
     start_position: str | None = None
+    where: str | None = None  # the backfill's row condition (``row_filter``), AND-ed in parentheses
 
     def sql(self, cursor: Sequence[str] | None, limit: int) -> sql.Composed:
         """``COPY (SELECT every column ... ORDER BY order LIMIT limit) TO STDOUT`` after ``cursor``."""
@@ -197,7 +199,7 @@ class PageQuery:
     def select(self, cursor: Sequence[str] | None, limit: int) -> sql.Composed:
         """``SELECT every column ... ORDER BY order LIMIT limit`` after ``cursor``."""
         shape = self.shape
-        where: list[sql.Composable] = []
+        where: list[sql.Composable] = [row_filter_sql(self.where)] if self.where is not None else []
         if self.sort_column is not None:
             where.append(
                 sql.SQL("{} >= CAST({} AS {})").format(
@@ -463,7 +465,15 @@ class RangeReader:
                 else "the decoder (Python)",
             )
             order = ((backfill.sort_column,) if backfill.sort_column else ()) + shape.primary_key
-            query = PageQuery(shape, order, rng.lower_key, rng.upper_key, backfill.sort_column, backfill.start_position)
+            query = PageQuery(
+                shape,
+                order,
+                rng.lower_key,
+                rng.upper_key,
+                backfill.sort_column,
+                backfill.start_position,
+                backfill.where,
+            )
             positions = [shape.columns.index(c) for c in order]
             optimizer = PageSizeOptimizer(
                 backfill.max_query_ms, initial_size=min(1000, self.max_page_rows), max_size=self.max_page_rows

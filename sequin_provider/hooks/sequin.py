@@ -288,8 +288,10 @@ class SequinHook(BaseHook):
         start_position: str | None,
         max_query_ms: int,
         requested_by: str | None = None,
+        where: str | None = None,
     ) -> store.Backfill:
-        """Validate a backfill against the source catalog and record it (nothing recorded if invalid):
+        """Validate a backfill against the source catalog and record it (nothing recorded if invalid;
+        ``where``: only the rows matching this SQL condition):
         ``BackfillError`` names what is wrong (``BackfillConflict``: the table already has an active
         one), ``StoreUnavailableError`` if the source or the store cannot be reached."""
         s = self.settings
@@ -298,7 +300,16 @@ class SequinHook(BaseHook):
                 store.migrate(conn, config.store.schema)
                 conn.commit()
                 return backfill_module.create_backfill(
-                    source, conn, config, sink, table, sort_column, start_position, max_query_ms, requested_by
+                    source,
+                    conn,
+                    config,
+                    sink,
+                    table,
+                    sort_column,
+                    start_position,
+                    max_query_ms,
+                    requested_by,
+                    where,
                 )
 
     def transition_backfill(self, backfill_id: int, state: str, reason: str | None = None) -> store.Backfill:

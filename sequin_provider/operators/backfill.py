@@ -66,6 +66,9 @@ class SequinBackfillOperator(BaseOperator):
     :param sort_column: partial backfills: the column to order and start by.
     :param start_position: partial backfills: the first value of ``sort_column`` (cast by Postgres).
     :param max_query_ms: time budget of one page query, 1-600000.
+    :param where: only the rows matching this SQL condition over the table's columns, e.g.
+        ``status = 'paid' AND region = 'eu'`` (checked by the source before anything is recorded;
+        empty: every row). It runs on the source with the backfill's credentials: for operators.
     :param sequin_conn_id: the ``sequin`` connection (source, store, config path).
     :param spark_conn_id: the Spark connection (master ``local[*]``, ``spark://...``, ``yarn``, ...).
     :param config_path: the ``sequin.yaml`` (default: the connection's ``config_path`` extra, else
@@ -94,6 +97,7 @@ class SequinBackfillOperator(BaseOperator):
         "sort_column",
         "start_position",
         "max_query_ms",
+        "where",
         "sequin_conn_id",
         "spark_conn_id",
         "config_path",
@@ -110,6 +114,7 @@ class SequinBackfillOperator(BaseOperator):
         sort_column: str | None = None,
         start_position: Any = None,
         max_query_ms: int | str = DEFAULT_MAX_QUERY_MS,
+        where: str | None = None,
         sequin_conn_id: str = SequinHook.default_conn_name,
         spark_conn_id: str = "spark_default",
         config_path: str | None = None,
@@ -133,6 +138,7 @@ class SequinBackfillOperator(BaseOperator):
         self.sort_column = sort_column
         self.start_position = start_position
         self.max_query_ms = max_query_ms
+        self.where = where
         self.sequin_conn_id = sequin_conn_id
         self.spark_conn_id = spark_conn_id
         self.config_path = config_path
@@ -183,6 +189,7 @@ class SequinBackfillOperator(BaseOperator):
             "sort_column": sort_column,
             "start_position": start_position,
             "max_query_ms": max_query_ms,
+            "where": optional_text(self.where),
         }
 
     def create(self, config: SequinConfig, request: dict[str, Any], requested_by: str | None = None) -> Backfill:
@@ -202,6 +209,7 @@ class SequinBackfillOperator(BaseOperator):
                 request["start_position"],
                 request["max_query_ms"],
                 requested_by,
+                request["where"],
             )
         except BackfillConflict as exc:
             return self._adopt(exc, request, requested_by)
@@ -218,6 +226,7 @@ class SequinBackfillOperator(BaseOperator):
             "sort_column": request["sort_column"],
             "start_position": request["start_position"],
             "max_query_ms": request["max_query_ms"],
+            "where": request["where"],
         }
         differs = [f"{k} {getattr(earlier, k)!r} (now {v!r})" for k, v in asked.items() if getattr(earlier, k) != v]
         if differs:
@@ -239,6 +248,7 @@ class SequinBackfillOperator(BaseOperator):
         backfill = self.create(config, request, task_instance_key(context))
         self.backfill_id = backfill.id
         where = f" from {backfill.sort_column} >= {backfill.start_position!r}" if backfill.sort_column else ""
+        where += f" where {backfill.where}" if backfill.where else ""
         self.log.info(
             "backfill %d: %s backfill of %s.%s for sink %r%s, about %s rows",
             backfill.id,

@@ -51,6 +51,7 @@ class Backfill:
     finished_at: Any
     updated_at: Any
     requested_by: str | None = None
+    where: str | None = None  # the SQL condition its rows match (None: every row)
 
 
 class BackfillConflict(BackfillError):
@@ -75,7 +76,7 @@ def _backfill_query(schema: str, where: str) -> sql.Composed:
     return sql.SQL(
         "SELECT id, sink, table_schema, table_name, kind, sort_column, start_position, max_query_ms, state,"
         " cursor, rows_initial, rows_processed, rows_emitted, error, created_at, started_at, finished_at,"
-        " updated_at, requested_by FROM {}.backfills " + where
+        " updated_at, requested_by, row_filter FROM {}.backfills " + where
     ).format(ident(schema))
 
 
@@ -96,8 +97,10 @@ def create_backfill(
     max_query_ms: int = 5000,
     rows_initial: int | None = None,
     requested_by: str | None = None,
+    where: str | None = None,
 ) -> Backfill:
-    """Record a pending backfill; at most one is active per (sink, table): ``BackfillConflict``."""
+    """Record a pending backfill; at most one is active per (sink, table): ``BackfillConflict``.
+    ``where``: the SQL condition its rows match (validated by ``backfill.plan_backfill``)."""
     if kind not in ("full", "partial"):
         raise BackfillError(f"kind must be 'full' or 'partial', got {kind!r}")
     if (kind == "partial") != (sort_column is not None):
@@ -109,7 +112,8 @@ def create_backfill(
             row = conn.execute(
                 sql.SQL(
                     "INSERT INTO {}.backfills (sink, table_schema, table_name, kind, sort_column, start_position,"
-                    " max_query_ms, rows_initial, requested_by) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING id"
+                    " max_query_ms, rows_initial, requested_by, row_filter) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+                    " RETURNING id"
                 ).format(ident(schema)),
                 (
                     sink,
@@ -121,6 +125,7 @@ def create_backfill(
                     max_query_ms,
                     rows_initial,
                     requested_by,
+                    where,
                 ),
             ).fetchone()
             conn.execute("SELECT pg_notify(%s, %s)", (BACKFILL_CHANNEL, schema))  # a backfill server wakes on commit

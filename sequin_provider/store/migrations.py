@@ -287,6 +287,15 @@ CREATE INDEX IF NOT EXISTS stream_acked_range ON {schema}.stream_acked (max_lsn,
 ALTER TABLE {schema}.stream_visibility ADD COLUMN IF NOT EXISTS passed_lsn bigint NOT NULL DEFAULT 0;
 """,
     ),
+    # A backfill may carry an SQL condition over its table's columns (docs/backfills.md: "Only the
+    # rows that match"): every page reads only the rows matching it. Null: every row.
+    (
+        14,
+        "backfills may carry a row condition",
+        """
+ALTER TABLE {schema}.backfills ADD COLUMN IF NOT EXISTS row_filter text;
+""",
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -81,14 +81,18 @@ def test_backfill_request_from_templates_normalises_values() -> None:
         sort_column="updated_at",
         start_position="2025-01-01",
         max_query_ms="250",
+        where="  status = 'paid'\n",
     )
+    assert "where" in SequinBackfillOperator.template_fields
     assert op.request() == {
         "sink": "s",
         "table": "t",
         "sort_column": "updated_at",
         "start_position": "2025-01-01",
         "max_query_ms": 250,
+        "where": "status = 'paid'",
     }  # kind inferred: partial
+    assert SequinBackfillOperator(task_id="b", sink="s", table="t", where="").request()["where"] is None
 
 
 def test_heartbeat_watch_judges_by_change_on_its_own_clock() -> None:

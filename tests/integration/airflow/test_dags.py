@@ -112,11 +112,12 @@ def test_dags_folder_imports_the_five_dags_with_their_schedules() -> None:
 def test_backfill_dag_form() -> None:
     dag = dagbag().dags["sequin_backfill"]
     params = {name: dag.params.get_param(name) for name in dag.params}
-    assert list(params) == ["sink", "table", "kind", "sort_column", "start_position", "max_query_ms"]
+    assert list(params) == ["sink", "table", "kind", "sort_column", "start_position", "max_query_ms", "where"]
     assert params["sink"].schema["type"] == params["table"].schema["type"] == "string"
     assert not params["sink"].has_value and not params["table"].has_value  # required in the form
     assert params["kind"].value == "full" and params["kind"].schema["enum"] == ["full", "partial"]
     assert params["sort_column"].value is None and params["start_position"].value is None
+    assert params["where"].value is None and params["where"].schema["type"] == ["null", "string"]  # optional
     assert (
         params["max_query_ms"].value,
         params["max_query_ms"].schema["minimum"],
@@ -190,10 +191,20 @@ def test_replay_renders_a_partial_backfill_from_the_data_interval() -> None:
         "sort_column": "updated_at",
         "start_position": "2025-03-01T00:00:00+00:00",
         "max_query_ms": 5000,
+        "where": None,
     }
     (manual,) = dagbag().dags["sequin_replay"].tasks  # no data interval, no start position: a clear error
     with pytest.raises(Exception, match="a partial backfill needs a sort column and a start position"):
         render(dag, manual, params={"sink": "s", "table": "t", "sort_column": "at", "start_position": None}).request()
+
+
+def test_backfill_form_condition_renders_into_the_request() -> None:
+    dag = dagbag().dags["sequin_backfill"]
+    (task,) = dag.tasks
+    params = {"sink": "s", "table": "t", "kind": "full", "sort_column": None, "start_position": None}
+    context = {"params": {**params, "max_query_ms": 5000, "where": "status = 'paid'"}}
+    task.render_template_fields(context, jinja_env=dag.get_template_env())  # the sink and table have no default
+    assert task.request()["where"] == "status = 'paid'"
 
 
 def test_monitoring_thresholds_render_into_the_triggers() -> None:

@@ -150,6 +150,10 @@ def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
             {"sink": "items_sink", "table": "items", "sort_column": "updated_at", "start_position": "yesterday-ish"},
             "start position 'yesterday-ish' is not a valid timestamp with time zone",
         ),
+        (
+            {"sink": "items_sink", "table": "items", "where": "colour = 'red'"},
+            'backfill condition "colour = \'red\'" is not valid on the source: column "colour" does not exist',
+        ),
     ],
 )
 def test_backfill_bad_input_fails_with_the_reason_and_records_nothing(
@@ -203,6 +207,12 @@ def recorded(env: Env, state: str = "pending", **kwargs: Any) -> tuple[SequinBac
         if state == "failed":
             store.transition_backfill(conn, "sequin", backfill.id, "failed", "page 3: QueryCanceled")
     return op, backfill
+
+
+def test_backfill_condition_reaches_the_recorded_backfill(env: Env) -> None:
+    _, backfill = recorded(env, where=" id <= 10 ")
+    assert backfill.where == "id <= 10" and backfill.kind == "full"
+    assert [b.where for b in env.backfills()] == ["id <= 10"]
 
 
 def test_after_run_completed_returns_the_backfill_id(env: Env) -> None:
@@ -331,6 +341,11 @@ def test_a_retry_resumes_the_backfill_its_earlier_try_started_and_others_are_sti
         AirflowFailException, match="an earlier try of this task started it with max_query_ms 5000 \\(now 100\\)"
     ):
         changed.execute(context)
+    narrowed = SequinBackfillOperator(
+        task_id="b", sink="items_sink", table="items", where="id > 5", application=str(env.app)
+    )
+    with pytest.raises(AirflowFailException, match="started it with where None \\(now 'id > 5'\\)"):
+        narrowed.execute(context)
     assert env.app_events() == [] and [b.id for b in env.backfills()] == [earlier.id]
     # the retry: same task instance, same request -> the same backfill goes to the app (which fails here)
     retry = SequinBackfillOperator(

@@ -56,6 +56,9 @@ SCHEMA = [
     "INSERT INTO killed SELECT g, 'row ' || g, g FROM generate_series(1, 150000) g",
     "CREATE TABLE resumed (id bigint PRIMARY KEY, name text NOT NULL)",
     "INSERT INTO resumed SELECT g, 'row ' || g FROM generate_series(1, 120000) g",
+    "CREATE TABLE paid (id int PRIMARY KEY, status text, region text)",
+    "INSERT INTO paid SELECT g, CASE WHEN g % 3 = 0 THEN 'paid' ELSE 'open' END,"
+    " CASE WHEN g % 4 = 0 THEN 'eu' ELSE 'us' END FROM generate_series(1, 20000) g",
     "ANALYZE",
 ]
 
@@ -77,6 +80,7 @@ sinks:
   - {{name: adapt_sink, tables: [adapt], destination: {{type: sequin_stream}}}}
   - {{name: killed_sink, tables: [killed], destination: {{type: sequin_stream}}}}
   - {{name: resumed_sink, tables: [resumed], destination: {{type: sequin_stream}}}}
+  - {{name: paid_sink, tables: [paid], destination: {{type: sequin_stream}}}}
 stream:
   checkpoint_location: {checkpoint}
 """
@@ -273,6 +277,31 @@ def test_partial_backfill_from_a_timestamp_skips_older_rows_and_nulls(
     assert status.returncode == 0, status.stderr
     assert f"backfill {backfill_id} [events_sink public.events partial from updated_at >= " in status.stdout
     assert f"completed, {len(expected):,}" in status.stdout and "rows/s" in status.stdout
+
+
+def test_a_backfill_with_a_condition_sends_exactly_the_matching_rows(
+    app_db: tuple[str, StreamApp, Path], spark: Any
+) -> None:
+    dsn, app, config = app_db
+    cli = [sys.executable, "-m", "sequin_provider.cli", "--config", str(config), "backfill"]
+    where = "status = 'paid' AND region = 'eu'"
+    started = subprocess.run(
+        [*cli, "start", "paid_sink", "paid", "--where", where, "--no-run"], capture_output=True, text=True, timeout=120
+    )
+    assert started.returncode == 0, started.stderr
+    backfill_id = int(started.stdout.split()[1].rstrip(":"))
+    final = run(spark, config, backfill_id)
+    assert (final.state, final.where) == ("completed", where), final.error
+    expected = [g for g in range(1, 20001) if g % 12 == 0]
+    assert final.rows_processed == len(expected)
+    reads = reads_of(dsn, "paid_sink")
+    assert sorted(m["record"]["id"] for m in reads) == expected  # exactly the matching rows, each once
+    assert all(m["record"]["status"] == "paid" and m["record"]["region"] == "eu" for m in reads)
+    with psycopg.connect(dsn) as conn:
+        assert len(store.backfill_ranges(conn, "sequin", backfill_id)) == 2  # the keyset ranges as without one
+    status = subprocess.run([*cli, "status", str(backfill_id)], capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert f"backfill {backfill_id} [paid_sink public.paid full where {where}]: completed" in status.stdout
 
 
 def test_composite_uuid_and_empty_tables(app_db: tuple[str, StreamApp, Path], spark: Any) -> None:
@@ -581,12 +610,19 @@ def test_bad_backfill_requests_fail_clearly_through_the_cli(app_db: tuple[str, S
             "is not a valid timestamp with time zone",
         ),
         (["start", "big_sink", "big", "--max-query-ms", "0", "--no-run"], "max_query_ms must be an integer between 1"),
+        (
+            ["start", "big_sink", "big", "--where", "colour = 'red'", "--no-run"],
+            'backfill condition "colour = \'red\'" is not valid on the source: column "colour" does not exist',
+        ),
+        (["start", "big_sink", "big", "--where", "n > 1; DROP TABLE big", "--no-run"], "';' is not allowed"),
         (["status", "999999"], "no backfill with id 999999"),
         (["cancel", "999999"], "no backfill with id 999999"),
     ]
     for args, message in cases:
         out = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and message in out.stderr, (args, out.stdout, out.stderr)
+    with psycopg.connect(dsn) as conn:  # a refused condition recorded nothing
+        assert all(b.where is None for b in store.list_backfills(conn, "sequin", "big_sink"))
     first = subprocess.run(
         [*cli, "start", "docs_sink", "docs", "--no-run"], capture_output=True, text=True, timeout=120
     )

@@ -84,6 +84,19 @@ def test_full_and_partial_requests_are_recorded(setup: tuple) -> None:
         (("orders", "orders", None, "2024-01-01"), "a start position needs a sort column"),
         (("orders", "orders", None, None, 0), "max_query_ms must be an integer between 1 and 600000"),
         (("orders", "orders", None, None, 600_001), "max_query_ms must be an integer between 1 and 600000"),
+        (
+            ("orders", "orders", None, None, 5000, None, "nope = 1"),
+            "backfill condition 'nope = 1' is not valid on the source: column \"nope\" does not exist",
+        ),
+        (
+            ("orders", "orders", None, None, 5000, None, "n = = 1"),
+            "backfill condition 'n = = 1' is not valid on the source: syntax error at or near \"=\"",
+        ),
+        (("orders", "orders", None, None, 5000, None, "n + 1"), "argument of WHERE must be type boolean"),
+        (("orders", "orders", None, None, 5000, None, "n > 1; DELETE FROM orders"), "';' is not allowed"),
+        (("orders", "orders", None, None, 5000, None, "n > 1) OR (true"), "unbalanced parentheses"),
+        (("orders", "orders", None, None, 5000, None, "n > 1 --"), "comments are not allowed"),
+        (("orders", "orders", None, None, 5000, None, "n = 'x"), "unterminated string"),
     ],
 )
 def test_bad_requests_are_clear_and_record_nothing(setup: tuple, args: tuple, message: str) -> None:
@@ -100,3 +113,25 @@ def test_second_active_backfill_for_the_same_sink_and_table(setup: tuple) -> Non
     with pytest.raises(BackfillError, match=f"backfill {first.id} \\(pending\\)"):
         backfill.create_backfill(conn, conn, config, "orders", "orders", "updated_at", "2024-01-01")
     assert len(store.list_backfills(conn, "sequin")) == 1
+
+
+def test_a_condition_is_checked_read_only_recorded_and_narrows_the_estimate(setup: tuple) -> None:
+    conn, config = setup
+    where = "  n % 2 = 0 AND (updated_at < '2024-01-11' OR n = 499) AND ';' <> '('  "
+    created = backfill.create_backfill(conn, conn, config, "orders", "orders", where=where)
+    assert created.where == where.strip() and created.kind == "full"
+    assert created.rows_initial is not None and created.rows_initial < 500  # the planner's estimate with it
+    assert store.get_backfill(conn, "sequin", created.id).where == where.strip()
+    store.transition_backfill(conn, "sequin", created.id, "cancelled")
+    # empty: every row, as without one
+    assert backfill.plan_backfill(conn, config, "orders", "orders", where="  ").where is None
+    # a partial backfill takes one too
+    plan = backfill.plan_backfill(
+        conn, config, "orders", "orders", "updated_at", "2024-01-11 00:00:00+00", where="n % 2 = 0"
+    )
+    assert (plan.kind, plan.where) == ("partial", "n % 2 = 0")
+    # the check's read-only transaction and timeout are rolled back: the session is as it was
+    assert conn.execute("SHOW transaction_read_only").fetchone() == ("off",)
+    assert conn.execute("SHOW statement_timeout").fetchone() == ("0",)
+    conn.execute("INSERT INTO other VALUES (1)")
+    conn.commit()
