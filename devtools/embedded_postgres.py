@@ -178,7 +178,9 @@ class EmbeddedPostgres:
         self.port = self.port or free_port()
         options = {
             "wal_level": self.wal_level,
-            "max_replication_slots": "64",
+            # one session cluster serves the whole suite: a slot per stream app and capture, and the
+            # slots of module-scoped databases live until the session ends (64 ran out at 600 tests)
+            "max_replication_slots": "256",
             "max_wal_senders": "64",
             "listen_addresses": "127.0.0.1",
             "port": str(self.port),
