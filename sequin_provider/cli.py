@@ -11,7 +11,7 @@ import psycopg
 
 from sequin_provider import store
 from sequin_provider.config import ConfigError, SequinConfig, load_config
-from sequin_provider.exceptions import DestinationError
+from sequin_provider.exceptions import DestinationError, ReplayError
 from sequin_provider.pgoutput import int_to_lsn
 from sequin_provider.replication import ReplicationError, slot_info
 from sequin_provider.store import BackfillError
@@ -356,6 +356,18 @@ def cmd_buffer_retry(args: argparse.Namespace) -> int:
     return 1 if any(r.still_parked for r in reports) else 0
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    """Replay retained changes from a changelog sink into a sink; exit 1 if some are still parked."""
+    from sequin_provider.replay import ReplayRequest, replay_changes
+
+    request = ReplayRequest(args.source, args.sink, tuple(args.table or ()), args.since, args.until, args.where)
+    result = replay_changes(_config(args), request, deliver=not args.no_deliver)
+    print(result.line())
+    for error in result.delivery.errors if result.delivery else []:
+        print(f"  {error}", file=sys.stderr)
+    return 1 if result.delivery is not None and result.delivery.still_parked else 0
+
+
 def cmd_buffer_list(args: argparse.Namespace) -> int:
     """List parked and discarded messages."""
 
@@ -490,6 +502,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_token_revoke)
     p = token.add_parser("list", help="list tokens")
     p.set_defaults(func=cmd_token_list)
+    p = sub.add_parser(
+        "replay",
+        help="deliver retained changes again: from a changelog sink into a sink, for a range and a condition",
+    )
+    p.add_argument("source", help="the changelog sink (postgres_table or iceberg, mode: changelog)")
+    p.add_argument("sink", help="the sink to deliver the changes to")
+    p.add_argument("--table", action="append", help="schema.table (repeatable; default: every table both sinks have)")
+    p.add_argument(
+        "--since", default=None, help="from this commit time (ISO 8601) or position (<lsn>:<idx>, 16/B374D848)"
+    )
+    p.add_argument("--until", default=None, help="before this commit time or position")
+    p.add_argument(
+        "--where",
+        default=None,
+        help="only the changes matching this SQL condition over the changelog's columns (record->>'status' = 'paid')",
+    )
+    p.add_argument("--no-deliver", action="store_true", help="only queue them (sequin buffer retry delivers them)")
+    p.set_defaults(func=cmd_replay)
     backfill = sub.add_parser("backfill", help="start, run, watch and cancel backfills").add_subparsers(
         dest="backfill_command", required=True
     )
@@ -536,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (ConfigError, ReplicationError, BackfillError, TokenError, DestinationError) as exc:
+    except (ConfigError, ReplicationError, BackfillError, TokenError, DestinationError, ReplayError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except psycopg.OperationalError as exc:

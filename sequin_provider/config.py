@@ -32,7 +32,7 @@ TRUNCATE_MODES = ("deliver", "skip")
 """A sink's ``truncate`` setting: a TRUNCATE of one of its tables is one message per table, or none."""
 IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]*$")
 ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 
 ConnResolver = Callable[[str], str]
 """``conn_id -> DSN``; raises ``LookupError`` (its text: what to do) when the connection does not exist."""
@@ -214,7 +214,7 @@ class SequinConfig:
 
 
 def parse_duration(value: Any) -> float:
-    """Seconds from ``15``, ``"15s"``, ``"500ms"``, ``"2m"``, ``"1h"``."""
+    """Seconds from ``15``, ``"15s"``, ``"500ms"``, ``"2m"``, ``"1h"``, ``"7d"``."""
     if isinstance(value, bool):
         raise ValueError("expected a duration like 15s, 500ms, 2m")
     if isinstance(value, (int, float)):
@@ -225,7 +225,7 @@ def parse_duration(value: Any) -> float:
     if not match:
         raise ValueError(f"{value!r} is not a duration (examples: 15s, 500ms, 2m)")
     number, unit = float(match.group(1)), match.group(2) or "s"
-    return number * {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[unit]
+    return number * {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}[unit]
 
 
 def substitute_env(text: str, environ: dict[str, str] | None = None) -> str:

@@ -100,3 +100,10 @@ class ConditionError(SequinError):
     def __init__(self, message: str, payload: dict[str, object] | None = None) -> None:
         super().__init__(message)
         self.payload = payload or {}
+
+
+class ReplayError(SequinError, ValueError):
+    """A replay of retained changes that cannot be made (its sinks, tables, range or condition), with
+    the reason."""
+
+    retryable = False

@@ -28,7 +28,7 @@ from sequin_provider.delivery import (
     message_kind,
     selected_actions,
 )
-from sequin_provider.messages import idempotency_key, json_text, metadata_head, metadata_tail
+from sequin_provider.messages import idempotency_key, json_text, metadata_head, metadata_tail, replay_key
 from sequin_provider.pgoutput import COMPILED, hot_path
 
 if TYPE_CHECKING:
@@ -150,15 +150,20 @@ def truncate_barriers(batch: pa.RecordBatch, sink: SinkRendering) -> pa.Array | 
     return pc.if_else(truncate, prefix, pa.scalar(None, pa.string()))
 
 
-def render(batch: pa.RecordBatch, sink: SinkRendering, group: pa.Array | None = None) -> RenderedRows:
+def render(
+    batch: pa.RecordBatch, sink: SinkRendering, group: pa.Array | None = None, replay_id: int | None = None
+) -> RenderedRows:
     """The stream rows of the change rows in ``batch`` (``messages.CHANGE_COLUMNS``, with
     ``record``/``changes`` JSON texts). ``group``: group ids computed elsewhere (custom group
-    columns); by default the table and primary key, or the position when the sink does not group."""
+    columns); by default the table and primary key, or the position when the sink does not group.
+    ``replay_id``: the changes are replayed (``replay``): each message's idempotency key is
+    ``replay:<id>:<lsn>:<idx>`` (``messages.replay_key``) and its metadata says ``"replay_id":<id>``."""
     lsn, idx = batch.column("commit_lsn"), batch.column("commit_idx")
     lsn_text, idx_text = pc.cast(lsn, pa.string()), pc.cast(idx, pa.string())
     position = pc.binary_join_element_wise(lsn_text, idx_text, ":")
     pks = json_string_arrays(batch.column("record_pks"))
-    key, key_json = position, pc.binary_join_element_wise('"', position, '"', "")
+    key = position if replay_id is None else pc.binary_join_element_wise(replay_key(replay_id, ""), position, "")
+    key_json = pc.binary_join_element_wise('"', key, '"', "")
     backfill = batch.column("backfill_id")
     if backfill.null_count < len(backfill):  # backfill reads: keyed by (backfill, primary key)
         keys, keys_json = key.to_pylist(), key_json.to_pylist()
@@ -198,6 +203,7 @@ def render(batch: pa.RecordBatch, sink: SinkRendering, group: pa.Array | None = 
             pks,
             sink.tail,
             toast_part,
+            "" if replay_id is None else f',"replay_id":{int(replay_id)}',
             "}",
         ]
         if sink.kind == "record":

@@ -82,6 +82,13 @@ def idempotency_key(
     return f"backfill:{backfill_id}:{json_text(list(record_pks or []))}"
 
 
+def replay_key(replay_id: int, position: str) -> str:
+    """The idempotency key of a change replayed by replay ``replay_id``: ``replay:<id>:<lsn>:<idx>``
+    (``position`` is ``"<lsn>:<idx>"``), so a sink that dedupes takes each replay once, and its
+    original message's key (the position) stays the original's."""
+    return f"replay:{int(replay_id)}:{position}"
+
+
 def sql_string(value: str) -> str:
     """A Spark SQL string literal."""
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"

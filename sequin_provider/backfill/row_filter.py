@@ -30,9 +30,10 @@ def _in_word(c: str) -> bool:
     return c.isalnum() or c in "_$"
 
 
-def normalize_row_filter(where: str | None) -> str | None:
+def normalize_row_filter(where: str | None, what: str = "backfill condition") -> str | None:
     """The condition stripped, None when empty; ``BackfillError`` when it is not one SQL expression
-    (a ``;``, a comment, unbalanced parentheses or an unterminated literal)."""
+    (a ``;``, a comment, unbalanced parentheses or an unterminated literal). ``what`` names the
+    condition in the error (a replay's is checked the same way)."""
     if where is None or not where.strip():
         return None
     text = where.strip()
@@ -45,8 +46,8 @@ def normalize_row_filter(where: str | None) -> str | None:
             j = i + 1
             while True:
                 if j >= len(text):
-                    what = "string" if c == "'" else "quoted identifier"
-                    raise BackfillError(f"backfill condition {where!r}: unterminated {what}")
+                    literal = "string" if c == "'" else "quoted identifier"
+                    raise BackfillError(f"{what} {where!r}: unterminated {literal}")
                 if escapes and text[j] == "\\":
                     j += 2
                     continue
@@ -61,22 +62,22 @@ def normalize_row_filter(where: str | None) -> str | None:
         if c == "$" and (tag := _DOLLAR_TAG.match(text, i)) is not None and not (i > 0 and _in_word(text[i - 1])):
             end = text.find(tag.group(0), tag.end())
             if end < 0:
-                raise BackfillError(f"backfill condition {where!r}: unterminated dollar-quoted string")
+                raise BackfillError(f"{what} {where!r}: unterminated dollar-quoted string")
             i = end + len(tag.group(0))
             continue
         if c == ";":
-            raise BackfillError(f"backfill condition {where!r}: ';' is not allowed (one condition, not statements)")
+            raise BackfillError(f"{what} {where!r}: ';' is not allowed (one condition, not statements)")
         if text.startswith("--", i) or text.startswith("/*", i):
-            raise BackfillError(f"backfill condition {where!r}: comments are not allowed")
+            raise BackfillError(f"{what} {where!r}: comments are not allowed")
         if c == "(":
             depth += 1
         elif c == ")":
             depth -= 1
             if depth < 0:
-                raise BackfillError(f"backfill condition {where!r}: unbalanced parentheses")
+                raise BackfillError(f"{what} {where!r}: unbalanced parentheses")
         i += 1
     if depth:
-        raise BackfillError(f"backfill condition {where!r}: unbalanced parentheses")
+        raise BackfillError(f"{what} {where!r}: unbalanced parentheses")
     return text
 
 

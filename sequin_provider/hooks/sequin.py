@@ -31,7 +31,7 @@ from airflow.sdk.exceptions import AirflowNotFoundException
 from psycopg.conninfo import make_conninfo
 
 from sequin_provider import backfill as backfill_module
-from sequin_provider import buffer, replication, store
+from sequin_provider import buffer, replay, replication, store
 from sequin_provider.exceptions import StoreUnavailableError
 from sequin_provider.supervision import StreamLock
 
@@ -342,6 +342,14 @@ class SequinHook(BaseHook):
 
         with store_errors("the store"):
             return retry_sinks(config, sink, workers)
+
+    def replay_changes(
+        self, config: SequinConfig, request: replay.ReplayRequest, workers: int = 8
+    ) -> replay.ReplayResult:
+        """Replay retained changes into a sink and run its delivery once (``replay.replay_changes``,
+        the function behind ``sequin replay``)."""
+        with store_errors("the store"):
+            return replay.replay_changes(config, request, workers=workers)
 
     # -- queries -----------------------------------------------------------------------------
 

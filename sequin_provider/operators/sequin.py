@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from sequin_provider.operators.backfill import SequinBackfillOperator
 from sequin_provider.operators.buffer import SequinBufferRetryOperator
+from sequin_provider.operators.replay import SequinReplayOperator
 from sequin_provider.operators.replication import SequinReplicationOperator
 
-__all__ = ["SequinBackfillOperator", "SequinBufferRetryOperator", "SequinReplicationOperator"]
+__all__ = ["SequinBackfillOperator", "SequinBufferRetryOperator", "SequinReplayOperator", "SequinReplicationOperator"]

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 from sequin_provider.buffer import retry_sink
 from sequin_provider.exceptions import DeliveryError, DestinationError
 from sequin_provider.sinks.base import DestinationKind, OptionReader
-from sequin_provider.sinks.iceberg_rows import CHANGELOG_COLUMNS, Message, RowShape, parse_message
+from sequin_provider.sinks.changelog import CHANGELOG_COLUMNS
+from sequin_provider.sinks.iceberg_rows import Message, RowShape, parse_message
 from sequin_provider.sinks.iceberg_tables import IcebergTables, TableBatch, open_catalog, retrying
 from sequin_provider.sinks.push import PushSink
 from sequin_provider.sinks.registry import register
@@ -62,6 +63,8 @@ class IcebergOptions:
     """(transform, column, width of bucket/truncate) per partition field."""
     create_table: bool = True
     commit_timeout: float = 300.0
+    retention: float | None = None
+    """A changelog's retention period in seconds (``sinks.changelog.Retention``); None keeps every row."""
 
     def identifier(self, table_schema: str, table_name: str) -> tuple[str, str]:
         """The Iceberg table (namespace, name) of a source table."""
@@ -148,8 +151,8 @@ class IcebergKind(DestinationKind):
 
     def parse_options(self, reader: OptionReader, value: Mapping[str, Any], path: str) -> IcebergOptions:
         """``catalog`` (``uri``, ``warehouse``, ``name``), ``namespace``, ``table``, ``mode``,
-        ``partition_by``, ``create_table``, ``commit_timeout``."""
-        keys = {"catalog", "namespace", "table", "mode", "partition_by", "create_table", "commit_timeout"}
+        ``partition_by``, ``create_table``, ``commit_timeout``, ``retention`` (a changelog's)."""
+        keys = {"catalog", "namespace", "table", "mode", "partition_by", "create_table", "commit_timeout", "retention"}
         item = self.option_keys(reader, value, path, keys, {"catalog"})
         catalog = reader.mapping(item["catalog"], f"{path}.catalog", {"uri", "warehouse", "name"}, {"uri", "warehouse"})
         uri = reader.string(catalog["uri"], f"{path}.catalog.uri")
@@ -178,6 +181,13 @@ class IcebergKind(DestinationKind):
                     f"{path}.partition_by[{n}]",
                     f"a changelog has no column {column!r} ({', '.join(CHANGELOG_COLUMNS)})",
                 )
+        retention = None
+        if item.get("retention") is not None:
+            if mode != "changelog":
+                raise reader.fail(f"{path}.retention", "only a changelog keeps changes for a period (mode: changelog)")
+            retention = reader.duration(item["retention"], f"{path}.retention")
+            if retention <= 0:
+                raise reader.fail(f"{path}.retention", "must be longer than 0s")
         return IcebergOptions(
             catalog_uri=uri,
             warehouse=warehouse,
@@ -188,6 +198,7 @@ class IcebergKind(DestinationKind):
             partition_by=partition_by,
             create_table=reader.boolean(item.get("create_table", True), f"{path}.create_table"),
             commit_timeout=reader.duration(item.get("commit_timeout", 300), f"{path}.commit_timeout"),
+            retention=retention,
         )
 
     def tables(self, sink: SinkConfig, source_dsn: str | None) -> IcebergTables:

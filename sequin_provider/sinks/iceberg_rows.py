@@ -103,21 +103,6 @@ def parse_message(text: str) -> Message:
         raise DeliveryError(f"iceberg: not a change message ({type(exc).__name__}: {exc})") from None
 
 
-CHANGELOG_COLUMNS = (
-    "commit_lsn",
-    "commit_idx",
-    "action",
-    "idempotency_key",
-    "table_schema",
-    "table_name",
-    "commit_timestamp",
-    "record_pks",
-    "record",
-    "changes",
-)
-"""A changelog table's columns: the position, what happened, and ``record``/``changes`` as JSON text."""
-
-
 def changelog_schema() -> Schema:
     """The changelog table's schema; its identifier is the position (unique per message)."""
     from pyiceberg.schema import Schema

@@ -14,9 +14,11 @@ import logging
 import time
 import warnings
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from sequin_provider.exceptions import DeliveryError
+from sequin_provider.sinks.changelog import Retention
 from sequin_provider.sinks.iceberg_rows import (
     Message,
     Position,
@@ -163,6 +165,7 @@ class IcebergTables:
         self.options = options
         self.source_dsn = source_dsn
         self._catalog = catalog
+        self._retention: dict[tuple[str, str], Retention] = {}
 
     @property
     def catalog(self) -> Catalog:
@@ -249,12 +252,26 @@ class IcebergTables:
             table = self.evolve(table, batch.source, messages)
         txn = table.transaction()
         if self.options.mode == "changelog":
+            self._prune(txn, batch.identifier, summary)
             txn.append(self._arrow(table, [changelog_row(m) for m in messages]), snapshot_properties=summary)
         else:
             self._apply_mirror(txn, table, messages, summary)
         txn.set_properties({POSITION_PROPERTY: position})
         txn.commit_transaction()
         return len(messages)
+
+    def _prune(self, txn: Any, identifier: tuple[str, str], summary: dict[str, str]) -> None:
+        """A changelog's rows older than its retention period deleted in the batch's transaction,
+        when a prune is due (``sinks.changelog.Retention``)."""
+        retention = self._retention.setdefault(identifier, Retention(self.options.retention))
+        if not retention.due():
+            return
+        from pyiceberg.expressions import LessThan
+
+        cutoff = datetime.now(timezone.utc) - timedelta(seconds=retention.seconds or 0)
+        with warnings.catch_warnings():  # nothing old enough yet: not worth a warning
+            warnings.filterwarnings("ignore", "Delete operation did not match any records")
+            txn.delete(LessThan("commit_timestamp", cutoff.isoformat()), snapshot_properties=summary)
 
     @staticmethod
     def _arrow(table: Table, rows: list[dict[str, Any]]) -> Any:

@@ -26,6 +26,7 @@ import psycopg
 from sequin_provider.config import SinkConfig
 from sequin_provider.exceptions import DeliveryError, DestinationError
 from sequin_provider.sinks.base import DestinationKind, OptionReader
+from sequin_provider.sinks.changelog import Retention
 from sequin_provider.sinks.push import PushSink
 from sequin_provider.sinks.registry import register
 from sequin_provider.sinks.routing import Route, parse_route
@@ -37,6 +38,7 @@ TOMBSTONES = "_sequin_tombstones"
 TRUNCATES = "_sequin_truncates"
 """Per target schema: (table_name, lsn, idx) of the last truncate of each target table."""
 UPSERT_ACTIONS = ("insert", "update", "read")
+MODES = ("mirror", "changelog")
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,10 @@ class PostgresTableOptions:
     batch_size: int = 500
     timeout: float = 30.0
     concurrency: int = 2
+    mode: str = "mirror"
+    """``mirror`` (apply each change to its row) or ``changelog`` (append each message: change retention)."""
+    retention: float | None = None
+    """A changelog's retention period in seconds (``sinks.changelog.Retention``); None keeps every row."""
 
 
 class PostgresTableKind(DestinationKind):
@@ -60,10 +66,20 @@ class PostgresTableKind(DestinationKind):
     stored = False
 
     def parse_options(self, reader: OptionReader, value: Mapping[str, Any], path: str) -> PostgresTableOptions:
-        """``dsn`` or ``conn_id``, ``table`` (a route), ``columns``, ``create_table``, ``batch_size``,
-        ``timeout``, ``concurrency``."""
-        allowed = {"dsn", "conn_id", "table", "columns", "create_table", "batch_size", "timeout", "concurrency"}
-        item = self.option_keys(reader, value, path, allowed, {"table"})
+        """``dsn`` or ``conn_id``, ``table`` (a route), ``mode``, ``columns``, ``create_table``,
+        ``batch_size``, ``timeout``, ``concurrency``, ``retention`` (a changelog's)."""
+        allowed = {"dsn", "conn_id", "table", "mode", "columns", "create_table", "batch_size", "timeout", "concurrency"}
+        item = self.option_keys(reader, value, path, allowed | {"retention"}, {"table"})
+        mode = reader.string(item.get("mode", "mirror"), f"{path}.mode")
+        if mode not in MODES:
+            raise reader.fail(f"{path}.mode", f"expected {' or '.join(MODES)}, got {mode!r}")
+        retention = None
+        if item.get("retention") is not None:
+            if mode != "changelog":
+                raise reader.fail(f"{path}.retention", "only a changelog keeps changes for a period (mode: changelog)")
+            retention = reader.duration(item["retention"], f"{path}.retention")
+            if retention <= 0:
+                raise reader.fail(f"{path}.retention", "must be longer than 0s")
         dsn, conn_id = reader.connection(item, path)
         if dsn is None:
             raise reader.fail(f"{path}.dsn", "is required (or conn_id)")
@@ -77,6 +93,8 @@ class PostgresTableKind(DestinationKind):
             raise reader.fail(f"{path}.columns", "two source columns map onto the same target column")
         if set(mapped.values()) & set(POSITION_COLUMNS) or set(mapped) & set(POSITION_COLUMNS):
             raise reader.fail(f"{path}.columns", f"{', '.join(POSITION_COLUMNS)} are the sink's own columns")
+        if mapped and mode == "changelog":
+            raise reader.fail(f"{path}.columns", "a changelog keeps whole records (columns maps a mirror's)")
         return PostgresTableOptions(
             dsn=dsn,
             conn_id=conn_id,
@@ -86,6 +104,8 @@ class PostgresTableKind(DestinationKind):
             batch_size=reader.integer(item.get("batch_size", 500), f"{path}.batch_size", 1, 10000),
             timeout=reader.duration(item.get("timeout", 30), f"{path}.timeout"),
             concurrency=reader.integer(item.get("concurrency", 2), f"{path}.concurrency", 1, 32),
+            mode=mode,
+            retention=retention,
         )
 
     def pusher(self, sink: SinkConfig) -> PostgresTableSink:
@@ -108,6 +128,8 @@ class PostgresTableKind(DestinationKind):
         options: PostgresTableOptions = sink.destination.options
         try:
             with connect(options, sink.name, autocommit=True) as conn:
+                if options.mode == "changelog":
+                    return _prepare_changelogs(conn, sink, options)
                 return schema.prepare_targets(conn, source, sink, options)
         except (DeliveryError, schema.TargetError) as exc:
             raise DestinationError(sink.name, str(exc)) from None
@@ -128,6 +150,25 @@ class PostgresTableKind(DestinationKind):
         except psycopg.Error as exc:
             return f"postgres_table: {_reason(exc)}"
         return f"missing table {', '.join(missing)}" if missing else "ok"
+
+
+def _prepare_changelogs(conn: psycopg.Connection[Any], sink: SinkConfig, options: PostgresTableOptions) -> list[str]:
+    """Each changelog table the route names for the sink's tables there with the changelog's columns,
+    or created with ``create_table``; returns what was created."""
+    from sequin_provider.sinks import postgres_changelog as changelog
+    from sequin_provider.sinks.postgres_table_schema import TargetError, fixed_targets
+
+    created = []
+    for name in sorted(set(fixed_targets(sink, options).values())):
+        found = changelog.is_changelog(conn, name)
+        if found is None and options.create_table:
+            changelog.create_changelog(conn, name)
+            created.append(f"changelog table {name}")
+        elif found is None:
+            raise TargetError(f"changelog table {name} does not exist (create_table is off)")
+        elif not found:
+            raise TargetError(f"table {name} is not a changelog (it lacks the changelog's columns)")
+    return created
 
 
 def connect(
@@ -186,6 +227,7 @@ class PostgresTableSink(PushSink):
         self.batch_size = self.options.batch_size
         self.lanes = self.options.concurrency
         self.targets = TargetCache(self.options.columns)
+        self.retention = Retention(self.options.retention)
         self._idle: queue.SimpleQueue[psycopg.Connection[Any]] = queue.SimpleQueue()
 
     def send(self, messages: list[str], keys: list[str] | None = None) -> None:
@@ -195,8 +237,11 @@ class PostgresTableSink(PushSink):
         ok = False
         try:
             with conn.transaction():
-                for segment in self._segments(conn, messages):
-                    self._apply(conn, segment, messages)
+                if self.options.mode == "changelog":
+                    self._append(conn, messages)
+                else:
+                    for segment in self._segments(conn, messages):
+                        self._apply(conn, segment, messages)
         except DeliveryError:
             self._give_back(conn)
             raise
@@ -215,6 +260,28 @@ class PostgresTableSink(PushSink):
             if not ok:
                 self.targets.forget()  # the target may have been altered, or its creation rolled back
         self._give_back(conn)
+
+    def _append(self, conn: psycopg.Connection[Any], messages: list[str]) -> None:
+        """A changelog's request: each message a row of the table its route names (created with
+        ``create_table``), and the rows past the retention period pruned when a prune is due."""
+        from sequin_provider.sinks import postgres_changelog as changelog
+
+        by_table: dict[str, list[str]] = {}
+        for text in messages:
+            by_table.setdefault(self.options.table.target(text), []).append(text)
+        for name, texts in by_table.items():
+            if name not in self.targets.changelogs:
+                found = changelog.is_changelog(conn, name)
+                if found is None and self.options.create_table:
+                    changelog.create_changelog(conn, name)
+                elif not found:
+                    what = "does not exist (create_table is off)" if found is None else "is not a changelog table"
+                    raise DeliveryError(f"postgres_table {self.sink}: changelog {name} {what}")
+                self.targets.changelogs.add(name)
+            changelog.append_messages(conn, name, texts)
+        if self.retention.seconds is not None and self.retention.due():
+            for name in self.targets.changelogs:
+                changelog.prune(conn, name, self.retention.seconds)
 
     def _take(self) -> psycopg.Connection[Any]:
         try:

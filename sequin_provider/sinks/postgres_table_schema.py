@@ -313,6 +313,8 @@ class TargetCache:
     def __init__(self, rename: Mapping[str, str]) -> None:
         self.rename = dict(rename)
         self._targets: dict[str, Target] = {}
+        self.changelogs: set[str] = set()
+        """A changelog's tables found (or created) with the changelog's columns."""
 
     def get(self, conn: psycopg.Connection[Any], name: str, sink: str) -> Target:
         """Target ``name``; ``DeliveryError`` if it is missing, has no key or no position columns."""
@@ -334,6 +336,7 @@ class TargetCache:
     def forget(self) -> None:
         """Read the catalog again next time (after an error: the target may have been altered)."""
         self._targets.clear()
+        self.changelogs.clear()
 
 
 def upsert_rows(conn: psycopg.Connection[Any], target: Target, columns: frozenset[str], rows: str, sink: str) -> None:

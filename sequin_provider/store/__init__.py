@@ -13,7 +13,8 @@ One module per concern, every public name re-exported here (``store.migrate``, `
   messages, ``FOR UPDATE SKIP LOCKED``; the pending counter; ack, nack, release; a sink's counts);
 - ``tokens``: the pull API's tokens (their hashes);
 - ``buffer``: the buffer of parked messages (parking, parked heads and barriers, due groups,
-  attempts, listing, counts, discarding and requeueing).
+  attempts, listing, counts, discarding and requeueing);
+- ``replays``: the replays of retained changes (``sequin_provider.replay``).
 
 Every query on the store's tables is here. ``sequin_provider.stream_queue`` (how much a receive
 reads and claims, ack ids, token rules) and ``sequin_provider.buffer`` (the retry: backoff, giving
@@ -89,6 +90,7 @@ from sequin_provider.store.migrations import (
     migrate,
     schema_version,
 )
+from sequin_provider.store.replays import Replay, create_replay, list_replays, record_replay_queued
 from sequin_provider.store.status import STATUS_FIELDS, read_status, update_status
 from sequin_provider.store.stream import (
     COPY_TEXT_ESCAPES,
@@ -124,6 +126,10 @@ from sequin_provider.store.stream_queue import (
 from sequin_provider.store.tokens import add_api_token, api_token_active, list_api_tokens, revoke_api_token
 
 __all__ = [
+    "Replay",
+    "create_replay",
+    "list_replays",
+    "record_replay_queued",
     "ACTIVE_BACKFILL_STATES",
     "BACKFILL_CHANNEL",
     "BACKFILL_TRANSITIONS",

@@ -296,6 +296,27 @@ ALTER TABLE {schema}.stream_visibility ADD COLUMN IF NOT EXISTS passed_lsn bigin
 ALTER TABLE {schema}.backfills ADD COLUMN IF NOT EXISTS row_filter text;
 """,
     ),
+    # A replay of retained changes into a sink (docs/replays.md): its id marks its messages
+    # (``replay_id``, ``replay:<id>:…`` keys); ``position`` is where it sits in the target's order.
+    (
+        15,
+        "replays of retained changes",
+        """
+CREATE TABLE IF NOT EXISTS {schema}.replays (
+    id          bigserial   PRIMARY KEY,
+    source_sink text        NOT NULL,
+    sink        text        NOT NULL,
+    tables      text[]      NOT NULL,
+    since       text,
+    until       text,
+    row_filter  text,
+    position    bigint,
+    messages    integer,
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    queued_at   timestamptz
+);
+""",
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -127,6 +127,7 @@ def test_provider_info_declares_the_operators() -> None:
     assert set(operators.__all__) == {
         "SequinBackfillOperator",
         "SequinBufferRetryOperator",
+        "SequinReplayOperator",
         "SequinReplicationOperator",
     }
 

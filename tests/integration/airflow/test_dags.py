@@ -31,6 +31,7 @@ from devtools.embedded_postgres import EmbeddedPostgres
 from sequin_provider import store
 from sequin_provider.operators.backfill import SequinBackfillOperator
 from sequin_provider.operators.buffer import SequinBufferRetryOperator
+from sequin_provider.operators.replay import SequinReplayOperator
 from sequin_provider.operators.replication import SequinReplicationOperator
 from sequin_provider.sensors.sequin import ParkedMessagesSensor, ReplicationSlotLagSensor, StreamHeartbeatSensor
 from tests.support.airflow import Webhook, sequin_connection
@@ -134,8 +135,10 @@ def test_backfill_dag_form() -> None:
 
 def test_scheduled_dags_use_the_provider_operators_and_sensors() -> None:
     bag = dagbag()
-    (replay,) = bag.dags["sequin_replay"].tasks
+    tasks = bag.dags["sequin_replay"].task_dict
+    replay, changes = tasks["replay"], tasks["replay_changes"]
     assert isinstance(replay, SequinBackfillOperator) and replay.kind == "partial"
+    assert isinstance(changes, SequinReplayOperator) and set(tasks["mode"].downstream_task_ids) == set(tasks) - {"mode"}
     assert "data_interval_start" in replay.start_position
     (supervisor,) = bag.dags["sequin_replication"].tasks
     assert isinstance(supervisor, SequinReplicationOperator) and supervisor.on_failure_callback
@@ -178,7 +181,7 @@ def test_replay_renders_a_partial_backfill_from_the_data_interval() -> None:
     from datetime import datetime, timezone
 
     dag = dagbag().dags["sequin_replay"]
-    (task,) = dag.tasks
+    task = dag.task_dict["replay"]
     render(
         dag,
         task,
@@ -193,9 +196,32 @@ def test_replay_renders_a_partial_backfill_from_the_data_interval() -> None:
         "max_query_ms": 5000,
         "where": None,
     }
-    (manual,) = dagbag().dags["sequin_replay"].tasks  # no data interval, no start position: a clear error
+    manual = dagbag().dags["sequin_replay"].task_dict["replay"]  # no data interval, no start position: a clear error
     with pytest.raises(Exception, match="a partial backfill needs a sort column and a start position"):
         render(dag, manual, params={"sink": "s", "table": "t", "sort_column": "at", "start_position": None}).request()
+
+
+def test_replay_in_changes_mode_renders_the_data_interval_as_the_range() -> None:
+    from datetime import datetime, timezone
+
+    dag = dagbag().dags["sequin_replay"]
+    task = render(
+        dag,
+        dag.task_dict["replay_changes"],
+        params={**{name: dag.params[name] for name in dag.params}, "mode": "changes", "where": "action = 'delete'"},
+        data_interval_start=datetime(2025, 3, 1, tzinfo=timezone.utc),
+        data_interval_end=datetime(2025, 3, 2, tzinfo=timezone.utc),
+    )
+    assert (task.source, task.sink, task.tables, task.since, task.until, task.where) == (
+        "changes",
+        "orders",
+        "public.orders",
+        "2025-03-01T00:00:00+00:00",
+        "2025-03-02T00:00:00+00:00",
+        "action = 'delete'",
+    )
+    with pytest.raises(Exception, match="sideways"):
+        dag.params.get_param("mode").resolve("sideways")
 
 
 def test_backfill_form_condition_renders_into_the_request() -> None:

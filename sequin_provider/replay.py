@@ -1,0 +1,402 @@
+"""Replays of retained changes: the changes a changelog sink kept, for a time or position range and an
+optional SQL condition, delivered again to any sink (``sequin replay``, the ``sequin_replay`` DAG's
+changes mode; docs/replays.md).
+
+A changelog (``sinks.changelog``: a ``postgres_table`` or ``iceberg`` sink in ``mode: changelog``) holds
+every message of its sink with its position. A replay reads the rows in range from it, ordered by
+position, keeps those matching its condition (SQL over the changelog's columns, run by Postgres: the
+changelog's own database, or for an Iceberg changelog the store's, into which the rows in range are
+copied first), renders each for the target sink (its message kind, consumer and tables; its transform)
+and queues them in the target's buffer, where they are delivered as parked messages are: in position
+order within each group, parallel across groups, with the retry's backoff and ``max_retry_count``, by
+``sequin buffer retry`` (which the replay runs once at the end) and the ``sequin_retry`` DAG.
+
+Where it sits in the sink's order: the replay writes a logical message (``sequin:replay``) into the WAL
+of the target's database and its messages take that position (``commit_lsn`` of the mark, indexes 1…n
+in the changelog's order) in the buffer. A change of the same group committed before the mark is
+delivered before them; one committed after waits behind them, as behind any parked message. So the
+per-group order of what a consumer receives is the order of these positions.
+
+How a consumer tells a replayed message apart: its metadata has ``"replay_id": <id>`` and its
+idempotency key is ``replay:<id>:<lsn>:<idx>``; ``commit_lsn``, ``commit_idx`` and ``commit_timestamp``
+stay the original change's. A sink that dedupes (Redis, JetStream, RabbitMQ ids) takes each replay
+once; a Postgres mirror applies nothing older than what it holds. An Iceberg mirror is refused: its
+retry applies a message whatever the table holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Sequence
+
+import psycopg
+from psycopg import sql
+
+from sequin_provider import store
+from sequin_provider.backfill.row_filter import normalize_row_filter, row_filter_sql
+from sequin_provider.buffer import RetryReport
+from sequin_provider.config import SequinConfig, SinkConfig
+from sequin_provider.exceptions import BackfillError, ReplayError
+from sequin_provider.sinks.changelog import CHANGELOG_COLUMNS
+
+log = logging.getLogger(__name__)
+
+REPLAY_PREFIX = "sequin:replay"
+"""The prefix of the logical message that marks a replay's position in its sink's order."""
+CHANGELOG_KINDS = ("postgres_table", "iceberg")
+TIMESTAMP_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
+"""A message's ``commit_timestamp`` (``pgoutput``'s rendering), rebuilt from the changelog's timestamptz."""
+QUEUE_CHUNK = 5_000
+_LSN = re.compile(r"^([0-9A-Fa-f]{1,8})/([0-9A-Fa-f]{1,8})$")
+_POSITION = re.compile(r"^(\d+)(?::(\d+))?$")
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One end of a replay's range: a commit time, or a position (``commit_lsn``, ``commit_idx``)."""
+
+    text: str
+    timestamp: datetime | None = None
+    position: tuple[int, int] | None = None
+
+
+def parse_bound(text: str, what: str) -> Bound:
+    """A range end from ``2026-11-26T10:00:00Z`` (ISO 8601; without a zone, UTC), ``<lsn>:<idx>``
+    or ``<lsn>`` (integers, as messages carry them) or ``16/B374D848`` (Postgres' LSN notation)."""
+    value = text.strip()
+    lsn = _LSN.match(value)
+    if lsn:
+        return Bound(value, position=((int(lsn.group(1), 16) << 32) + int(lsn.group(2), 16), 0))
+    position = _POSITION.match(value)
+    if position:
+        return Bound(value, position=(int(position.group(1)), int(position.group(2) or 0)))
+    try:
+        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise ReplayError(
+            f"{what} {text!r}: expected a time (2026-11-26T10:00:00Z) or a position (<lsn>:<idx> or 16/B374D848)"
+        ) from None
+    return Bound(value, timestamp=moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc))
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    """What to replay: from changelog sink ``source`` into sink ``sink``, the changes of ``tables``
+    (``schema.table``; empty: every table both sinks have) committed in [``since``, ``until``)
+    (either may be open) that match ``where``."""
+
+    source: str
+    sink: str
+    tables: tuple[str, ...] = ()
+    since: str | None = None
+    until: str | None = None
+    where: str | None = None
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    """A checked request: the two sinks, the tables, the range and the condition."""
+
+    source: SinkConfig
+    sink: SinkConfig
+    tables: tuple[tuple[str, str], ...]
+    since: Bound | None
+    until: Bound | None
+    where: str | None
+
+
+@dataclass
+class ReplayResult:
+    """What a replay did: its record, how many messages it queued, and the delivery run's report."""
+
+    replay: store.Replay
+    queued: int
+    delivery: RetryReport | None = None
+
+    def line(self) -> str:
+        """One line for the CLI and the Airflow log."""
+        text = f"replay {self.replay.id}: {self.queued} changes from {self.replay.source_sink} queued for sink {self.replay.sink}"
+        if self.delivery is not None:
+            text += f"; {self.delivery.line()}"
+        return text
+
+
+def plan_replay(config: SequinConfig, request: ReplayRequest) -> ReplayPlan:
+    """Check a request against the config: ``ReplayError`` naming what is wrong."""
+    for name in (request.source, request.sink):
+        if not config.has_sink(name):
+            raise ReplayError(f"no sink named {name!r}")
+    source, sink = config.sink(request.source), config.sink(request.sink)
+    options = source.destination.options
+    if source.destination.kind.name not in CHANGELOG_KINDS or getattr(options, "mode", None) != "changelog":
+        raise ReplayError(
+            f"sink {source.name!r} keeps no changelog: replays read a postgres_table or iceberg sink with mode: changelog"
+        )
+    if sink.name == source.name:
+        raise ReplayError(f"sink {sink.name!r} cannot replay into itself")
+    if sink.destination.kind.name == "iceberg" and getattr(sink.destination.options, "mode", None) == "mirror":
+        raise ReplayError(
+            f"sink {sink.name!r} is an Iceberg mirror: it would apply old changes over newer rows (rebuild it with a backfill)"
+        )
+    kept = {(t.schema, t.name) for t in source.tables}
+    served = {(t.schema, t.name): t for t in sink.tables}
+    if request.tables:
+        tables = []
+        for name in request.tables:
+            schema, dot, table = name.partition(".")
+            key = (schema, table) if dot else ("public", schema)
+            for sinks, which in ((kept, source.name), (served, sink.name)):
+                if key not in sinks:
+                    raise ReplayError(f"table {key[0]}.{key[1]} is not one of sink {which!r}'s tables")
+            tables.append(key)
+    else:
+        tables = sorted(kept & set(served))
+        if not tables:
+            raise ReplayError(f"sinks {source.name!r} and {sink.name!r} have no table in common")
+    for key in tables:
+        if sink.message_grouping and served[key].group_column_names:
+            raise ReplayError(
+                f"sink {sink.name!r} groups {key[0]}.{key[1]} by group_column_names: replays group by primary key only"
+            )
+    try:
+        where = normalize_row_filter(request.where, "replay condition")
+    except BackfillError as exc:
+        raise ReplayError(str(exc)) from None
+    since = parse_bound(request.since, "since") if request.since else None
+    until = parse_bound(request.until, "until") if request.until else None
+    return ReplayPlan(source, sink, tuple(tables), since, until, where)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the changelog
+
+
+def _select(table: sql.Composable, plan: ReplayPlan) -> tuple[sql.Composed, list[Any]]:
+    """The query of a changelog table's rows in the plan's range, tables and condition, in position
+    order, as change rows (``messages.CHANGE_COLUMNS`` up to ``record_pks``)."""
+    terms = [
+        sql.SQL("(table_schema, table_name) IN ({})").format(
+            sql.SQL(", ").join(sql.SQL("(%s, %s)") for _ in plan.tables)
+        )
+    ]
+    params: list[Any] = [v for key in plan.tables for v in key]
+    for bound, op in ((plan.since, ">="), (plan.until, "<")):
+        if bound is None:
+            continue
+        if bound.position is not None:
+            terms.append(sql.SQL("(commit_lsn, commit_idx) " + op + " (%s, %s)"))
+            params += list(bound.position)
+        else:
+            terms.append(sql.SQL("commit_timestamp " + op + " %s"))
+            params.append(bound.timestamp)
+    if plan.where:
+        terms.append(row_filter_sql(plan.where))
+    query = sql.SQL(
+        "SELECT commit_lsn, commit_idx,"
+        " to_char(commit_timestamp AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'),"
+        " table_schema, table_name, action, record::text, changes::text, record_pks"
+        " FROM {} WHERE {} ORDER BY commit_lsn, commit_idx"
+    ).format(table, sql.SQL(" AND ").join(terms))
+    return query, params
+
+
+def _query(conn: psycopg.Connection[Any], table: sql.Composable, plan: ReplayPlan) -> list[tuple[Any, ...]]:
+    query, params = _select(table, plan)
+    try:
+        with conn.transaction():
+            conn.execute("SET LOCAL transaction_read_only = on")
+            return conn.execute(query, params).fetchall()
+    except psycopg.Error as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ReplayError(f"reading changelog of sink {plan.source.name!r}: {reason}") from None
+
+
+def postgres_changelog_rows(plan: ReplayPlan) -> list[tuple[Any, ...]]:
+    """The rows of a ``postgres_table`` changelog (its tables the route names), in position order."""
+    from sequin_provider.sinks.postgres_table import connect
+    from sequin_provider.sinks.postgres_table_schema import fixed_targets, split_name
+
+    options = plan.source.destination.options
+    names = sorted(set(fixed_targets(plan.source, options).values()))
+    if not names:
+        raise ReplayError(f"sink {plan.source.name!r}: its table route names no fixed changelog table to read")
+    rows: list[tuple[Any, ...]] = []
+    try:
+        with connect(options, plan.source.name, autocommit=True, timeout=max(options.timeout, 60)) as conn:
+            for name in names:
+                rows += _query(conn, sql.Identifier(*split_name(name)), plan)
+    except psycopg.Error as exc:
+        raise ReplayError(f"sink {plan.source.name!r}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - DeliveryError of connect: the changelog's database is unreachable
+        if isinstance(exc, ReplayError):
+            raise
+        raise ReplayError(str(exc)) from None
+    rows.sort(key=lambda r: (r[0], r[1]))
+    return rows
+
+
+def iceberg_changelog_rows(config: SequinConfig, plan: ReplayPlan) -> list[tuple[Any, ...]]:
+    """The rows of an Iceberg changelog: the range and tables pushed down into the scan, then the
+    condition run by the store's Postgres over the rows copied into a temporary table."""
+    from pyiceberg.exceptions import NoSuchTableError
+    from pyiceberg.expressions import AlwaysTrue, And, EqualTo, GreaterThanOrEqual, LessThan, LessThanOrEqual, Or
+
+    from sequin_provider.sinks.iceberg_tables import open_catalog
+
+    options = plan.source.destination.options
+    row_filter: Any = AlwaysTrue()
+    for bound, since in ((plan.since, True), (plan.until, False)):
+        if bound is None:
+            continue
+        if bound.timestamp is not None:
+            term = GreaterThanOrEqual if since else LessThan
+            row_filter = And(row_filter, term("commit_timestamp", bound.timestamp.isoformat()))
+        elif bound.position is not None:  # the LSN only: the exact (lsn, idx) bound is the SQL's
+            term = GreaterThanOrEqual if since else LessThanOrEqual
+            row_filter = And(row_filter, term("commit_lsn", bound.position[0]))
+    tables = [And(EqualTo("table_schema", s), EqualTo("table_name", t)) for s, t in plan.tables]
+    row_filter = And(row_filter, tables[0] if len(tables) == 1 else Or(*tables))
+    try:
+        catalog = open_catalog(options, timeout=10)
+    except Exception as exc:  # noqa: BLE001
+        raise ReplayError(f"sink {plan.source.name!r}: iceberg catalog: {type(exc).__name__}: {exc}") from None
+    import pyarrow as pa
+
+    parts = []
+    try:
+        for identifier in sorted({options.identifier(s, t) for s, t in plan.tables}):
+            try:
+                table = catalog.load_table(identifier)
+            except NoSuchTableError:
+                continue
+            parts.append(table.scan(row_filter=row_filter, selected_fields=CHANGELOG_COLUMNS).to_arrow())
+    finally:
+        getattr(catalog, "engine", None) and catalog.engine.dispose()  # type: ignore[attr-defined]
+    if not parts:
+        return []
+    scanned = pa.concat_tables(parts)
+    with psycopg.connect(config.store_dsn(plan.sink.database), connect_timeout=10) as conn:
+        conn.execute(
+            "CREATE TEMP TABLE replay_changelog (commit_lsn bigint, commit_idx integer, action text,"
+            " idempotency_key text, table_schema text, table_name text, commit_timestamp timestamptz,"
+            " record_pks text[], record json, changes json) ON COMMIT DROP"
+        )
+        columns = sql.SQL(", ").join(map(sql.Identifier, CHANGELOG_COLUMNS))
+        with conn.cursor().copy(sql.SQL("COPY replay_changelog ({}) FROM STDIN").format(columns)) as copy:
+            for row in scanned.select(list(CHANGELOG_COLUMNS)).to_pylist():
+                copy.write_row([row[c] for c in CHANGELOG_COLUMNS])
+        query, params = _select(sql.Identifier("replay_changelog"), plan)
+        try:
+            return conn.execute(query, params).fetchall()
+        except psycopg.Error as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ReplayError(f"reading changelog of sink {plan.source.name!r}: {reason}") from None
+
+
+def changelog_rows(config: SequinConfig, plan: ReplayPlan) -> list[tuple[Any, ...]]:
+    """The plan's changes from its changelog, in position order."""
+    if plan.source.destination.kind.name == "iceberg":
+        return iceberg_changelog_rows(config, plan)
+    return postgres_changelog_rows(plan)
+
+
+# ---------------------------------------------------------------------------------------------
+# Queueing and delivering
+
+
+def replay_mark(config: SequinConfig, sink: SinkConfig, replay_id: int) -> int:
+    """Write the replay's mark into the WAL of ``sink``'s database; returns its LSN (the position of
+    the replay's messages in the sink's order)."""
+    try:
+        with psycopg.connect(config.database(sink.database).dsn, autocommit=True, connect_timeout=10) as conn:
+            row = conn.execute(
+                "SELECT (pg_logical_emit_message(false, %s, %s) - '0/0'::pg_lsn)::bigint",
+                (REPLAY_PREFIX, str(replay_id)),
+            ).fetchone()
+    except psycopg.Error as exc:
+        raise ReplayError(f"cannot mark the replay in database {sink.database!r}: {exc}") from None
+    assert row is not None
+    return int(row[0])
+
+
+def park_rows(
+    plan: ReplayPlan, replay_id: int, mark: int, rows: Sequence[tuple[Any, ...]], first: int = 1
+) -> list[store.ParkRow]:
+    """The replay's messages for its sink, as buffer rows at ``(mark, first…)``: rendered with the
+    sink's message kind and consumer, marked (``replay_id``, ``replay:`` keys), then transformed (a
+    failed transform keeps the message untransformed with its error, as the stream parks one)."""
+    from sequin_provider import message_render
+    from sequin_provider.delivery import TransformError, apply_transform, load_transform
+    from sequin_provider.messages import rows_to_arrow
+
+    changes = [(r[0], r[1], r[2], 0, r[3], r[4], r[5], r[6], r[7], list(r[8] or []), [], None, None) for r in rows]
+    rendering = message_render.SinkRendering.of(plan.sink, plan.source.database)
+    rendered = message_render.render(rows_to_arrow(changes), rendering, replay_id=replay_id)
+    transform = load_transform(plan.sink.transform)
+    groups, keys = rendered.group_id.to_pylist(), rendered.idempotency_key.to_pylist()
+    barriers = rendered.barrier.to_pylist() if rendered.barrier is not None else [None] * len(rows)
+    out = []
+    for n, message in enumerate(rendered.data.to_pylist()):
+        data, source, error = message, None, f"replay {replay_id}: queued for delivery"
+        if transform is not None:
+            try:
+                data = apply_transform(plan.sink, transform, message)
+            except TransformError as exc:
+                data, source, error = None, message, f"replay {replay_id}: {exc}"
+        out.append(
+            store.ParkRow(plan.sink.name, mark, first + n, groups[n], keys[n], data, source, 0, error, 0.0, barriers[n])
+        )
+    return out
+
+
+def queue_replay(config: SequinConfig, request: ReplayRequest) -> ReplayResult:
+    """Check, record and queue a replay (its messages in its sink's buffer, in one transaction);
+    returns its result without delivering (``replay_changes`` delivers)."""
+    plan = plan_replay(config, request)
+    rows = changelog_rows(config, plan)
+    schema = config.store.schema
+    with psycopg.connect(config.store_dsn(plan.sink.database), connect_timeout=10) as conn:
+        store.migrate(conn, schema)
+        replay = store.create_replay(
+            conn,
+            schema,
+            plan.source.name,
+            plan.sink.name,
+            [f"{s}.{t}" for s, t in plan.tables],
+            plan.since.text if plan.since else None,
+            plan.until.text if plan.until else None,
+            plan.where,
+        )
+        conn.commit()
+        mark = replay_mark(config, plan.sink, replay.id)
+        with conn.transaction():
+            for start in range(0, len(rows), QUEUE_CHUNK):
+                parked = park_rows(plan, replay.id, mark, rows[start : start + QUEUE_CHUNK], start + 1)
+                store.park_messages(conn, schema, parked)
+            store.record_replay_queued(conn, schema, replay.id, mark, len(rows))
+        replay = next(r for r in store.list_replays(conn, schema, 50) if r.id == replay.id)
+    log.info(
+        "replay %d: %d changes of %s queued for sink %s at %d",
+        replay.id,
+        len(rows),
+        plan.source.name,
+        plan.sink.name,
+        mark,
+    )
+    return ReplayResult(replay, len(rows))
+
+
+def replay_changes(
+    config: SequinConfig, request: ReplayRequest, deliver: bool = True, workers: int = 8
+) -> ReplayResult:
+    """Queue a replay and, with ``deliver``, run its sink's retry once (what fails stays parked, for the
+    next ``sequin buffer retry`` or ``sequin_retry`` run)."""
+    result = queue_replay(config, request)
+    if deliver and result.queued:
+        from sequin_provider.sinks.retry import retry_sinks
+
+        (result.delivery,) = retry_sinks(config, result.replay.sink, workers)
+    return result
