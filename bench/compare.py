@@ -13,7 +13,11 @@ running at a time (so none steals the others' CPU):
   commit time at a steady ``--rate``;
   - a backfill of ``--backfill-rows`` rows beside COPY of the same table (the read limit), as a
     one-off app and with a backfill server up (``sequin backfill serve``);
-  - the Sequin Stream pull API, 4 consumers, batch_size 100, receive + ack.
+  - the Sequin Stream pull API, 4 consumers, batch_size 100, receive + ack;
+  - each destination (``--destinations``): its benchmark script (``bench/<name>_throughput.py``: the
+    stream app into the destination with the same workload after a warm-up, beside the destination's
+    own limit with its native client), run once each after the other sections, set beside this run's
+    Sequin Stream sink figure.
 Each figure is the median of ``--runs`` runs, with min and max. Writes bench/results/compare.json
 and bench/results/compare.md. Not a test: no thresholds.
 """
@@ -568,6 +572,54 @@ def pull_api_section(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {"pull_4x100": figure(rates)}
 
 
+DESTINATIONS = ("redis_stream", "nats_jetstream", "rabbitmq", "postgres_table", "iceberg")
+
+
+def destinations_section(args: argparse.Namespace) -> dict[str, Any]:
+    """Each destination benchmark once (``bench/destination_results``), its failure reported, not fatal."""
+    from bench.destination_results import load
+
+    found: dict[str, Any] = {}
+    for name in args.destinations:
+        command = [
+            sys.executable,
+            str(ROOT / "bench" / f"{name}_throughput.py"),
+            "--changes",
+            str(args.changes),
+            "--warmup",
+            str(min(args.changes, 20_000)),
+        ]
+        print(f"bench: destination {name}: {' '.join(command[1:])}", flush=True)
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"bench: destination {name} failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}", flush=True)
+            found[name] = {"name": name, "error": (done.stderr or done.stdout).strip().splitlines()[-1:]}
+            continue
+        found[name] = load(name)
+        print(f"bench: destination {name}: {found[name]['end_to_end']:,.0f} changes/s end to end", flush=True)
+    return found
+
+
+def destinations_markdown(results: dict[str, Any]) -> list[str]:
+    """The destinations' table: each beside this run's Sequin Stream sink and its own limit."""
+    stream = next(r for r in results["stream"] if r["name"].startswith("this project -> Sequin Stream"))
+    reference = stream["throughput"]["median"]
+    lines = [
+        "",
+        "| destination (one run each) | changes/s end to end | vs Sequin Stream sink | its own limit | vs limit |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, r in results["destinations"].items():
+        if "error" in r:
+            lines.append(f"| {name} | failed: {' '.join(r['error'])} | | | |")
+            continue
+        lines.append(
+            f"| {name} | {r['end_to_end']:,.0f} | {r['end_to_end'] / reference:.2f} | {r['limit']:,.0f}"
+            f" ({r['limit_label']}) | {r['end_to_end'] / r['limit']:.2f} |"
+        )
+    return lines
+
+
 def fmt(f: dict[str, Any], unit: str = "") -> str:
     return f"{f['median']:,.0f}{unit} ({f['min']:,.0f}–{f['max']:,.0f})"
 
@@ -635,6 +687,8 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
         "|---|---:|",
         f"| 4 consumers, batch_size 100, receive + ack over HTTP | {fmt(results['api']['pull_4x100'])} |",
     ]
+    if results.get("destinations"):
+        lines += destinations_markdown(results)
     return "\n".join(lines)
 
 
@@ -656,9 +710,18 @@ def main() -> int:
         help="the stream section's store: a database of the source's cluster (default), or a"
         " cluster of its own, whose WAL the source's walsender then does not read",
     )
+    parser.add_argument(
+        "--destinations",
+        default=",".join(DESTINATIONS),
+        help="comma-separated destination benchmarks to run after the other sections ('none': none)",
+    )
     add_pg_setting_argument(parser)
     add_touch_memory_argument(parser)
     args = parser.parse_args()
+    args.destinations = [d for d in args.destinations.split(",") if d and d != "none"]
+    unknown = set(args.destinations) - set(DESTINATIONS)
+    if unknown:
+        parser.error(f"unknown destinations {sorted(unknown)} (known: {', '.join(DESTINATIONS)})")
     if args.runs < 1 or args.changes < 1000:
         parser.error("--runs must be >= 1 and --changes >= 1000")
     work = Path(tempfile.mkdtemp(prefix="sequin-compare-"))
@@ -675,6 +738,8 @@ def main() -> int:
             results["backfill"] = backfill_section(args, work)
         if "api" in sections:
             results["api"] = pull_api_section(args, work)
+        if args.destinations and (not args.only or "stream" in sections):
+            results["destinations"] = destinations_section(args)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     previous.write_text(json.dumps(results, indent=2))

@@ -25,6 +25,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.destination_results import record  # noqa: E402
 from bench.stream_throughput import ROW, TABLE, write_workload  # noqa: E402
 from devtools.embedded_postgres import EmbeddedPostgres  # noqa: E402
 from devtools.stream_process import StreamAppProcess, wait_for  # noqa: E402
@@ -34,8 +35,9 @@ from sequin_provider.sinks.iceberg_rows import changelog_schema  # noqa: E402
 from sequin_provider.sinks.iceberg_tables import open_catalog  # noqa: E402
 
 
-def stream_run(pg: EmbeddedPostgres, work: Path, mode: str, changes: int) -> tuple[float, int]:
-    """Changes/s of the stream app into an Iceberg sink of ``mode``, and the table's snapshots."""
+def stream_run(pg: EmbeddedPostgres, work: Path, mode: str, changes: int, warmup: int = 0) -> tuple[float, int]:
+    """Changes/s of the stream app into an Iceberg sink of ``mode`` (after ``warmup`` changes not
+    measured), and the table's snapshots."""
     dsn = pg.create_database(f"bench_{mode}")
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(TABLE)
@@ -59,24 +61,33 @@ stream: {{checkpoint_location: {work / f"ckpt_{mode}"}}}
     app = StreamAppProcess(config_path, work / f"{mode}.log").start()
     try:
         app.wait_streaming(dsn)
-        started, _ = write_workload(dsn, changes, 1)
-        with psycopg.connect(dsn, autocommit=True) as conn:  # a last row: batches are applied in order
-            conn.execute(f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW} FROM (SELECT -1 g) s")
         cat = open_catalog(options)
 
-        def done() -> bool:
-            try:
-                table = cat.load_table(options.identifier("public", "events"))
-            except Exception:  # noqa: BLE001 - not created yet
-                return False
-            if mode == "mirror":
-                return table.scan(row_filter="id = -1").count() == 1
-            return table.scan().count() >= changes + 1
+        def run(count: int, first_id: int, marker: int, rows_before: int) -> float:
+            """Changes/s of ``count`` changes, to a last row (``marker``) in the table."""
+            started, _ = write_workload(dsn, count, first_id)
+            with psycopg.connect(dsn, autocommit=True) as conn:  # a last row: batches are applied in order
+                conn.execute(
+                    f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW} FROM (SELECT {marker} g) s"
+                )
 
-        wait_for(done, 1800, interval=0.2, what=f"the {mode} table to catch up")
-        elapsed = time.time() - started
+            def done() -> bool:
+                try:
+                    table = cat.load_table(options.identifier("public", "events"))
+                except Exception:  # noqa: BLE001 - not created yet
+                    return False
+                if mode == "mirror":
+                    return table.scan(row_filter=f"id = {marker}").count() == 1
+                return table.scan().count() >= rows_before + count + 1
+
+            wait_for(done, 1800, interval=0.2, what=f"the {mode} table to catch up")
+            return count / (time.time() - started)
+
+        if warmup:  # the stream app's first batches (Python workers starting) are not measured
+            run(warmup, 50_000_001, -2, 0)
+        rate = run(changes, 1, -1, warmup + 1 if warmup else 0)
         snapshots = len(cat.load_table(options.identifier("public", "events")).snapshots())
-        return changes / elapsed, snapshots
+        return rate, snapshots
     finally:
         app.stop()
 
@@ -125,17 +136,19 @@ def plain_append(pg: EmbeddedPostgres, work: Path, rows: int, chunk: int) -> flo
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--changes", type=int, default=50_000)
+    parser.add_argument("--changes", type=int, default=200_000)
+    parser.add_argument("--warmup", type=int, default=20_000, help="changes streamed before measuring")
     parser.add_argument("--chunk", type=int, default=10_000, help="rows per plain append (about one micro-batch)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="sequin-iceberg-bench-"))
     with EmbeddedPostgres(use_env_dsn=False) as pg:
         plain = plain_append(pg, work, args.changes, args.chunk)
         print(f"bench: plain pyiceberg append {plain:,.0f} rows/s", flush=True)
-        changelog, changelog_snaps = stream_run(pg, work, "changelog", args.changes)
+        changelog, changelog_snaps = stream_run(pg, work, "changelog", args.changes, args.warmup)
         print(f"bench: changelog {changelog:,.0f} changes/s", flush=True)
-        mirror, mirror_snaps = stream_run(pg, work, "mirror", args.changes)
+        mirror, mirror_snaps = stream_run(pg, work, "mirror", args.changes, args.warmup)
         print(f"bench: mirror {mirror:,.0f} changes/s", flush=True)
+    record("iceberg", changelog, plain, f"pyiceberg append alone, {args.chunk:,} rows per commit", mirror=mirror)
     print()
     print(f"| path ({args.changes:,} changes) | changes/s | snapshots |")
     print("|---|---|---|")

@@ -29,6 +29,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.destination_results import record  # noqa: E402
 from bench.stream_throughput import ROW, TABLE, write_workload  # noqa: E402
 from devtools.embedded_postgres import EmbeddedPostgres  # noqa: E402
 from devtools.stream_process import StreamAppProcess, wait_for  # noqa: E402
@@ -150,6 +151,7 @@ stream: {{checkpoint_location: {work / "ckpt"}}}
             print(f"bench: could not delete stream {stream}: {exc}", file=sys.stderr)
         shutil.rmtree(work, ignore_errors=True)
     e2e = args.changes / e2e_seconds
+    record("nats_jetstream", e2e, pipelined, "nats-py JetStream publish, 4,000 in flight", acks_per_batch=windowed)
     print()
     print(f"| measure ({args.changes:,} messages of {len(payload)} bytes) | messages/s | vs nats-py pipelined |")
     print("|---|---:|---:|")

@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from stream_throughput import ROW, TABLE, write_workload  # noqa: E402
 
+from bench.destination_results import record  # noqa: E402
 from devtools.embedded_postgres import EmbeddedPostgres  # noqa: E402
 from devtools.stream_process import StreamAppProcess, wait_for  # noqa: E402
 from sequin_provider.config import load_config  # noqa: E402
@@ -59,6 +60,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--changes", type=int, default=200_000, help="changes (half inserts, half updates)")
     parser.add_argument("--batch-size", type=int, default=500, help="the sink's batch_size")
+    parser.add_argument("--warmup", type=int, default=20_000, help="changes streamed before measuring")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="sequin-bench-"))
     with EmbeddedPostgres(use_env_dsn=False) as pg:
@@ -83,12 +85,16 @@ stream: {{checkpoint_location: {work / "ckpt"}}}
         app = StreamAppProcess(config_path, work / "app.log").start()
         try:
             app.wait_streaming(dsn)
+            if args.warmup:  # the stream app's first batches (Python workers starting) are not measured
+                write_workload(dsn, args.warmup, 50_000_001)
+                wait_for(lambda: mirrored(dsn, target), 600, interval=0.25, what="the warm-up")
             started, written = write_workload(dsn, args.changes, 1)
             wait_for(lambda: mirrored(dsn, target), 1800, interval=0.25, what="the mirror to equal the source")
             e2e = args.changes / (time.time() - started)
         finally:
             app.stop()
         copy = copy_limit(dsn, target, args.changes)
+    record("postgres_table", e2e, copy, "bulk COPY of as many rows into a keyed table")
     print(f"| measurement ({args.changes:,} changes) | per second |")
     print("| --- | ---: |")
     print(f"| postgres_table sink end to end (stream app -> mirror, batch {args.batch_size}) | {e2e:,.0f} changes |")

@@ -30,6 +30,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.destination_results import record  # noqa: E402
 from bench.stream_throughput import ROW, TABLE, write_workload  # noqa: E402 - the stream benchmark's workload
 from devtools.embedded_postgres import EmbeddedPostgres  # noqa: E402
 from devtools.stream_process import StreamAppProcess, wait_for  # noqa: E402
@@ -173,6 +174,13 @@ stream: {{checkpoint_location: {work / "ckpt"}}}
         reader.close()
     (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
     (ROOT / "bench" / "results" / "rabbitmq_throughput.json").write_text(json.dumps(results, indent=2) + "\n")
+    record(
+        "rabbitmq",
+        results["e2e_rate"],
+        results["pika_confirm_each"],
+        f"pika alone, {THREADS} connections, a confirm per message",
+        publisher_alone=results["publisher_alone"],
+    )
     print()
     print("| measure | messages/s |")
     print("|---|---:|")

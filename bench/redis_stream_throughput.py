@@ -30,6 +30,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.destination_results import record  # noqa: E402
 from bench.stream_throughput import ROW, TABLE, write_workload  # noqa: E402
 from devtools.embedded_postgres import EmbeddedPostgres  # noqa: E402
 from devtools.stream_process import StreamAppProcess, wait_for  # noqa: E402
@@ -139,6 +140,13 @@ stream: {{checkpoint_location: {work / "ckpt"}}}
             client.delete(*stale[lo : lo + 1000])
         client.close()
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    record(
+        "redis_stream",
+        results["end_to_end"],
+        results["native_xadd"],
+        "plain XADD pipelined 1,000 per round trip",
+        sender_alone=results["sender_alone"],
+    )
     print()
     print(f"| {args.changes:,} changes, ~{results['message_bytes']} B messages | changes/s |")
     print("|---|---:|")

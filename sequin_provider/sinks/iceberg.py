@@ -135,8 +135,9 @@ class BatchCollector(PushSink):
         return retrying(f"loading {'.'.join(identifier)}", self.options.commit_timeout, load)
 
     def commit(self) -> int:
-        """One commit per table of what was kept; returns the messages applied (not skipped)."""
-        return sum(self.tables.commit(batch) for batch in self.batches.values())
+        """One commit per table of what was kept; returns the messages applied (not skipped). A table
+        whose messages were all parked (it is missing, say) gets no commit: its messages wait in the buffer."""
+        return sum(self.tables.commit(batch) for batch in self.batches.values() if batch.messages)
 
 
 class IcebergKind(DestinationKind):
@@ -224,8 +225,9 @@ class IcebergKind(DestinationKind):
         return delivered, parked
 
     def retry(self, config: SequinConfig, sink: SinkConfig, render: Render, workers: int) -> RetryReport:
-        """Each due parked message applied on its own commit, in group order, whatever the table's
-        recorded position (it is behind it: later messages of other groups went on)."""
+        """Each due parked message applied on its own commit, in group order, one commit at a time
+        (``workers`` is not used), whatever the table's recorded position (it is behind it: later
+        messages of other groups went on)."""
         options: IcebergOptions = sink.destination.options
         tables = self.tables(sink, _source_dsn(config, sink))
 
@@ -235,7 +237,9 @@ class IcebergKind(DestinationKind):
             for batch in collector.batches.values():
                 tables.commit(batch, force=True)
 
-        return retry_sink(config, sink, deliver, render, workers)
+        # One commit at a time: concurrent commits to a table would be retried by pyiceberg with the
+        # position each computed before the other landed, and the recorded position could go back.
+        return retry_sink(config, sink, deliver, render, workers=1)
 
     def prepare(self, sink: SinkConfig) -> list[str]:
         """The catalog reachable, the namespace there (created unless ``create_table`` is off), each

@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+OWN_COMMIT_RETRY = {"commit.retry.num-retries": "0"}
+"""Each table's property that turns pyiceberg's own retry of a commit that lost a race off: it re-applies
+the same updates, so the position this commit computed before the other landed would be written over a
+later one. ``retrying`` makes the commit again from a fresh read of the table instead."""
 POSITION_PROPERTY = "sequin.position"
 """The table property (and snapshot summary key) holding the last applied message's position."""
 SINK_PROPERTY = "sequin.sink"
@@ -217,7 +221,10 @@ class IcebergTables:
         self.catalog.create_namespace_if_not_exists(identifier[0])
         log.info("iceberg %s: creating table %s", self.sink, ".".join(identifier))
         return self.catalog.create_table_if_not_exists(
-            identifier, schema, partition_spec=spec, properties={"format-version": "2", SINK_PROPERTY: self.sink}
+            identifier,
+            schema,
+            partition_spec=spec,
+            properties={"format-version": "2", SINK_PROPERTY: self.sink, **OWN_COMMIT_RETRY},
         )
 
     def commit(self, batch: TableBatch, force: bool = False) -> int:
@@ -256,7 +263,7 @@ class IcebergTables:
             txn.append(self._arrow(table, [changelog_row(m) for m in messages]), snapshot_properties=summary)
         else:
             self._apply_mirror(txn, table, messages, summary)
-        txn.set_properties({POSITION_PROPERTY: position})
+        txn.set_properties({POSITION_PROPERTY: position, **OWN_COMMIT_RETRY})
         txn.commit_transaction()
         return len(messages)
 

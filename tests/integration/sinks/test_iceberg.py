@@ -344,6 +344,54 @@ def test_a_replayed_batch_commits_nothing_and_a_down_catalog_is_waited_for(
         proxy.up()
 
 
+def test_messages_parked_for_a_missing_table_are_applied_by_the_buffer_retry_once_it_exists(
+    dsn: str, dbname: str, tmp_path: Path
+) -> None:
+    """``sequin buffer retry`` of an Iceberg sink: each parked message in its own commit, in group order."""
+    from dataclasses import replace
+
+    from sequin_provider import store as store_module
+    from sequin_provider.sinks.iceberg_tables import IcebergTables
+    from sequin_provider.sinks.retry import retry_sinks
+
+    for sql in TABLES:
+        execute(dsn, sql)
+    config = make_config(tmp_path, dsn, dbname, "mirror", reference="", create="false")
+    loaded = load_config(config)
+    sink = loaded.sink("lake")
+    options = sink.destination.options
+    with psycopg.connect(dsn) as conn:
+        store_module.migrate(conn, "sequin")
+    catalog = open_catalog(options)
+    catalog.create_namespace_if_not_exists(options.namespace)
+    store = SequinStreamSink(loaded.store_dsn("app"), "sequin", 10)
+    kind = sink.destination.kind
+    try:
+        assert kind.commit_batch(loaded, sink, _messages(dsn), store) == (0, 3)  # no table: all parked
+        with psycopg.connect(dsn) as conn:
+            parked = conn.execute(
+                "SELECT commit_lsn, commit_idx, last_error FROM sequin.buffered_messages ORDER BY 1, 2"
+            )
+            rows = parked.fetchall()
+        assert [(r[0], r[1]) for r in rows] == [(10, 0), (10, 1), (11, 0)]
+        assert "does not exist (create_table is off)" in rows[1][2]
+        (report,) = retry_sinks(loaded, "lake")  # the table still missing: nothing goes, nothing is lost
+        assert (report.delivered, report.still_parked) == (0, 3)
+        IcebergTables(sink.name, replace(options, create_table=True), dsn, catalog).table(
+            options.identifier("public", "a"), ("public", "a")
+        )
+        with psycopg.connect(dsn, autocommit=True) as conn:  # due now (the retry backed off)
+            conn.execute("UPDATE sequin.buffered_messages SET next_attempt_at = now()")
+        (report,) = retry_sinks(loaded, "lake")
+        assert (report.delivered, report.still_parked, report.discarded) == (3, 0, 0)
+        assert [(r["id"], r["v"]) for r in iceberg_rows(config, "a")] == [(2, "y")]  # 1 inserted, then deleted
+        assert table_state(config, "a")[1] == "11:0"
+    finally:
+        store.close()
+        kind.tables(sink, None).reset()
+        catalog.engine.dispose()
+
+
 def _changelog_key(m: dict[str, Any]) -> tuple[Any, ...]:
     meta = m["metadata"]
     return (meta["commit_lsn"], meta["commit_idx"], m["action"], meta["idempotency_key"], meta["table_name"])
