@@ -27,59 +27,23 @@ retry applies a message whatever the table holds.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any, Sequence
 
 import psycopg
-from psycopg import sql
 
 from sequin_provider import store
-from sequin_provider.backfill.row_filter import normalize_row_filter, row_filter_sql
+from sequin_provider.backfill.row_filter import normalize_row_filter
 from sequin_provider.buffer import RetryReport
 from sequin_provider.config import SequinConfig, SinkConfig
 from sequin_provider.exceptions import BackfillError, ReplayError
-from sequin_provider.sinks.changelog import CHANGELOG_COLUMNS
+from sequin_provider.sinks.changelog import ChangelogSelection, parse_bound
 
 log = logging.getLogger(__name__)
 
 REPLAY_PREFIX = "sequin:replay"
 """The prefix of the logical message that marks a replay's position in its sink's order."""
-CHANGELOG_KINDS = ("postgres_table", "iceberg")
-TIMESTAMP_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
-"""A message's ``commit_timestamp`` (``pgoutput``'s rendering), rebuilt from the changelog's timestamptz."""
 QUEUE_CHUNK = 5_000
-_LSN = re.compile(r"^([0-9A-Fa-f]{1,8})/([0-9A-Fa-f]{1,8})$")
-_POSITION = re.compile(r"^(\d+)(?::(\d+))?$")
-
-
-@dataclass(frozen=True)
-class Bound:
-    """One end of a replay's range: a commit time, or a position (``commit_lsn``, ``commit_idx``)."""
-
-    text: str
-    timestamp: datetime | None = None
-    position: tuple[int, int] | None = None
-
-
-def parse_bound(text: str, what: str) -> Bound:
-    """A range end from ``2026-11-26T10:00:00Z`` (ISO 8601; without a zone, UTC), ``<lsn>:<idx>``
-    or ``<lsn>`` (integers, as messages carry them) or ``16/B374D848`` (Postgres' LSN notation)."""
-    value = text.strip()
-    lsn = _LSN.match(value)
-    if lsn:
-        return Bound(value, position=((int(lsn.group(1), 16) << 32) + int(lsn.group(2), 16), 0))
-    position = _POSITION.match(value)
-    if position:
-        return Bound(value, position=(int(position.group(1)), int(position.group(2) or 0)))
-    try:
-        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        raise ReplayError(
-            f"{what} {text!r}: expected a time (2026-11-26T10:00:00Z) or a position (<lsn>:<idx> or 16/B374D848)"
-        ) from None
-    return Bound(value, timestamp=moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc))
 
 
 @dataclass(frozen=True)
@@ -98,14 +62,11 @@ class ReplayRequest:
 
 @dataclass(frozen=True)
 class ReplayPlan:
-    """A checked request: the two sinks, the tables, the range and the condition."""
+    """A checked request: the changelog sink, the sink to replay into, and what to read."""
 
     source: SinkConfig
     sink: SinkConfig
-    tables: tuple[tuple[str, str], ...]
-    since: Bound | None
-    until: Bound | None
-    where: str | None
+    selection: ChangelogSelection
 
 
 @dataclass
@@ -130,17 +91,15 @@ def plan_replay(config: SequinConfig, request: ReplayRequest) -> ReplayPlan:
         if not config.has_sink(name):
             raise ReplayError(f"no sink named {name!r}")
     source, sink = config.sink(request.source), config.sink(request.sink)
-    options = source.destination.options
-    if source.destination.kind.name not in CHANGELOG_KINDS or getattr(options, "mode", None) != "changelog":
+    if not source.destination.kind.keeps_changelog(source):
         raise ReplayError(
-            f"sink {source.name!r} keeps no changelog: replays read a postgres_table or iceberg sink with mode: changelog"
+            f"sink {source.name!r} keeps no changelog (a postgres_table or iceberg sink in mode: changelog)"
         )
     if sink.name == source.name:
         raise ReplayError(f"sink {sink.name!r} cannot replay into itself")
-    if sink.destination.kind.name == "iceberg" and getattr(sink.destination.options, "mode", None) == "mirror":
-        raise ReplayError(
-            f"sink {sink.name!r} is an Iceberg mirror: it would apply old changes over newer rows (rebuild it with a backfill)"
-        )
+    refusal = sink.destination.kind.replay_refusal(sink)
+    if refusal is not None:
+        raise ReplayError(f"sink {sink.name!r} cannot take a replay: {refusal}")
     kept = {(t.schema, t.name) for t in source.tables}
     served = {(t.schema, t.name): t for t in sink.tables}
     if request.tables:
@@ -167,140 +126,16 @@ def plan_replay(config: SequinConfig, request: ReplayRequest) -> ReplayPlan:
         raise ReplayError(str(exc)) from None
     since = parse_bound(request.since, "since") if request.since else None
     until = parse_bound(request.until, "until") if request.until else None
-    return ReplayPlan(source, sink, tuple(tables), since, until, where)
+    return ReplayPlan(source, sink, ChangelogSelection(source.name, tuple(tables), since, until, where))
 
 
 # ---------------------------------------------------------------------------------------------
 # Reading the changelog
 
 
-def _select(table: sql.Composable, plan: ReplayPlan) -> tuple[sql.Composed, list[Any]]:
-    """The query of a changelog table's rows in the plan's range, tables and condition, in position
-    order, as change rows (``messages.CHANGE_COLUMNS`` up to ``record_pks``)."""
-    terms = [
-        sql.SQL("(table_schema, table_name) IN ({})").format(
-            sql.SQL(", ").join(sql.SQL("(%s, %s)") for _ in plan.tables)
-        )
-    ]
-    params: list[Any] = [v for key in plan.tables for v in key]
-    for bound, op in ((plan.since, ">="), (plan.until, "<")):
-        if bound is None:
-            continue
-        if bound.position is not None:
-            terms.append(sql.SQL("(commit_lsn, commit_idx) " + op + " (%s, %s)"))
-            params += list(bound.position)
-        else:
-            terms.append(sql.SQL("commit_timestamp " + op + " %s"))
-            params.append(bound.timestamp)
-    if plan.where:
-        terms.append(row_filter_sql(plan.where))
-    query = sql.SQL(
-        "SELECT commit_lsn, commit_idx,"
-        " to_char(commit_timestamp AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'),"
-        " table_schema, table_name, action, record::text, changes::text, record_pks"
-        " FROM {} WHERE {} ORDER BY commit_lsn, commit_idx"
-    ).format(table, sql.SQL(" AND ").join(terms))
-    return query, params
-
-
-def _query(conn: psycopg.Connection[Any], table: sql.Composable, plan: ReplayPlan) -> list[tuple[Any, ...]]:
-    query, params = _select(table, plan)
-    try:
-        with conn.transaction():
-            conn.execute("SET LOCAL transaction_read_only = on")
-            return conn.execute(query, params).fetchall()
-    except psycopg.Error as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ReplayError(f"reading changelog of sink {plan.source.name!r}: {reason}") from None
-
-
-def postgres_changelog_rows(plan: ReplayPlan) -> list[tuple[Any, ...]]:
-    """The rows of a ``postgres_table`` changelog (its tables the route names), in position order."""
-    from sequin_provider.sinks.postgres_table import connect
-    from sequin_provider.sinks.postgres_table_schema import fixed_targets, split_name
-
-    options = plan.source.destination.options
-    names = sorted(set(fixed_targets(plan.source, options).values()))
-    if not names:
-        raise ReplayError(f"sink {plan.source.name!r}: its table route names no fixed changelog table to read")
-    rows: list[tuple[Any, ...]] = []
-    try:
-        with connect(options, plan.source.name, autocommit=True, timeout=max(options.timeout, 60)) as conn:
-            for name in names:
-                rows += _query(conn, sql.Identifier(*split_name(name)), plan)
-    except psycopg.Error as exc:
-        raise ReplayError(f"sink {plan.source.name!r}: {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - DeliveryError of connect: the changelog's database is unreachable
-        if isinstance(exc, ReplayError):
-            raise
-        raise ReplayError(str(exc)) from None
-    rows.sort(key=lambda r: (r[0], r[1]))
-    return rows
-
-
-def iceberg_changelog_rows(config: SequinConfig, plan: ReplayPlan) -> list[tuple[Any, ...]]:
-    """The rows of an Iceberg changelog: the range and tables pushed down into the scan, then the
-    condition run by the store's Postgres over the rows copied into a temporary table."""
-    from pyiceberg.exceptions import NoSuchTableError
-    from pyiceberg.expressions import AlwaysTrue, And, EqualTo, GreaterThanOrEqual, LessThan, LessThanOrEqual, Or
-
-    from sequin_provider.sinks.iceberg_tables import open_catalog
-
-    options = plan.source.destination.options
-    row_filter: Any = AlwaysTrue()
-    for bound, since in ((plan.since, True), (plan.until, False)):
-        if bound is None:
-            continue
-        if bound.timestamp is not None:
-            term = GreaterThanOrEqual if since else LessThan
-            row_filter = And(row_filter, term("commit_timestamp", bound.timestamp.isoformat()))
-        elif bound.position is not None:  # the LSN only: the exact (lsn, idx) bound is the SQL's
-            term = GreaterThanOrEqual if since else LessThanOrEqual
-            row_filter = And(row_filter, term("commit_lsn", bound.position[0]))
-    tables = [And(EqualTo("table_schema", s), EqualTo("table_name", t)) for s, t in plan.tables]
-    row_filter = And(row_filter, tables[0] if len(tables) == 1 else Or(*tables))
-    try:
-        catalog = open_catalog(options, timeout=10)
-    except Exception as exc:  # noqa: BLE001
-        raise ReplayError(f"sink {plan.source.name!r}: iceberg catalog: {type(exc).__name__}: {exc}") from None
-    import pyarrow as pa
-
-    parts = []
-    try:
-        for identifier in sorted({options.identifier(s, t) for s, t in plan.tables}):
-            try:
-                table = catalog.load_table(identifier)
-            except NoSuchTableError:
-                continue
-            parts.append(table.scan(row_filter=row_filter, selected_fields=CHANGELOG_COLUMNS).to_arrow())
-    finally:
-        getattr(catalog, "engine", None) and catalog.engine.dispose()  # type: ignore[attr-defined]
-    if not parts:
-        return []
-    scanned = pa.concat_tables(parts)
-    with psycopg.connect(config.store_dsn(plan.sink.database), connect_timeout=10) as conn:
-        conn.execute(
-            "CREATE TEMP TABLE replay_changelog (commit_lsn bigint, commit_idx integer, action text,"
-            " idempotency_key text, table_schema text, table_name text, commit_timestamp timestamptz,"
-            " record_pks text[], record json, changes json) ON COMMIT DROP"
-        )
-        columns = sql.SQL(", ").join(map(sql.Identifier, CHANGELOG_COLUMNS))
-        with conn.cursor().copy(sql.SQL("COPY replay_changelog ({}) FROM STDIN").format(columns)) as copy:
-            for row in scanned.select(list(CHANGELOG_COLUMNS)).to_pylist():
-                copy.write_row([row[c] for c in CHANGELOG_COLUMNS])
-        query, params = _select(sql.Identifier("replay_changelog"), plan)
-        try:
-            return conn.execute(query, params).fetchall()
-        except psycopg.Error as exc:
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ReplayError(f"reading changelog of sink {plan.source.name!r}: {reason}") from None
-
-
 def changelog_rows(config: SequinConfig, plan: ReplayPlan) -> list[tuple[Any, ...]]:
-    """The plan's changes from its changelog, in position order."""
-    if plan.source.destination.kind.name == "iceberg":
-        return iceberg_changelog_rows(config, plan)
-    return postgres_changelog_rows(plan)
+    """The plan's changes from its changelog, in position order (the changelog's kind reads them)."""
+    return plan.source.destination.kind.changelog_rows(config, plan.source, plan.selection)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,10 +200,10 @@ def queue_replay(config: SequinConfig, request: ReplayRequest) -> ReplayResult:
             schema,
             plan.source.name,
             plan.sink.name,
-            [f"{s}.{t}" for s, t in plan.tables],
-            plan.since.text if plan.since else None,
-            plan.until.text if plan.until else None,
-            plan.where,
+            [f"{s}.{t}" for s, t in plan.selection.tables],
+            plan.selection.since.text if plan.selection.since else None,
+            plan.selection.until.text if plan.selection.until else None,
+            plan.selection.where,
         )
         conn.commit()
         mark = replay_mark(config, plan.sink, replay.id)

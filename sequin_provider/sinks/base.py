@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from sequin_provider.config import SequinConfig, SinkConfig
     from sequin_provider.delivery import Outgoing
     from sequin_provider.exceptions import ConfigError
+    from sequin_provider.sinks.changelog import ChangelogSelection
     from sequin_provider.sinks.push import PushSink
     from sequin_provider.sinks.sequin_stream import SequinStreamSink
     from sequin_provider.sinks.stored import StoredSinkWriter, StreamTableWriter
@@ -131,6 +132,22 @@ class DestinationKind(ABC):
         """One line on the destination of ``sink`` for ``sequin status`` and the Airflow view
         (reachable, its stream/exchange/table present: ``"ok"`` or what is wrong), within a few
         seconds; None when the kind has nothing to check (the default)."""
+        return None
+
+    def keeps_changelog(self, sink: SinkConfig) -> bool:
+        """Whether ``sink`` keeps a changelog (``sinks.changelog``) that ``sequin replay`` reads
+        (``changelog_rows``). No by default."""
+        return False
+
+    def changelog_rows(
+        self, config: SequinConfig, sink: SinkConfig, selection: ChangelogSelection
+    ) -> list[tuple[Any, ...]]:
+        """A changelog sink's rows of ``selection`` in position order (``sinks.changelog.select_changes``'s
+        columns); ``ReplayError`` when they cannot be read."""
+        raise TypeError(f"destination type {self.name!r} keeps no changelog")
+
+    def replay_refusal(self, sink: SinkConfig) -> str | None:
+        """Why ``sink`` cannot take a replay of old changes (``sequin replay``), or None (the default)."""
         return None
 
     def commit_batch(

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from sequin_provider.buffer import retry_sink
 from sequin_provider.exceptions import DeliveryError, DestinationError
 from sequin_provider.sinks.base import DestinationKind, OptionReader
-from sequin_provider.sinks.changelog import CHANGELOG_COLUMNS
+from sequin_provider.sinks.changelog import CHANGELOG_COLUMNS, ChangelogSelection
 from sequin_provider.sinks.iceberg_rows import Message, RowShape, parse_message
 from sequin_provider.sinks.iceberg_tables import IcebergTables, TableBatch, open_catalog, retrying
 from sequin_provider.sinks.push import PushSink
@@ -283,6 +283,25 @@ class IcebergKind(DestinationKind):
         finally:
             getattr(catalog, "engine", None) and catalog.engine.dispose()  # type: ignore[attr-defined]
         return created
+
+    def keeps_changelog(self, sink: SinkConfig) -> bool:
+        """A sink in ``mode: changelog``."""
+        return sink.destination.options.mode == "changelog"  # type: ignore[no-any-return]
+
+    def changelog_rows(
+        self, config: SequinConfig, sink: SinkConfig, selection: ChangelogSelection
+    ) -> list[tuple[Any, ...]]:
+        """The scan, with the condition run by the store's Postgres (``sinks.iceberg_changelog``)."""
+        from sequin_provider.sinks.iceberg_changelog import changelog_rows
+
+        return changelog_rows(sink, selection, config.store_dsn(sink.database))
+
+    def replay_refusal(self, sink: SinkConfig) -> str | None:
+        """A mirror: its retry applies a message whatever the table holds, so old changes would land
+        over newer rows."""
+        if sink.destination.options.mode == "mirror":
+            return "it is an Iceberg mirror: it would apply old changes over newer rows (rebuild it with a backfill)"
+        return None
 
     def health(self, sink: SinkConfig) -> str | None:
         """``ok`` when the catalog answers and has the namespace, else what is wrong."""

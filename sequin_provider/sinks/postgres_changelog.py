@@ -10,13 +10,17 @@ sent as one JSON array: the server takes the fields apart.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql
 
-from sequin_provider.sinks.changelog import CHANGELOG_COLUMNS
+from sequin_provider.exceptions import ReplayError
+from sequin_provider.sinks.changelog import CHANGELOG_COLUMNS, ChangelogSelection, read_changes
 from sequin_provider.sinks.postgres_table_schema import split_name
+
+if TYPE_CHECKING:
+    from sequin_provider.config import SinkConfig
 
 
 def create_changelog(conn: psycopg.Connection[Any], name: str) -> bool:
@@ -88,3 +92,27 @@ def prune(conn: psycopg.Connection[Any], name: str, seconds: float) -> int:
             (seconds,),
         )
         return cur.rowcount
+
+
+def changelog_rows(sink: SinkConfig, selection: ChangelogSelection) -> list[tuple[Any, ...]]:
+    """The selection's rows of the changelog tables ``sink``'s route names, in position order."""
+    from sequin_provider.sinks.postgres_table import connect
+    from sequin_provider.sinks.postgres_table_schema import fixed_targets
+
+    options = sink.destination.options
+    names = sorted(set(fixed_targets(sink, options).values()))
+    if not names:
+        raise ReplayError(f"sink {sink.name!r}: its table route names no fixed changelog table to read")
+    rows: list[tuple[Any, ...]] = []
+    try:
+        with connect(options, sink.name, autocommit=True, timeout=max(options.timeout, 60)) as conn:
+            for name in names:
+                rows += read_changes(conn, sql.Identifier(*split_name(name)), selection)
+    except psycopg.Error as exc:
+        raise ReplayError(f"sink {sink.name!r}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - DeliveryError of connect: the changelog's database is unreachable
+        if isinstance(exc, ReplayError):
+            raise
+        raise ReplayError(str(exc)) from None
+    rows.sort(key=lambda r: (r[0], r[1]))
+    return rows

@@ -26,7 +26,7 @@ import psycopg
 from sequin_provider.config import SinkConfig
 from sequin_provider.exceptions import DeliveryError, DestinationError
 from sequin_provider.sinks.base import DestinationKind, OptionReader
-from sequin_provider.sinks.changelog import Retention
+from sequin_provider.sinks.changelog import ChangelogSelection, Retention
 from sequin_provider.sinks.push import PushSink
 from sequin_provider.sinks.registry import register
 from sequin_provider.sinks.routing import Route, parse_route
@@ -135,6 +135,16 @@ class PostgresTableKind(DestinationKind):
             raise DestinationError(sink.name, str(exc)) from None
         except psycopg.Error as exc:
             raise DestinationError(sink.name, f"postgres_table: {_reason(exc)}") from None
+
+    def keeps_changelog(self, sink: SinkConfig) -> bool:
+        """A sink in ``mode: changelog``."""
+        return sink.destination.options.mode == "changelog"  # type: ignore[no-any-return]
+
+    def changelog_rows(self, config: Any, sink: SinkConfig, selection: ChangelogSelection) -> list[tuple[Any, ...]]:
+        """Read by the changelog's own database (``sinks.postgres_changelog.changelog_rows``)."""
+        from sequin_provider.sinks.postgres_changelog import changelog_rows
+
+        return changelog_rows(sink, selection)
 
     def health(self, sink: SinkConfig) -> str | None:
         """``ok`` when the target database answers and the targets the route names exist."""

@@ -20,7 +20,8 @@ from sequin_provider import store
 from sequin_provider.config import ConfigError, load_config, parse_config
 from sequin_provider.exceptions import ReplayError
 from sequin_provider.provisioning import initialize
-from sequin_provider.replay import ReplayRequest, parse_bound, plan_replay
+from sequin_provider.replay import ReplayRequest, plan_replay
+from sequin_provider.sinks.changelog import parse_bound
 from tests.support.config import write_config
 from tests.support.postgres import execute
 from tests.support.receiver import Receiver
@@ -121,7 +122,7 @@ def test_a_retention_in_days_and_the_iceberg_changelog_takes_one_too() -> None:
         (ReplayRequest("log", "hook", ("c",)), "table public.c is not one of sink 'log'"),
         (ReplayRequest("log", "hook", where="a = 1; DROP TABLE x"), "replay condition .*';' is not allowed"),
         (ReplayRequest("log", "hook", since="yesterday"), "since 'yesterday': expected a time"),
-        (ReplayRequest("log", "lake"), "sink 'lake' is an Iceberg mirror"),
+        (ReplayRequest("log", "lake"), "sink 'lake' cannot take a replay: it is an Iceberg mirror"),
     ],
 )
 def test_a_replay_that_cannot_be_made_says_why(request_: ReplayRequest, reason: str) -> None:
