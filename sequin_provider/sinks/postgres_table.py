@@ -336,7 +336,7 @@ class PostgresTableSink(PushSink):
             raise DeliveryError(
                 f"postgres_table {self.sink}: not a change message (needs action, record, metadata): {exc!r}"
             ) from None
-        target = self.options.table.target(text)
+        target = self.options.table.target_of(data)
         if action == "truncate":
             self.targets.get(conn, target, self.sink)
             return _Change(i, action, target, position)

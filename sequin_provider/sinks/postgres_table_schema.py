@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Mapping
 
 from psycopg import sql
@@ -204,7 +205,7 @@ class Target:
         """The target's name in its schema (the side tables' ``table_name``)."""
         return split_name(self.name)[1]
 
-    @property
+    @cached_property
     def key_sources(self) -> list[str]:
         """The source columns of the key, in the key's order."""
         back = {t: s for s, t in self.rename.items()}
@@ -219,8 +220,11 @@ class Target:
 
     def key_of(self, record: Mapping[str, Any], sink: str) -> tuple[str, ...]:
         """The row's key (its key columns' JSON) for collapsing a request's changes by row."""
-        try:
-            return tuple(json.dumps(record[c]) for c in self.key_sources)
+        try:  # a scalar as it is (one column holds one type); a json or array key as its JSON text
+            return tuple(
+                v if isinstance(v, (str, int, float)) else json.dumps(v)
+                for v in map(record.__getitem__, self.key_sources)
+            )
         except KeyError as exc:
             raise DeliveryError(f"postgres_table {sink}: the record has no key column {exc.args[0]!r}") from None
 

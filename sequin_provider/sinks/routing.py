@@ -59,6 +59,14 @@ class Route:
             data = json.loads(message)
         except ValueError as exc:
             raise DeliveryError(f"route {self.spec!r}: the message is not JSON: {exc}") from None
+        return self.target_of(data)
+
+    def target_of(self, data: dict[str, Any]) -> str:
+        """``target`` of a message its caller has parsed already (a sink that reads the message anyway
+        saves parsing it twice)."""
+        fixed = self.fixed
+        if fixed is not None:
+            return fixed
         if self.function is not None:
             return self._call(data)
         out = []

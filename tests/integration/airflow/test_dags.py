@@ -20,6 +20,7 @@ import select
 import socket
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -28,11 +29,14 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 from devtools.embedded_postgres import EmbeddedPostgres
+from devtools.stream_process import wait_for
 from sequin_provider import store
+from sequin_provider.config import load_config
 from sequin_provider.operators.backfill import SequinBackfillOperator
 from sequin_provider.operators.buffer import SequinBufferRetryOperator
 from sequin_provider.operators.replay import SequinReplayOperator
 from sequin_provider.operators.replication import SequinReplicationOperator
+from sequin_provider.provisioning import initialize
 from sequin_provider.sensors.sequin import ParkedMessagesSensor, ReplicationSlotLagSensor, StreamHeartbeatSensor
 from tests.support.airflow import Webhook, sequin_connection
 from tests.support.config import write_config
@@ -178,7 +182,6 @@ def render(dag: Any, task: Any, **context: Any) -> Any:
 
 
 def test_replay_renders_a_partial_backfill_from_the_data_interval() -> None:
-    from datetime import datetime, timezone
 
     dag = dagbag().dags["sequin_replay"]
     task = dag.task_dict["replay"]
@@ -202,7 +205,6 @@ def test_replay_renders_a_partial_backfill_from_the_data_interval() -> None:
 
 
 def test_replay_in_changes_mode_renders_the_data_interval_as_the_range() -> None:
-    from datetime import datetime, timezone
 
     dag = dagbag().dags["sequin_replay"]
     task = render(
@@ -390,6 +392,9 @@ databases:
 sinks:
   - {{name: items_sink, tables: [items], destination: {{type: sequin_stream}}}}
   - {{name: events_sink, tables: [events], destination: {{type: sequin_stream}}}}
+  - name: items_log
+    tables: [items]
+    destination: {{type: postgres_table, mode: changelog, dsn: "{dsn}", table: cdc.items_log, create_table: true}}
 stream:
   checkpoint_location: {ckpt}
 """
@@ -410,6 +415,7 @@ def streaming_db(pg: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory)
     )
     tmp = tmp_path_factory.mktemp("dag_test")
     config = write_config(tmp / "sequin.yaml", CONFIG.format(dsn=dsn, ckpt=tmp / "ckpt"))
+    initialize(load_config(config))  # the changelog's table
     app = StreamApp(config, tmp / "stream-app.log").start()
     try:
         app.wait_streaming(dsn)
@@ -480,9 +486,62 @@ def test_dag_test_bad_input_fails_the_run_and_records_nothing(
     log = tmp_path / "dag.log"
     result = dag_test(dag_runner, "sequin_backfill", {"sink": "nope", "table": "items"}, log)
     assert result["state"] == "failed" and result["tasks"]["backfill"]["state"] == "failed"
-    assert "unknown sink 'nope' (configured sinks: items_sink, events_sink)" in log.read_text()
+    assert "unknown sink 'nope' (configured sinks: items_sink, events_sink, items_log)" in log.read_text()
     with psycopg.connect(dsn) as conn:
         assert len(store.list_backfills(conn, "sequin")) == before
+
+
+def test_dag_test_replay_in_changes_mode_delivers_the_kept_changes_again(
+    dag_runner: DagRunner, connections: tuple[str, Path], tmp_path: Path
+) -> None:
+    dsn, _ = connections
+    since = datetime.now(timezone.utc).isoformat()
+    execute(dsn, "UPDATE items SET name = name || ' (renamed)' WHERE id <= 5", "DELETE FROM items WHERE id = 6")
+    with psycopg.connect(dsn) as conn:
+        kept = wait_for(
+            lambda: (lambda rows: rows if len(rows) >= 6 else None)(
+                conn.execute(
+                    "SELECT commit_lsn, commit_idx, action FROM cdc.items_log WHERE commit_timestamp >= %s ORDER BY 1, 2",
+                    (since,),
+                ).fetchall()
+            ),
+            120,
+            what="the changes in the changelog",
+        )
+    conf = {
+        "mode": "changes",
+        "source": "items_log",
+        "sink": "items_sink",
+        "table": "public.items",
+        "start_position": since,
+        "where": "action = 'update'",
+    }
+    result = dag_test(dag_runner, "sequin_replay", conf, tmp_path / "dag.log")
+    assert result["state"] == "success", result
+    assert result["tasks"]["replay"]["state"] == "skipped"
+    task = result["tasks"]["replay_changes"]
+    assert task["state"] == "success"
+    summary = task["xcom"] if isinstance(task["xcom"], dict) else json.loads(task["xcom"])
+    assert (summary["queued"], summary["delivered"], summary["still_parked"]) == (5, 5, 0)
+    execute(dsn, "UPDATE items SET name = 'x' WHERE id = 3000")  # the stream passes the replay's mark
+    replayed = wait_for(
+        lambda: (
+            [m for m in sink_messages(dsn, "items_sink") if m["metadata"].get("replay_id") == summary["replay_id"]]
+            or None
+        ),
+        120,
+        what="the replayed messages visible",
+    )
+    assert [(m["metadata"]["commit_lsn"], m["metadata"]["commit_idx"]) for m in replayed] == [
+        (lsn, idx) for lsn, idx, action in kept if action == "update"
+    ]
+    assert [m["record"]["name"] for m in replayed] == [f"item {n} (renamed)" for n in range(1, 6)]
+    # the module's other tests read every item as it was
+    execute(
+        dsn,
+        "UPDATE items SET name = 'item ' || id WHERE id <= 5 OR id = 3000",
+        "INSERT INTO items VALUES (6, 'item 6')",
+    )
 
 
 def test_dag_test_monitoring_alerts_on_a_lagging_slot_and_only_then(
