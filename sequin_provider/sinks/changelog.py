@@ -14,13 +14,16 @@ import re
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql
 
 from sequin_provider.backfill.row_filter import row_filter_sql
 from sequin_provider.exceptions import ReplayError
+
+if TYPE_CHECKING:
+    from sequin_provider.sinks.base import OptionReader
 
 CHANGELOG_COLUMNS = (
     "commit_lsn",
@@ -40,6 +43,19 @@ _LSN = re.compile(r"^([0-9A-Fa-f]{1,8})/([0-9A-Fa-f]{1,8})$")
 _POSITION = re.compile(r"^(\d+)(?::(\d+))?$")
 PRUNE_EVERY = 60.0
 """Seconds between two prunes of one changelog by one process (a prune is one indexed delete)."""
+
+
+def parse_retention(reader: OptionReader, value: Any, path: str, mode: str) -> float | None:
+    """A sink's ``retention`` option (``path``) in seconds: only a changelog's (``mode``), longer than
+    0; None when it is not set (keep every row)."""
+    if value is None:
+        return None
+    if mode != "changelog":
+        raise reader.fail(path, "only a changelog keeps changes for a period (mode: changelog)")
+    seconds = reader.duration(value, path)
+    if seconds <= 0:
+        raise reader.fail(path, "must be longer than 0s")
+    return seconds
 
 
 @dataclass

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from sequin_provider.buffer import retry_sink
 from sequin_provider.exceptions import DeliveryError, DestinationError
 from sequin_provider.sinks.base import DestinationKind, OptionReader
-from sequin_provider.sinks.changelog import CHANGELOG_COLUMNS, ChangelogSelection
+from sequin_provider.sinks.changelog import CHANGELOG_COLUMNS, ChangelogSelection, parse_retention
 from sequin_provider.sinks.iceberg_rows import Message, RowShape, parse_message
 from sequin_provider.sinks.iceberg_tables import IcebergTables, TableBatch, open_catalog, retrying
 from sequin_provider.sinks.push import PushSink
@@ -182,13 +182,7 @@ class IcebergKind(DestinationKind):
                     f"{path}.partition_by[{n}]",
                     f"a changelog has no column {column!r} ({', '.join(CHANGELOG_COLUMNS)})",
                 )
-        retention = None
-        if item.get("retention") is not None:
-            if mode != "changelog":
-                raise reader.fail(f"{path}.retention", "only a changelog keeps changes for a period (mode: changelog)")
-            retention = reader.duration(item["retention"], f"{path}.retention")
-            if retention <= 0:
-                raise reader.fail(f"{path}.retention", "must be longer than 0s")
+        retention = parse_retention(reader, item.get("retention"), f"{path}.retention", mode)
         return IcebergOptions(
             catalog_uri=uri,
             warehouse=warehouse,

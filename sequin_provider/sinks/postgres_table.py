@@ -26,7 +26,7 @@ import psycopg
 from sequin_provider.config import SinkConfig
 from sequin_provider.exceptions import DeliveryError, DestinationError
 from sequin_provider.sinks.base import DestinationKind, OptionReader
-from sequin_provider.sinks.changelog import ChangelogSelection, Retention
+from sequin_provider.sinks.changelog import ChangelogSelection, Retention, parse_retention
 from sequin_provider.sinks.push import PushSink
 from sequin_provider.sinks.registry import register
 from sequin_provider.sinks.routing import Route, parse_route
@@ -73,13 +73,7 @@ class PostgresTableKind(DestinationKind):
         mode = reader.string(item.get("mode", "mirror"), f"{path}.mode")
         if mode not in MODES:
             raise reader.fail(f"{path}.mode", f"expected {' or '.join(MODES)}, got {mode!r}")
-        retention = None
-        if item.get("retention") is not None:
-            if mode != "changelog":
-                raise reader.fail(f"{path}.retention", "only a changelog keeps changes for a period (mode: changelog)")
-            retention = reader.duration(item["retention"], f"{path}.retention")
-            if retention <= 0:
-                raise reader.fail(f"{path}.retention", "must be longer than 0s")
+        retention = parse_retention(reader, item.get("retention"), f"{path}.retention", mode)
         dsn, conn_id = reader.connection(item, path)
         if dsn is None:
             raise reader.fail(f"{path}.dsn", "is required (or conn_id)")
