@@ -143,18 +143,17 @@ def changelog_rows(config: SequinConfig, plan: ReplayPlan) -> list[tuple[Any, ..
 
 
 def replay_mark(config: SequinConfig, sink: SinkConfig, replay_id: int) -> int:
-    """Write the replay's mark into the WAL of ``sink``'s database; returns its LSN (the position of
-    the replay's messages in the sink's order)."""
+    """Write the replay's mark into the WAL of ``sink``'s database; returns its position (the position
+    of the replay's messages in the sink's order): the mark's last byte, which no change has, as a
+    backfill page's read position (``backfill.reader.read_position``). Its end would be where the next
+    record starts, maybe a commit whose changes would then share the replay's positions."""
+    from sequin_provider.backfill.reader import read_position
+
     try:
         with psycopg.connect(config.database(sink.database).dsn, autocommit=True, connect_timeout=10) as conn:
-            row = conn.execute(
-                "SELECT (pg_logical_emit_message(false, %s, %s) - '0/0'::pg_lsn)::bigint",
-                (REPLAY_PREFIX, str(replay_id)),
-            ).fetchone()
+            return read_position(conn, REPLAY_PREFIX, str(replay_id))[0]
     except psycopg.Error as exc:
         raise ReplayError(f"cannot mark the replay in database {sink.database!r}: {exc}") from None
-    assert row is not None
-    return int(row[0])
 
 
 def park_rows(

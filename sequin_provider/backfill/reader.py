@@ -325,19 +325,22 @@ def wait_for_snapshot_horizon(conn: psycopg.Connection[Any], timeout: float = SN
 READ_POSITION_PREFIX = "sequin:backfill:position"
 
 
-def read_position(conn: psycopg.Connection[Any]) -> tuple[int, str]:
+def read_position(
+    conn: psycopg.Connection[Any], prefix: str = READ_POSITION_PREFIX, content: str = ""
+) -> tuple[int, str]:
     """A position for a page's reads and their commit timestamp, taken just after the page's low
-    watermark committed: the last byte of a fresh non-transactional logical message (the stream
-    app ignores those), and the source's clock (UTC, as changes render it).
+    watermark committed: the last byte of a fresh non-transactional logical message (``prefix``,
+    ``content``; the stream app ignores those), and the source's clock (UTC, as changes render it).
+    A replay's mark is one too (``replay.replay_mark``).
 
     No commit record starts inside a WAL record, so the position is unique and no change has it;
     every commit before the low watermark lies below it, and the high watermark above it: a read
     there follows every change its SELECT saw that the window does not cover, and precedes every
     change after the window."""
     row = conn.execute(
-        "SELECT pg_logical_emit_message(false, %s, ''), to_char(clock_timestamp() AT TIME ZONE 'UTC',"
+        "SELECT pg_logical_emit_message(false, %s, %s), to_char(clock_timestamp() AT TIME ZONE 'UTC',"
         ' \'YYYY-MM-DD"T"HH24:MI:SS.US"Z"\')',
-        (READ_POSITION_PREFIX,),
+        (prefix, content),
     ).fetchone()
     return lsn_to_int(str(row[0])) - 1, str(row[1])  # type: ignore[index]
 
