@@ -12,6 +12,13 @@ from typing import Any
 
 import psycopg
 
+HELD_WHERE = (
+    "l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
+    " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    " AND ((l.classid::bigint << 32) | l.objid::bigint) = hashtext(%s)::bigint"
+)
+"""``pg_locks l`` rows of a granted session-level advisory lock ``hashtext(%s)`` in this database."""
+
 
 class SessionLock:
     """The advisory lock ``hashtext(name)`` in the database of ``dsn``.
@@ -69,16 +76,19 @@ class SessionLock:
             return False
         return True
 
+    def seen_held(self, conn: psycopg.Connection[Any]) -> bool:
+        """Whether some session holds the lock now, asked on ``conn`` (any connection to its database)
+        without trying to take it: a look that never makes the holder-to-be fail its own ``acquire``."""
+        row = conn.execute(f"SELECT EXISTS (SELECT 1 FROM pg_locks l WHERE {HELD_WHERE})", (self.name,)).fetchone()
+        return bool(row and row[0])
+
     def holder(self) -> str:
         """Who holds the lock (pid, application name, client, since when), for error messages."""
         try:
             with psycopg.connect(self.dsn, autocommit=True, connect_timeout=10) as conn:
                 row = conn.execute(
                     "SELECT a.pid, a.application_name, a.client_addr, a.backend_start FROM pg_locks l"
-                    " JOIN pg_stat_activity a ON a.pid = l.pid"
-                    " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
-                    " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-                    " AND ((l.classid::bigint << 32) | l.objid::bigint) = hashtext(%s)::bigint",
+                    f" JOIN pg_stat_activity a ON a.pid = l.pid WHERE {HELD_WHERE}",
                     (self.name,),
                 ).fetchone()
         except psycopg.Error as exc:

@@ -33,7 +33,7 @@ from psycopg.conninfo import make_conninfo
 from sequin_provider import backfill as backfill_module
 from sequin_provider import buffer, replay, replication, store
 from sequin_provider.exceptions import StoreUnavailableError
-from sequin_provider.supervision import StreamLock
+from sequin_provider.supervision import BackfillServerSupervisorLock, StreamLock
 
 if TYPE_CHECKING:
     from airflow.sdk import Connection
@@ -274,6 +274,13 @@ class SequinHook(BaseHook):
         """The (not yet taken) lock "one supervised stream app of ``database``" in the store."""
         s = self.settings
         return StreamLock(s.store_dsn, s.store_schema, database, application_name)
+
+    def backfill_server_supervisor_lock(self, database: str, application_name: str) -> BackfillServerSupervisorLock:
+        """The (not yet taken) lock "one supervised backfill server of ``database``" in the store; it
+        reads the server's own lock (``backfill.server_lock``) as the server's sign of life."""
+        s = self.settings
+        server = backfill_module.server_lock(s.store_dsn, s.store_schema, database)
+        return BackfillServerSupervisorLock(s.store_dsn, s.store_schema, database, server, application_name)
 
     # -- backfills and the buffer -------------------------------------------------------------
 

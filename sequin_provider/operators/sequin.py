@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 from sequin_provider.operators.backfill import SequinBackfillOperator
+from sequin_provider.operators.backfill_server import SequinBackfillServerOperator
 from sequin_provider.operators.buffer import SequinBufferRetryOperator
 from sequin_provider.operators.replay import SequinReplayOperator
 from sequin_provider.operators.replication import SequinReplicationOperator
 
-__all__ = ["SequinBackfillOperator", "SequinBufferRetryOperator", "SequinReplayOperator", "SequinReplicationOperator"]
+__all__ = [
+    "SequinBackfillOperator",
+    "SequinBackfillServerOperator",
+    "SequinBufferRetryOperator",
+    "SequinReplayOperator",
+    "SequinReplicationOperator",
+]

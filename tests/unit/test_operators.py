@@ -126,6 +126,7 @@ def test_provider_info_declares_the_operators() -> None:
     assert entry["python-modules"] == ["sequin_provider.operators.sequin"]
     assert set(operators.__all__) == {
         "SequinBackfillOperator",
+        "SequinBackfillServerOperator",
         "SequinBufferRetryOperator",
         "SequinReplayOperator",
         "SequinReplicationOperator",

@@ -20,6 +20,7 @@ import select
 import socket
 import subprocess
 import sys
+import threading
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
@@ -31,21 +32,30 @@ from psycopg.conninfo import conninfo_to_dict
 from devtools.embedded_postgres import EmbeddedPostgres
 from devtools.stream_process import wait_for
 from sequin_provider import store
+from sequin_provider.backfill import server_lock
 from sequin_provider.config import load_config
 from sequin_provider.operators.backfill import SequinBackfillOperator
+from sequin_provider.operators.backfill_server import SequinBackfillServerOperator
 from sequin_provider.operators.buffer import SequinBufferRetryOperator
 from sequin_provider.operators.replay import SequinReplayOperator
 from sequin_provider.operators.replication import SequinReplicationOperator
 from sequin_provider.provisioning import initialize
 from sequin_provider.sensors.sequin import ParkedMessagesSensor, ReplicationSlotLagSensor, StreamHeartbeatSensor
-from tests.support.airflow import Webhook, sequin_connection
+from tests.support.airflow import Webhook, no_process_left, sequin_connection
 from tests.support.config import write_config
 from tests.support.postgres import execute, sink_messages
 from tests.support.stream_app import StreamApp
 
 ROOT = Path(__file__).resolve().parents[3]
 DAGS = ROOT / "dags"
-DAG_IDS = {"sequin_backfill", "sequin_replay", "sequin_replication", "sequin_monitoring", "sequin_buffer_retry"}
+DAG_IDS = {
+    "sequin_backfill",
+    "sequin_backfill_server",
+    "sequin_replay",
+    "sequin_replication",
+    "sequin_monitoring",
+    "sequin_buffer_retry",
+}
 
 RUNNER = """
 import json, os, sys, traceback
@@ -107,6 +117,7 @@ def test_dags_folder_imports_the_five_dags_with_their_schedules() -> None:
         "sequin_backfill": None,
         "sequin_replay": "@daily",
         "sequin_replication": "@continuous",
+        "sequin_backfill_server": "@continuous",
         "sequin_monitoring": "*/5 * * * *",
         "sequin_buffer_retry": "* * * * *",
     }
@@ -628,6 +639,58 @@ def test_dag_test_supervisor_that_gives_up_fails_and_alerts(
     assert "sinks[0].filter: invalid SQL" in alert["exception"], alert
 
 
+def server_lock_held(dsn: str) -> bool:
+    """Whether the backfill server of database ``app`` holds its lock (looked at, not taken)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return server_lock(dsn, "sequin", "app").seen_held(conn)
+
+
+def test_dag_test_backfill_goes_to_the_supervised_backfill_server(
+    dag_runner: DagRunner, connections: tuple[str, Path], tmp_path: Path
+) -> None:
+    """``sequin_backfill_server``'s operator keeps ``sequin backfill serve`` up; a backfill triggered
+    through ``sequin_backfill`` then goes to it (no spark-submit of its own) and delivers every row
+    exactly; ``on_kill`` stops the server and frees its locks."""
+    dsn, _ = connections
+    (op,) = dagbag().dags["sequin_backfill_server"].tasks
+    assert isinstance(op, SequinBackfillServerOperator)
+    op.driver_memory, op.poll_interval, op.start_timeout = "1g", 0.5, 300
+    outcome: dict[str, Any] = {}
+
+    def supervise() -> None:
+        try:
+            outcome["result"] = op.execute(context={})
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=supervise, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: outcome or server_lock_held(dsn), 300, what="the supervised backfill server")
+        assert not outcome, outcome
+        log = tmp_path / "dag.log"
+        result = dag_test(dag_runner, "sequin_backfill", {"sink": "events_sink", "table": "events"}, log)
+        assert result["state"] == "success", result
+        text = log.read_text()
+        assert "goes to the backfill server of database 'app'" in text
+        assert "Spark-Submit cmd" not in text  # the task started no Spark app
+        final = backfill(dsn, int(result["tasks"]["backfill"]["xcom"]))
+        assert (final.state, final.rows_processed) == ("completed", 200)
+        reads = [
+            m
+            for m in sink_messages(dsn, "events_sink")
+            if m["metadata"]["idempotency_key"].startswith(f"backfill:{final.id}:")
+        ]
+        assert sorted(m["record"]["id"] for m in reads) == list(range(1, 201))
+        assert op.restarts == 0 and len(op.runs) == 1
+    finally:
+        op.on_kill()
+        thread.join(180)
+    assert "the supervisor was stopped" in str(outcome.get("error"))
+    assert all(no_process_left(run.pid) for run in op.runs)
+    assert not server_lock_held(dsn)
+
+
 # -- connections stored in Airflow's metadata database ------------------------------------------------
 
 META_PASSWORD = "pw-Meta-7f3k9q"
@@ -655,6 +718,7 @@ from datetime import datetime
 from airflow.sdk import DAG, task
 from sequin_provider.hooks.sequin import SequinHook
 from sequin_provider.operators.backfill import SequinBackfillOperator
+from sequin_provider.operators.backfill_server import SequinBackfillServerOperator
 
 with DAG("sequin_meta_connections", schedule=None, start_date=datetime(2025, 1, 1), catchup=False):
     @task
