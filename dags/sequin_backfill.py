@@ -4,18 +4,24 @@ Sends the rows a table holds now to one sink as ``read`` messages (docs/backfill
 every row in primary-key order; ``partial`` reads rows with ``sort_column >= start_position``.
 The stream app of the sink's database must be running.
 
-``sink`` and ``table`` are free strings, not drop-downs: the choices live in ``sequin.yaml``, and
-reading that file while the DAG is parsed is the parse-time I/O Airflow's DAG processor must not
-do (it parses every file every few seconds, in a process that may not even see the file). The
-operator checks them when the run starts and fails with the reason, e.g. ``unknown sink 'x'
-(configured sinks: orders, users)``. Connections: ``sequin_default`` and ``spark_default``.
+``sink`` and ``table`` are drop-downs of the sinks of ``sequin.yaml`` and of their tables when the
+DAG processor can read the file cheaply at parse time: ``$SEQUIN_CONFIG`` names a regular file of at
+most 1 MB that parses as YAML (``sequin_provider.dag_config``: no connection lookup, no network, no
+validation). Otherwise (unset, missing, unreadable, a FIFO) they are free text, since parse-time I/O
+that can fail or hang is what Airflow's DAG processor must not do. Either way the operator checks
+them when the run starts and fails with the reason, e.g. ``unknown sink 'x' (configured sinks:
+orders, users)``; the table list holds every sink's tables, each shown with the sinks that capture it.
+Connections: ``sequin_default`` and ``spark_default``.
 """
 
 from __future__ import annotations
 
 from airflow.sdk import Param, dag
 
+from sequin_provider.dag_config import configured_sink_tables, sink_choices, table_choices
 from sequin_provider.operators.backfill import SequinBackfillOperator
+
+SINKS = configured_sink_tables()  # None unless $SEQUIN_CONFIG is a small regular file (no other I/O)
 
 
 @dag(
@@ -26,12 +32,15 @@ from sequin_provider.operators.backfill import SequinBackfillOperator
     doc_md=__doc__,
     render_template_as_native_obj=True,  # unset fields stay None, max_query_ms stays an integer
     params={
-        "sink": Param(type="string", minLength=1, title="Sink", description="A sink of sequin.yaml."),
+        "sink": Param(
+            type="string", minLength=1, title="Sink", description="A sink of sequin.yaml.", **sink_choices(SINKS)
+        ),
         "table": Param(
             type="string",
             minLength=1,
             title="Table",
             description="One of the sink's tables: schema.table (public. if no schema).",
+            **table_choices(SINKS),
         ),
         "kind": Param(
             "full",

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
@@ -125,7 +126,8 @@ def test_dags_folder_imports_the_five_dags_with_their_schedules() -> None:
         assert bag.dags[dag_id].max_active_runs == 1 and not bag.dags[dag_id].catchup, dag_id
 
 
-def test_backfill_dag_form() -> None:
+def test_backfill_dag_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SEQUIN_CONFIG", raising=False)  # the sink and table fields are free text
     dag = dagbag().dags["sequin_backfill"]
     params = {name: dag.params.get_param(name) for name in dag.params}
     assert list(params) == ["sink", "table", "kind", "sort_column", "start_position", "max_query_ms", "where"]
@@ -256,8 +258,8 @@ def test_monitoring_thresholds_render_into_the_triggers() -> None:
     assert sensors["parked_messages"].build_trigger(None).threshold == 5
 
 
-def test_dag_files_do_no_io_at_parse_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Parsing must not touch Postgres, the network, the config file, connections or Variables."""
+def forbid_io(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make Postgres, the network, the config loader, connections and Variables fail the test."""
 
     def forbidden(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError(f"I/O at DAG parse time: {args!r}")
@@ -271,9 +273,76 @@ def test_dag_files_do_no_io_at_parse_time(monkeypatch: pytest.MonkeyPatch, tmp_p
     monkeypatch.setattr(sequin_provider.config, "load_config", forbidden)
     monkeypatch.setattr(BaseHook, "get_connection", classmethod(forbidden))
     monkeypatch.setattr(Variable, "get", staticmethod(forbidden))
+
+
+def test_dag_files_do_no_io_at_parse_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Parsing must not touch Postgres, the network, the config file, connections or Variables."""
+    forbid_io(monkeypatch)
     monkeypatch.setenv("SEQUIN_CONFIG", str(tmp_path / "missing.yaml"))
     bag = dagbag()
     assert bag.import_errors == {} and set(bag.dag_ids) == DAG_IDS
+
+
+FORM_CONFIG = """
+databases: [{name: app, conn_id: never_looked_up}]
+sinks:
+  - {name: orders, tables: [orders, {name: billing.invoices}], destination: {type: sequin_stream}}
+  - {name: audit, tables: [public.orders], destination: {type: webhook, url: "${UNSET_URL}"}}
+"""
+
+
+def form_fields(monkeypatch: pytest.MonkeyPatch, config: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The JSON schemas of ``sequin_backfill``'s sink and table fields with ``SEQUIN_CONFIG=config``,
+    parsed with every other I/O forbidden."""
+    monkeypatch.setenv("SEQUIN_CONFIG", str(config))
+    with monkeypatch.context() as no_io:
+        forbid_io(no_io)
+        bag = dagbag()
+    assert bag.import_errors == {}
+    params = bag.dags["sequin_backfill"].params
+    return params.get_param("sink").schema, params.get_param("table").schema
+
+
+def test_backfill_form_offers_the_configured_sinks_and_tables(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A small readable ``$SEQUIN_CONFIG``: drop-downs of its sinks and of their tables (no connection
+    looked up, no environment substituted, nothing validated); the choices hold at trigger time."""
+    config = tmp_path / "sequin.yaml"
+    config.write_text(FORM_CONFIG)
+    sink, table = form_fields(monkeypatch, config)
+    assert sink["enum"] == ["orders", "audit"]
+    assert sink["values_display"] == {
+        "orders": "orders (public.orders, billing.invoices)",
+        "audit": "audit (public.orders)",
+    }
+    assert table["enum"] == ["public.orders", "billing.invoices"]
+    assert table["values_display"] == {
+        "public.orders": "public.orders (sinks: orders, audit)",
+        "billing.invoices": "billing.invoices (sinks: orders)",
+    }
+    params = dagbag().dags["sequin_backfill"].params
+    assert params.get_param("sink").resolve("audit") == "audit"
+    with pytest.raises(Exception, match="nope"):
+        params.get_param("sink").resolve("nope")
+
+
+@pytest.mark.parametrize("kind", ["missing", "fifo", "too large", "malformed", "not a config"])
+def test_backfill_form_falls_back_to_free_text(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kind: str) -> None:
+    """A ``$SEQUIN_CONFIG`` that is missing, a FIFO (reading it would hang), over 1 MB, malformed or
+    of another shape: the sink and table fields are free text, and parsing does not wait."""
+    config = tmp_path / "sequin.yaml"
+    if kind == "fifo":
+        os.mkfifo(config)
+    elif kind == "too large":
+        config.write_text(FORM_CONFIG + "#" * (1 << 20))
+    elif kind == "malformed":
+        config.write_text("sinks: [unclosed")
+    elif kind == "not a config":
+        config.write_text("sinks: {orders: x}")
+    started = time.monotonic()
+    sink, table = form_fields(monkeypatch, config)
+    assert time.monotonic() - started < 60
+    for field in (sink, table):
+        assert field["type"] == "string" and "enum" not in field and "values_display" not in field
 
 
 # -- dag.test() --------------------------------------------------------------------------------------
