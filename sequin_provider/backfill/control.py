@@ -369,6 +369,24 @@ def check_backfill_source(source: psycopg.Connection[Any]) -> None:
         )
 
 
+def backfill_rate(backfill: store.Backfill) -> float | None:
+    """Rows per second of a backfill since it started (to its end, or its last progress), or None
+    before it has read a row."""
+    if backfill.started_at is None or not backfill.rows_processed:
+        return None
+    end = backfill.finished_at or backfill.updated_at
+    seconds = (end - backfill.started_at).total_seconds() if end else 0
+    return backfill.rows_processed / seconds if seconds > 0 else None
+
+
+def backfill_eta_seconds(backfill: store.Backfill, rate: float | None) -> int | None:
+    """Seconds a running backfill needs for its estimated rows left at ``rate``, or None."""
+    done, total = backfill.rows_processed, backfill.rows_initial
+    if backfill.state != "running" or not total or not rate or rate <= 0 or total <= done:
+        return None
+    return int((total - done) / rate)
+
+
 def progress_line(backfill: store.Backfill, rate: float | None = None) -> str:
     """``rows done / estimated total (percent), rows/s, ETA`` of a backfill, for logs and the CLI."""
     done = backfill.rows_processed
@@ -378,14 +396,12 @@ def progress_line(backfill: store.Backfill, rate: float | None = None) -> str:
         parts[-1] += f" ({min(100.0, 100.0 * done / total):.1f}%)"
     if backfill.rows_emitted != done:
         parts.append(f"{backfill.rows_emitted:,} emitted")
-    if rate is None and backfill.started_at is not None and done:
-        end = backfill.finished_at or backfill.updated_at
-        seconds = (end - backfill.started_at).total_seconds() if end else 0
-        rate = done / seconds if seconds > 0 else None
+    if rate is None:
+        rate = backfill_rate(backfill)
     if rate is not None:
         parts.append(f"{rate:,.0f} rows/s")
-        if backfill.state == "running" and total and rate > 0 and total > done:
-            eta = int((total - done) / rate)
+        eta = backfill_eta_seconds(backfill, rate)
+        if eta is not None:
             parts.append(f"ETA {eta // 3600}:{eta % 3600 // 60:02d}:{eta % 60:02d}")
     if backfill.error:
         parts.append(f"error: {backfill.error}")

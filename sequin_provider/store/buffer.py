@@ -261,9 +261,13 @@ def record_parked_failure(
 
 
 def list_buffered(
-    conn: psycopg.Connection[Any], schema: str, sink: str | None = None, state: str | None = None
+    conn: psycopg.Connection[Any],
+    schema: str,
+    sink: str | None = None,
+    state: str | None = None,
+    limit: int | None = None,
 ) -> list[Parked]:
-    """Buffered messages (parked and discarded), by sink and position."""
+    """Buffered messages (parked and discarded), by sink and position (the first ``limit``)."""
     where = [sql.SQL("true")]
     params: list[Any] = []
     if sink:
@@ -272,11 +276,10 @@ def list_buffered(
     if state:
         where.append(sql.SQL("state = %s"))
         params.append(state)
+    query = "SELECT " + PARKED_COLUMNS + " FROM {} WHERE {} ORDER BY sink, commit_lsn, commit_idx LIMIT %s"
     rows = conn.execute(
-        sql.SQL("SELECT " + PARKED_COLUMNS + " FROM {} WHERE {} ORDER BY sink, commit_lsn, commit_idx").format(
-            sql.SQL("{}.buffered_messages").format(ident(schema)), sql.SQL(" AND ").join(where)
-        ),
-        params,
+        sql.SQL(query).format(sql.SQL("{}.buffered_messages").format(ident(schema)), sql.SQL(" AND ").join(where)),
+        [*params, limit],
     ).fetchall()
     return [Parked(*r) for r in rows]
 
@@ -308,5 +311,20 @@ def set_buffered_state(
                 " WHERE sink = %s AND state = %s AND (%s::text IS NULL OR group_id = %s)"
             ).format(ident(schema)),
             (to_state, to_state, to_state, to_state, sink, from_state, group, group),
+        )
+    return cur.rowcount
+
+
+def make_parked_due(conn: psycopg.Connection[Any], schema: str, sink: str, group: str | None = None) -> int:
+    """Make a sink's (or one group's) parked messages due for their next attempt now (a retry by hand
+    does not wait for the backoff); their attempts are kept. Returns how many."""
+    with conn.transaction():
+        cur = conn.execute(
+            sql.SQL(
+                "UPDATE {}.buffered_messages SET next_attempt_at = now(), updated_at = now()"
+                " WHERE sink = %s AND state = 'parked' AND next_attempt_at > now()"
+                " AND (%s::text IS NULL OR group_id = %s)"
+            ).format(ident(schema)),
+            (sink, group, group),
         )
     return cur.rowcount
