@@ -106,6 +106,7 @@ def view_snapshot(config: SequinConfig) -> dict[str, Any]:
                 entry.update(
                     rows_per_second=status.get("rows_per_sec"),
                     last_batch_at=_iso(status.get("last_batch_at")),
+                    heartbeat_at=_iso(status.get("heartbeat_at")),
                     heartbeat_age_seconds=_age_seconds(status.get("heartbeat_at"), now),
                     changes_total=status.get("total_rows"),
                 )
@@ -123,6 +124,7 @@ def view_snapshot(config: SequinConfig) -> dict[str, Any]:
                             "discarded": buffered.get("discarded", 0),
                             "rows_per_second": entry.get("rows_per_second"),
                             "lag_bytes": entry.get("lag_bytes"),
+                            "heartbeat_at": entry.get("heartbeat_at"),
                             "heartbeat_age_seconds": entry.get("heartbeat_age_seconds"),
                         }
                     )

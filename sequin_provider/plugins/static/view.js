@@ -1,11 +1,15 @@
 // The Sequin view: polls `data` (JSON) and renders it; its buttons POST to `action`.
 // Every value is data (errors hold user data): it goes into the page as text (textContent),
 // never as markup. The API token is an HttpOnly cookie: this script never sees it.
+// Rows are keyed and patched cell by cell, so a cell that did not change (a button under the
+// pointer) stays the same element across refreshes. No window.confirm: Airflow frames the view in
+// a sandbox without modals, so Discard asks for a second click instead.
 "use strict";
 
 const REFRESH_MS = 2000;
+const ARM_MS = 5000;
 let timer = null;
-let shown = null; // the data on the page (without its time): unchanged data is not rendered again
+const armed = new Map(); // "discard|sink|group" -> until when a second click discards
 
 function el(tag, text, cls) {
   const node = document.createElement(tag);
@@ -14,61 +18,87 @@ function el(tag, text, cls) {
   return node;
 }
 
+function present(value) {
+  return value !== null && value !== undefined;
+}
+
 function num(value) {
-  return value === null || value === undefined ? "" : Number(value).toLocaleString("en-US");
+  return present(value) ? Number(value).toLocaleString("en-US") : "";
 }
 
 function duration(seconds) {
-  if (seconds === null || seconds === undefined) return "";
+  if (!present(seconds)) return "";
   const s = Math.max(0, Math.round(seconds));
   const h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60), r = s % 60;
   return `${h}:${String(m).padStart(2, "0")}:${String(r).padStart(2, "0")}`;
 }
 
-// An ISO time as "in h:mm:ss" / "h:mm:ss ago" from the snapshot's time (the full time in its title);
-// updated on every refresh, also when nothing else changed.
-function relative(iso, now) {
+// An ISO time as "in h:mm:ss" / "h:mm:ss ago" from the snapshot's time, the full time in its title.
+function when(iso, now, prefix) {
   const seconds = (Date.parse(iso) - Date.parse(now)) / 1000;
-  return seconds >= 0 ? `in ${duration(seconds)}` : `${duration(-seconds)} ago`;
+  const span = el("span", `${prefix || ""}${seconds >= 0 ? `in ${duration(seconds)}` : `${duration(-seconds)} ago`}`);
+  span.title = iso;
+  return span;
 }
 
-function when(iso, now) {
-  if (!iso) return "";
-  const td = el("td", relative(iso, now), "when");
-  td.dataset.at = iso;
-  td.title = iso;
+function cell(content, cls) {
+  const td = el("td", null, cls);
+  for (const part of Array.isArray(content) ? content : [content]) {
+    if (part instanceof Node) td.appendChild(part);
+    else if (present(part) && part !== "") td.appendChild(document.createTextNode(String(part)));
+  }
   return td;
 }
 
-function row(cells) {
-  const tr = document.createElement("tr");
-  for (const cell of cells) {
-    if (cell instanceof Node) {
-      tr.appendChild(cell);
-    } else {
-      const [text, cls] = Array.isArray(cell) ? cell : [cell, ""];
-      tr.appendChild(el("td", text, cls));
-    }
-  }
+function row(key, cells, cls) {
+  const tr = el("tr", null, cls);
+  tr.dataset.key = key;
+  for (const c of cells) tr.appendChild(c instanceof Node ? c : cell(c));
   return tr;
 }
 
+// Put `rows` into the table's body, keeping the rows and cells that did not change.
 function fill(id, rows, columns) {
   const body = document.querySelector(`#${id} tbody`);
-  body.replaceChildren(...rows);
   if (!rows.length) {
     const td = el("td", "none");
     td.colSpan = columns;
-    body.appendChild(row([td]));
+    rows = [row("", [td])];
+  }
+  const old = new Map([...body.children].map((tr) => [tr.dataset.key, tr]));
+  const kept = rows.map((tr) => {
+    const current = old.get(tr.dataset.key);
+    if (!current || current.cells.length !== tr.cells.length) return tr;
+    [...tr.cells].forEach((td, i) => {
+      if (!current.cells[i].isEqualNode(td)) current.cells[i].replaceWith(td);
+    });
+    for (const [name, value] of Object.entries(tr.dataset)) current.dataset[name] = value;
+    return current;
+  });
+  if (kept.length !== body.children.length || kept.some((tr, i) => body.children[i] !== tr)) {
+    body.replaceChildren(...kept);
   }
 }
 
 function button(label, action, sink, group, title) {
-  const b = el("button", label);
+  const key = `${action}|${sink}|${group ?? ""}`;
+  const confirming = (armed.get(key) || 0) > Date.now();
+  const b = el("button", confirming ? `Click again to ${label.toLowerCase()}` : label, `action-${action}`);
   b.type = "button";
-  b.className = `action-${action}`;
   b.title = title;
-  b.addEventListener("click", () => act(action, sink, group, b));
+  b.addEventListener("click", () => {
+    if (action === "discard" && !((armed.get(key) || 0) > Date.now())) {
+      armed.set(key, Date.now() + ARM_MS);
+      b.textContent = `Click again to ${label.toLowerCase()}`;
+      setTimeout(() => {
+        armed.delete(key);
+        b.textContent = label;
+      }, ARM_MS);
+      return;
+    }
+    armed.delete(key);
+    act(action, sink, group, b);
+  });
   return b;
 }
 
@@ -79,45 +109,37 @@ function notice(text, kind) {
 }
 
 function progressCell(b) {
-  const td = el("td");
-  const bar = el("div", null, b.percent === null ? "bar unknown" : "bar");
+  const bar = el("div", null, present(b.percent) ? "bar" : "bar unknown");
   bar.setAttribute("role", "progressbar");
   bar.setAttribute("aria-valuemin", "0");
   bar.setAttribute("aria-valuemax", "100");
-  const fillDiv = el("div");
-  if (b.percent !== null) {
+  const inner = el("div");
+  if (present(b.percent)) {
     bar.setAttribute("aria-valuenow", String(b.percent));
-    fillDiv.style.width = `${b.percent}%`;
+    inner.style.width = `${b.percent}%`;
   }
-  bar.appendChild(fillDiv);
-  td.appendChild(bar);
+  bar.appendChild(inner);
   const total = b.rows_total ? ` / ${num(b.rows_total)}` : "";
-  const pct = b.percent !== null ? ` (${b.percent.toFixed(1)}%)` : "";
-  td.appendChild(el("div", `${num(b.rows_done)}${total} rows${pct}`, "rows"));
+  const pct = present(b.percent) ? ` (${b.percent.toFixed(1)}%)` : "";
+  const td = cell([bar, el("div", `${num(b.rows_done)}${total} rows${pct}`, "rows")]);
   td.title = b.progress;
   return td;
 }
 
 function render(data) {
-  document.getElementById("updated").textContent = `updated ${new Date(data.generated_at).toLocaleTimeString()}`;
-  const same = JSON.stringify({ ...data, generated_at: null });
-  if (same === shown) {
-    for (const td of document.querySelectorAll("td.when")) td.textContent = relative(td.dataset.at, data.generated_at);
-    return;
-  }
-  shown = same;
+  const now = data.generated_at;
   fill(
     "databases",
     data.databases.map((d) =>
-      row([
+      row(d.database, [
         d.database,
         d.slot,
-        d.active === undefined ? "" : d.active ? "yes" : "no",
-        [num(d.lag_bytes), "num"],
-        [d.rows_per_second === null || d.rows_per_second === undefined ? "" : num(Math.round(d.rows_per_second)), "num"],
-        d.last_batch_at ? when(d.last_batch_at, data.generated_at) : "",
-        duration(d.heartbeat_age_seconds),
-        [[d.error, d.store_error].filter(Boolean).join("; "), "msg error"],
+        present(d.active) ? (d.active ? "yes" : "no") : "",
+        cell(num(d.lag_bytes), "num"),
+        cell(present(d.rows_per_second) ? num(Math.round(d.rows_per_second)) : "", "num"),
+        cell(d.last_batch_at ? when(d.last_batch_at, now) : ""),
+        cell(d.heartbeat_at ? when(d.heartbeat_at, now) : ""),
+        cell([d.error, d.store_error].filter(Boolean).join("; "), "msg error"),
       ]),
     ),
     8,
@@ -125,14 +147,13 @@ function render(data) {
   fill(
     "sinks",
     data.sinks.map((s) => {
-      const actions = el("td");
-      if (s.parked) actions.appendChild(button("Retry parked", "retry", s.name, null, "retry this sink's parked messages now"));
       const counts = Object.entries(s.counts || {}).map(([k, v]) => `${num(v)} ${k}`).join(", ");
-      const rate = s.rows_per_second === null || s.rows_per_second === undefined ? "" : `${num(Math.round(s.rows_per_second))} rows/s (${s.database})`;
-      const lag = [s.lag_bytes === null || s.lag_bytes === undefined ? "" : `${num(s.lag_bytes)} bytes`,
-        s.heartbeat_age_seconds === null || s.heartbeat_age_seconds === undefined ? "" : `heartbeat ${duration(s.heartbeat_age_seconds)} ago`]
-        .filter(Boolean).join(", ");
-      const tr = row([s.name, s.type, s.tables.join(", "), rate, lag, counts, [num(s.parked), "num"], [num(s.discarded), "num"], [s.destination || "", "msg"], actions]);
+      const rate = present(s.rows_per_second) ? `${num(Math.round(s.rows_per_second))} rows/s (${s.database})` : "";
+      const lag = present(s.lag_bytes) ? [`${num(s.lag_bytes)} bytes`] : [];
+      if (s.heartbeat_at) lag.push(when(s.heartbeat_at, now, lag.length ? ", heartbeat " : "heartbeat "));
+      const retry = s.parked ? button("Retry parked", "retry", s.name, null, "retry this sink's parked messages now") : "";
+      const tr = row(s.name, [s.name, s.type, s.tables.join(", "), rate, cell(lag), counts,
+        cell(num(s.parked), "num"), cell(num(s.discarded), "num"), cell(s.destination || "", "msg"), cell(retry)]);
       tr.dataset.sink = s.name;
       return tr;
     }),
@@ -141,9 +162,9 @@ function render(data) {
   fill(
     "backfills",
     data.backfills.map((b) => {
-      const tr = row([b.id, b.sink, b.table, b.kind, b.state, progressCell(b),
-        [b.rows_per_second === null ? "" : num(Math.round(b.rows_per_second)), "num"],
-        [b.eta_seconds === null ? "" : duration(b.eta_seconds), "eta"], [b.error || "", "msg error"]]);
+      const tr = row(String(b.id), [b.id, b.sink, b.table, b.kind, b.state, progressCell(b),
+        cell(present(b.rows_per_second) ? num(Math.round(b.rows_per_second)) : "", "num"),
+        cell(present(b.eta_seconds) ? duration(b.eta_seconds) : "", "eta"), cell(b.error || "", "msg error")]);
       tr.id = `backfill-${b.id}`;
       return tr;
     }),
@@ -154,21 +175,20 @@ function render(data) {
   fill(
     "buffered",
     data.buffered.map((m) => {
-      const actions = el("td");
-      if (m.state === "parked") {
-        actions.appendChild(button("Retry", "retry", m.sink, m.group, "retry this group now (and the sink's other due messages)"));
-        actions.appendChild(button("Discard", "discard", m.sink, m.group, "give up this group's parked messages (kept as discarded)"));
-      } else {
-        actions.appendChild(button("Requeue", "requeue", m.sink, m.group, "put this group's discarded messages back in line"));
-      }
-      const tr = row([m.sink, m.position, m.group, m.state, [m.attempts, "num"], m.state === "parked" ? when(m.next_attempt_at, data.generated_at) : "", [m.error || "", "msg error"], actions]);
+      const actions = m.state === "parked"
+        ? [button("Retry", "retry", m.sink, m.group, "retry this group now (and the sink's other due messages)"),
+          button("Discard", "discard", m.sink, m.group, "give up this group's parked messages (kept as discarded)")]
+        : [button("Requeue", "requeue", m.sink, m.group, "put this group's discarded messages back in line")];
+      const next = m.state === "parked" && m.next_attempt_at ? when(m.next_attempt_at, now) : "";
+      const tr = row(`${m.sink}|${m.position}`, [m.sink, m.position, m.group, m.state, cell(m.attempts, "num"),
+        cell(next), cell(m.error || "", "msg error"), cell(actions)], "buffered-message");
       tr.dataset.sink = m.sink;
       tr.dataset.group = m.group;
-      tr.className = "buffered-message";
       return tr;
     }),
     8,
   );
+  document.getElementById("updated").textContent = `updated ${new Date(now).toLocaleTimeString()}`;
 }
 
 function sessionLost() {
@@ -191,9 +211,9 @@ async function refresh() {
 }
 
 async function act(action, sink, group, source) {
-  if (action === "discard" && !window.confirm(`Discard the parked messages of ${sink}${group ? ` group ${group}` : ""}?`)) return;
+  const what = `${action} ${sink}${group ? ` / ${group}` : ""}`;
   if (source) source.disabled = true;
-  notice(`${action} ${sink}${group ? ` / ${group}` : ""}…`);
+  notice(`${what}…`);
   try {
     const response = await fetch("action", {
       method: "POST",
@@ -204,10 +224,11 @@ async function act(action, sink, group, source) {
     if (response.status === 401 || response.status === 403) return sessionLost();
     const body = await response.json();
     if (!response.ok) throw new Error(body.detail || `HTTP ${response.status}`);
-    notice(`${action} ${sink}${group ? ` / ${group}` : ""}: ${body.message}`, "ok");
+    notice(`${what}: ${body.message}`, "ok");
   } catch (err) {
-    notice(`${action} failed: ${err.message}`, "error");
+    notice(`${what} failed: ${err.message}`, "error");
   }
+  if (source) source.disabled = false;
   refresh();
 }
 

@@ -4,7 +4,9 @@
 The plugin's app is mounted as Airflow mounts it and served by uvicorn; the store is a real
 Postgres holding a running backfill and a parked message. The page must show the backfill's
 progress bar and ETA, follow its progress without a reload, show the parked message's error as
-text, and deliver the message to its webhook when its Retry button is clicked. A screenshot goes
+text, deliver the message to its webhook when its Retry button is clicked, and discard another
+after a second click. Past the check that a ``?token=`` URL is refused, the view runs framed as
+Airflow's UI frames it (a sandboxed iframe). A screenshot goes
 into the test's ``tmp_path`` (its path is printed) and to ``build/screenshots/sequin-view.png``.
 """
 
@@ -23,6 +25,7 @@ import psycopg
 import pytest
 import uvicorn
 from fastapi import FastAPI
+from fastapi.responses import HTMLResponse
 
 from devtools.embedded_postgres import free_port
 from sequin_provider import store, stream_queue
@@ -52,11 +55,26 @@ def wait_for(check: Callable[[], Any], timeout: float = 20.0, what: str = "the c
         time.sleep(0.1)
 
 
+AIRFLOW_SANDBOX = "allow-scripts allow-same-origin allow-forms allow-downloads"
+"""The ``sandbox`` of the iframe Airflow 3's UI shows a plugin's nav view in (``/plugin/<url_route>``):
+no ``allow-modals``, so the view cannot use ``window.confirm``."""
+
+
 class Server:
-    """The plugin's app mounted at ``/sequin`` (as Airflow mounts it), served by uvicorn in a thread."""
+    """The plugin's app mounted at ``/sequin`` (as Airflow mounts it), served by uvicorn in a thread,
+    and at ``/`` a page framing the view as Airflow's UI does."""
 
     def __init__(self) -> None:
         app = FastAPI()
+
+        @app.get("/", response_class=HTMLResponse)
+        async def airflow_like_frame() -> str:
+            return (
+                "<!doctype html><title>Airflow</title><body style='margin:0;overflow:hidden'>"
+                f"<iframe id='view' sandbox='{AIRFLOW_SANDBOX}' src='{URL_PREFIX}/ui/'"
+                " style='display:block;border:none;width:100%;height:100vh'></iframe></body>"
+            )
+
         app.mount(URL_PREFIX, LazySequinApp())
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
@@ -65,6 +83,10 @@ class Server:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}{URL_PREFIX}/ui/"
+
+    @property
+    def frame_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/"
 
     def __enter__(self) -> Server:
         self.thread.start()
@@ -149,13 +171,16 @@ def test_view_in_headless_chromium_shows_progress_and_retries_a_parked_message(
             assert "not accepted in URLs" in browser.find_element(By.ID, "token-in-url").text
             assert browser.get_cookies() == []
 
-            field = browser.find_element(By.NAME, "token")
+            # The rest in the view as Airflow shows it: in a sandboxed iframe.
+            browser.get(server.frame_url)
+            browser.switch_to.frame(browser.find_element(By.ID, "view"))
+            field = wait_for(lambda: browser.find_element(By.NAME, "token"), what="the token form")
             field.send_keys(token)
             field.submit()
             (cookie,) = wait_for(browser.get_cookies, what="the token cookie")
             assert (cookie["name"], cookie["httpOnly"], cookie["sameSite"]) == ("sequin_token", True, "Strict")
             assert browser.execute_script("return document.cookie") == ""  # the page's script cannot read it
-            assert token not in browser.current_url
+            assert token not in browser.execute_script("return location.href")
 
             # The page re-renders what changed every 2 s: each look finds its elements again (wait_for
             # retries one that went stale between finding and reading).
@@ -213,6 +238,29 @@ def test_view_in_headless_chromium_shows_progress_and_retries_a_parked_message(
             )
             with psycopg.connect(dsn) as conn:
                 assert store.list_buffered(conn, "sequin") == []
-            browser.save_screenshot(str(tmp_path / "sequin-view-after-retry.png"))
+
+            # Discard asks for a second click (no window.confirm in Airflow's sandbox), then the
+            # message stays as discarded with its error and a Requeue button.
+            with psycopg.connect(dsn) as conn:
+                row = store.ParkRow("kv_hook", 800, 0, "kv:8", "800:0", "{}", None, 1, "HTTP 400", delay=600.0)
+                store.park_messages(conn, "sequin", [row])
+            discard = "tr.buffered-message button.action-discard"
+            wait_for(lambda: browser.find_element(By.CSS_SELECTOR, discard).click() or True, what="Discard")
+            wait_for(
+                lambda: browser.find_element(By.CSS_SELECTOR, discard).text == "Click again to discard",
+                what="the Discard button to ask again",
+            )
+            with psycopg.connect(dsn) as conn:
+                assert [m.state for m in store.list_buffered(conn, "sequin")] == ["parked"]
+            wait_for(lambda: browser.find_element(By.CSS_SELECTOR, discard).click() or True, what="Discard again")
+            wait_for(
+                lambda: browser.find_elements(By.CSS_SELECTOR, "tr.buffered-message button.action-requeue"),
+                what="the discarded message's Requeue",
+            )
+            with psycopg.connect(dsn) as conn:
+                (gone,) = store.list_buffered(conn, "sequin")
+            assert (gone.group_id, gone.state, gone.last_error) == ("kv:8", "discarded", "HTTP 400 (discarded by hand)")
+            assert receiver.messages() == delivered
+            browser.save_screenshot(str(tmp_path / "sequin-view-after-retry-and-discard.png"))
     finally:
         receiver.stop()
