@@ -152,6 +152,23 @@ class StreamConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """Where the processes serve Prometheus ``/metrics`` (``metrics.md``): the stream app and the backfill
+    server on a port of their own (None: not served), the pull API on its own app (``api``)."""
+
+    host: str = "0.0.0.0"
+    stream_port: int | None = None
+    backfill_port: int | None = None
+    api: bool = True
+
+    def port(self, process: str, offset: int = 0) -> int | None:
+        """The port of ``process`` (``stream`` or ``backfill``) for the app of the database at index
+        ``offset`` of the config (each database's app is a process of its own), or None when off."""
+        base = self.stream_port if process == "stream" else self.backfill_port
+        return None if base is None else base + offset
+
+
+@dataclass(frozen=True)
 class SequinConfig:
     """The whole configuration file."""
 
@@ -160,6 +177,7 @@ class SequinConfig:
     store: StoreConfig = StoreConfig()
     stream: StreamConfig = StreamConfig()
     source: str = DEFAULT_CONFIG_PATH
+    metrics: MetricsConfig = MetricsConfig()
 
     def database(self, name: str | None = None) -> DatabaseConfig:
         """The named database, or the only one."""
@@ -511,7 +529,7 @@ def parse_config(
     """Validate a parsed YAML document and return the typed config; ``conn_id``s are resolved by
     ``resolve_conn_id`` (default: ``AIRFLOW_CONN_<ID>`` of ``environ``)."""
     r = _Reader(source, environ, resolve_conn_id)
-    top = r.mapping(data, "", {"databases", "store", "sinks", "stream"}, {"databases"})
+    top = r.mapping(data, "", {"databases", "store", "sinks", "stream", "metrics"}, {"databases"})
     raw_dbs = top["databases"]
     if not isinstance(raw_dbs, list) or not raw_dbs:
         raise r.fail("databases", "expected a non-empty list")
@@ -586,7 +604,32 @@ def parse_config(
             stream_raw.get("store_retry_timeout", defaults.store_retry_timeout), "stream.store_retry_timeout"
         ),
     )
-    return SequinConfig(databases=tuple(databases), sinks=sinks, store=store, stream=stream, source=source)
+    return SequinConfig(
+        databases=tuple(databases),
+        sinks=sinks,
+        store=store,
+        stream=stream,
+        source=source,
+        metrics=_parse_metrics(r, top.get("metrics") or {}, len(databases)),
+    )
+
+
+def _parse_metrics(r: _Reader, value: Any, databases: int) -> MetricsConfig:
+    """The ``metrics:`` mapping: ports are 1..65535, and a port per database (``port + index``) must fit."""
+    raw = r.mapping(value, "metrics", {"host", "stream_port", "backfill_port", "api"})
+    defaults = MetricsConfig()
+    ports: dict[str, int | None] = {}
+    for key in ("stream_port", "backfill_port"):
+        port = raw.get(key)
+        ports[key] = None if port is None else r.integer(port, f"metrics.{key}", 1, 65536 - databases)
+    if ports["stream_port"] is not None and ports["stream_port"] == ports["backfill_port"]:
+        raise r.fail("metrics.backfill_port", "must differ from metrics.stream_port")
+    return MetricsConfig(
+        host=r.string(raw.get("host", defaults.host), "metrics.host"),
+        stream_port=ports["stream_port"],
+        backfill_port=ports["backfill_port"],
+        api=r.boolean(raw.get("api", defaults.api), "metrics.api"),
+    )
 
 
 def load_config(

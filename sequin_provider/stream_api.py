@@ -35,12 +35,14 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from psycopg_pool import ConnectionPool, PoolTimeout
 from pydantic import BaseModel, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from sequin_provider import stream_queue
 from sequin_provider.config import SequinConfig
+from sequin_provider.metrics.api import ApiMetrics
 from sequin_provider.receive_params import InvalidReceiveParameter, ReceiveParams, parse_receive
 from sequin_provider.store import VISIBLE_CHANNEL
 
@@ -178,6 +180,12 @@ class StreamService:
         }
         self.token_dsn = config.store_dsn(config.databases[0].name)
         self.schema = config.store.schema
+        self.metrics = ApiMetrics(
+            list(self.streams),
+            {s.name: (s.database, config.store_dsn(s.database)) for s in config.sinks if s.name in self.streams},
+            config.store.schema,
+        )
+        """This process's counters (``metrics.api``); ``/metrics`` serves them when ``metrics.api`` is on."""
         dsns = {s.store_dsn for s in self.streams.values()} | {self.token_dsn}
         self.pools = {
             dsn: ConnectionPool(
@@ -336,6 +344,7 @@ class StreamService:
         if self._stopping:
             return []
         if self._waiting.get(stream.name, 0) >= stream.max_waiting:
+            self.metrics.rejected.labels(stream.name).inc()
             raise ApiError(
                 429,
                 "too_many_requests",
@@ -392,11 +401,13 @@ class StreamService:
         return got
 
     async def ack(self, stream: Stream, ack_ids: list[uuid.UUID]) -> int:
-        return int(
+        count = int(
             await run_in_threadpool(
                 self._run, stream, lambda conn: stream_queue.ack(conn, stream.schema, stream.name, ack_ids)
             )
         )
+        self.metrics.acked.labels(stream.name).inc(count)
+        return count
 
     async def nack(self, stream: Stream, ack_ids: list[uuid.UUID]) -> int:
         count = int(
@@ -405,6 +416,7 @@ class StreamService:
             )
         )
         self._set_event(stream.name)  # nacked messages are deliverable now
+        self.metrics.nacked.labels(stream.name).inc(count)
         return count
 
 
@@ -546,6 +558,9 @@ def create_app(config: SequinConfig, service: StreamService | None = None) -> Fa
         except InvalidReceiveParameter as exc:
             raise ApiError(400, "bad_request", str(exc)) from None
         got = await service.receive(stream, asked.batch_size, asked.wait_for_ms, ClientConnection(request))
+        service.metrics.receives.labels(name).inc()
+        if got:
+            service.metrics.received.labels(name).inc(len(got))
         return Response(_deliveries_json(got), media_type="application/json")
 
     def settle_endpoint(operation: str) -> Callable[[str, Request], Awaitable[Response]]:
@@ -600,6 +615,13 @@ def create_app(config: SequinConfig, service: StreamService | None = None) -> Fa
     @app.get("/health", include_in_schema=False)
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    if config.metrics.api:
+
+        @app.get("/metrics", include_in_schema=False)
+        async def metrics() -> Response:
+            """Prometheus text (docs/metrics.md); the store is read off the event loop, with timeouts."""
+            return Response(await run_in_threadpool(service.metrics.render), media_type=CONTENT_TYPE_LATEST)
 
     def openapi() -> dict[str, Any]:
         """FastAPI's document, minus the 422 it adds by default: validation errors answer 400 here."""

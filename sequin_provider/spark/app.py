@@ -17,6 +17,7 @@ import psycopg
 from sequin_provider import store
 from sequin_provider.config import ConfigError, load_config
 from sequin_provider.logs import configure_logging
+from sequin_provider.metrics.core import serve_configured
 from sequin_provider.provisioning import initialize
 from sequin_provider.replication import ReplicationError
 
@@ -178,6 +179,12 @@ def run_stream_app(
         spark.stop()
         return 2
 
+    try:  # Prometheus /metrics on metrics.stream_port (docs/metrics.md)
+        metrics = serve_configured(config, "stream", config.databases.index(db), pipeline.metrics.registry)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        spark.stop()
+        return 2
     use_local_checkpoint_manager(spark, checkpoint_dir)
     spool = (
         str(Path(config.stream.spool_location) / db.name)
@@ -221,6 +228,8 @@ def run_stream_app(
     finally:
         finished.set()
         pipeline.close()
+        if metrics is not None:
+            metrics.close()
         spark.stop()
     return 0 if stopping.is_set() else 1
 

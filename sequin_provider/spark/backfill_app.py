@@ -452,6 +452,8 @@ def run_backfill_server_app(
     """``sequin backfill serve`` / ``spark_apps/backfill.py --serve``: the backfill server, until
     SIGTERM, SIGINT or its supervisor's exit; returns the exit code (0: stopped; 2: bad input;
     3: another server already serves one of the databases)."""
+    from sequin_provider.metrics.backfill import BackfillMetrics
+    from sequin_provider.metrics.core import serve_configured
     from sequin_provider.spark.app import BACKFILL_JAVA_OPTIONS, spark_session, stop_when_supervisor_exits
 
     configure_logging()
@@ -475,6 +477,12 @@ def run_backfill_server_app(
                 log.error("database %r already has a backfill server (%s)", name, lock.holder())
                 return 3
             locks.append(lock)
+        offset = [db.name for db in config.databases].index(databases[0]) if database else 0
+        try:  # Prometheus /metrics on metrics.backfill_port (docs/metrics.md)
+            metrics = serve_configured(config, "backfill", offset, BackfillMetrics(config, databases).registry)
+        except ConfigError as exc:
+            log.error("%s", exc)
+            return 2
         spark = spark_session("sequin-backfill-server", master, BACKFILL_JAVA_OPTIONS)
         try:
             warm_python_workers(spark)
@@ -496,6 +504,8 @@ def run_backfill_server_app(
         finally:
             finished.set()
             spark.stop()
+            if metrics is not None:
+                metrics.close()
         log.info("backfill server stopped")
         return 0
     finally:

@@ -46,6 +46,7 @@ from sequin_provider.delivery import (
 )
 from sequin_provider.message_render import RenderedRows, SinkRendering, outgoing, render, selection
 from sequin_provider.messages import CHANGE_FIELD_NAMES, CHANGE_SCHEMA_DDL, open_transaction_lsn
+from sequin_provider.metrics.stream import COMMIT_TIMESTAMP_PRECISION_MS, BatchReport, StreamMetrics
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
 from sequin_provider.sinks.stored import StoredSinkWriter, StreamTableWriter
 from sequin_provider.spark.poison import (
@@ -131,6 +132,45 @@ def _rendered(batch: pa.RecordBatch, i: int, rendering: SinkRendering) -> Render
     return render(selected, rendering, group)
 
 
+class CommitTimes:
+    """A task's commit timestamps for the commit-to-durable histogram: how many changes committed in
+    each ``COMMIT_TIMESTAMP_PRECISION_MS`` (value counts of the truncated ISO text, then parsed once per
+    distinct value), so the report is one entry per 10 ms of commits however many changes they hold."""
+
+    TEXT_LENGTH = len("2026-01-01T00:00:00.00")  # ``pgoutput.pg_timestamp_to_iso`` cut to 10 ms
+    PATTERN = r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d\d$"
+
+    def __init__(self) -> None:
+        self.parts: list[pa.StructArray] = []
+
+    def add(self, changes: pa.RecordBatch) -> None:
+        """Count the commit times of a batch of change rows."""
+        cut = pc.utf8_slice_codeunits(changes.column("commit_timestamp"), 0, self.TEXT_LENGTH)
+        self.parts.append(pc.value_counts(cut))
+
+    def report(self) -> tuple[list[int], list[int]]:
+        """(epoch milliseconds, changes) per distinct 10 ms; what cannot be parsed is left out."""
+        if not self.parts:
+            return [], []
+        table = (
+            pa.Table.from_arrays(
+                [
+                    pa.concat_arrays([p.field("values") for p in self.parts]),
+                    pa.concat_arrays([p.field("counts") for p in self.parts]),
+                ],
+                names=["at", "n"],
+            )
+            .group_by("at")
+            .aggregate([("n", "sum")])
+        )
+        table = table.filter(pc.match_substring_regex(table.column("at"), self.PATTERN))  # another format: left out
+        millis = pc.cast(pc.cast(table.column("at"), pa.timestamp("ms")), pa.int64())
+        return millis.to_pylist(), table.column("n_sum").to_pylist()
+
+
+assert COMMIT_TIMESTAMP_PRECISION_MS == 10, "CommitTimes.TEXT_LENGTH cuts the text to 10 ms"
+
+
 class StreamWriter:
     """Executor side: one COPY of a partition's stream rows, for every stored sink of a database
     (``sinks.stored.StreamTableWriter``, each sink's share made by its kind); with
@@ -166,8 +206,9 @@ class StreamWriter:
     def write(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         """``mapInArrow`` body: stream the partition into one COPY as its batches arrive, then send
         the push sinks' share of a spooled batch, and report (rows, written, max_lsn, store
-        seconds, delivered, parked)."""
+        seconds, delivered, parked, and per sink for the metrics)."""
         stats: dict[str, Any] = {"rows": 0, "min_lsn": None, "max_lsn": None, "open_lsn": None}
+        commit_times = CommitTimes()
         slices: list[tuple[str, int, int]] = []
         truncated: set[str] = set()
 
@@ -186,6 +227,7 @@ class StreamWriter:
                     if not changes.num_rows:
                         continue
                     stats["rows"] += changes.num_rows
+                    commit_times.add(changes)
                     span = pc.min_max(changes.column("commit_lsn"))
                     bottom, top = span["min"].as_py(), span["max"].as_py()
                     stats["min_lsn"] = bottom if stats["min_lsn"] is None else min(stats["min_lsn"], bottom)
@@ -209,10 +251,16 @@ class StreamWriter:
                 pass
         seconds = time.monotonic() - started
         delivered = pushed_parked = 0
-        for sink in self.sinks if slices else ():
+        copied, set_aside = (self.table.counts, self.table.parked_counts()) if self.copies else ({}, {})
+        sink_delivered = [copied.get(s.name, 0) for s in self.sinks]
+        sink_parked = [set_aside.get(s.name, 0) for s in self.sinks]
+        for i, sink in enumerate(self.sinks) if slices else ():
             if sink.destination.kind.pushed:
                 sent, held = push_writer(self.config_path, self.database, sink.name).write_share(slices)
                 delivered, pushed_parked = delivered + sent, pushed_parked + held
+                sink_delivered[i] += sent
+                sink_parked[i] += held
+        commit_ms, commit_counts = commit_times.report()
         yield pa.RecordBatch.from_pydict(
             {
                 "rows": [stats["rows"]],
@@ -223,6 +271,10 @@ class StreamWriter:
                 "parked": [pushed_parked],
                 "open_lsn": [stats["open_lsn"]],
                 "truncated": [sorted(truncated)],
+                "sink_delivered": [sink_delivered],
+                "sink_parked": [sink_parked],
+                "commit_ms": [commit_ms],
+                "commit_counts": [commit_counts],
             },
             schema=WRITE_RESULT_SCHEMA,
         )
@@ -310,6 +362,7 @@ class PushWriter:
         self.schema = config.store.schema
         self.sink_config = config.sink(sink_name)
         self.index = config.sinks_of(database).index(self.sink_config)
+        self.sink_count = len(config.sinks_of(database))
         self.transform = load_transform(self.sink_config.transform)
         self.rendering = SinkRendering.of(self.sink_config, database)
         self.pusher = self.sink_config.destination.kind.pusher(self.sink_config)
@@ -339,6 +392,7 @@ class PushWriter:
                 "parked": [parked],
                 "open_lsn": [None],
                 "truncated": [[]],
+                **sink_report(self.sink_count, self.index, delivered, parked),
             },
             schema=WRITE_RESULT_SCHEMA,
         )
@@ -391,16 +445,33 @@ WRITE_RESULT_SCHEMA = pa.schema(
         ("parked", pa.int64()),
         ("open_lsn", pa.int64()),
         ("truncated", pa.list_(pa.string())),
+        ("sink_delivered", pa.list_(pa.int64())),
+        ("sink_parked", pa.list_(pa.int64())),
+        ("commit_ms", pa.list_(pa.int64())),
+        ("commit_counts", pa.list_(pa.int64())),
     ]
 )
 WRITE_RESULT_DDL = (
     "rows bigint, written bigint, max_lsn bigint, store_seconds double, delivered bigint, parked bigint,"
-    " open_lsn bigint, truncated array<string>"
+    " open_lsn bigint, truncated array<string>, sink_delivered array<bigint>, sink_parked array<bigint>,"
+    " commit_ms array<bigint>, commit_counts array<bigint>"
 )
 """A task's report: change rows read, stream rows copied, the highest position read, its seconds,
 push messages delivered and parked, the commit LSN of the transaction the batch ends inside (its
 marker row was in this task's rows; null otherwise), and the tables truncated in a ``payload=full``
-batch that has push sinks (``truncated_tables``)."""
+batch that has push sinks (``truncated_tables``); for the metrics, the messages delivered and parked
+per sink (indexed as ``config.sinks_of(database)``) and the commit times of the task's change rows
+(``CommitTimes``: epoch milliseconds and how many; a push job's tasks report none, the stream job's
+tasks read the same rows)."""
+
+
+def sink_report(sinks: int, index: int, delivered: int, parked: int) -> dict[str, list[Any]]:
+    """The per-sink columns of a report of one sink's job (``PushWriter.write``, a batched commit)."""
+    sink_delivered, sink_parked = [0] * sinks, [0] * sinks
+    sink_delivered[index], sink_parked[index] = delivered, parked
+    return {"sink_delivered": [sink_delivered], "sink_parked": [sink_parked], "commit_ms": [[]], "commit_counts": [[]]}
+
+
 _WRITERS: dict[tuple[str, str], StreamWriter] = {}
 _PUSHERS: dict[tuple[str, str, str], PushWriter] = {}
 
@@ -468,6 +539,8 @@ class Pipeline:
         self.batch_sinks = [(i, s) for i, s in enumerate(self.sinks) if s.destination.kind.batched]
         """Sinks whose kind takes each micro-batch's messages at once on the driver (``DestinationKind.commit_batch``)."""
         self.payload = payload_mode(self.sinks)
+        self.metrics = StreamMetrics(config, self.database.name)
+        """Fed by every finished micro-batch (``record_metrics``); ``run_stream_app`` serves it."""
         self._test_stall = os.environ.get(TEST_STALL_AFTER_STORE_ENV) or None  # read once: free when unset
 
     def validate(self, spark: Any) -> None:
@@ -517,6 +590,7 @@ class Pipeline:
                 self._stall_for_test(self._test_stall)
         elapsed = time.monotonic() - started
         self._record_status(batch_id, rows_in, elapsed, end_lsn)
+        self.record_metrics([results, *pushed], rows_in, elapsed)
         if rows_in:
             log.info(
                 "batch %d: %d changes -> %d new messages in %.3fs (store COPY %.3fs summed over %d partitions,"
@@ -528,6 +602,30 @@ class Pipeline:
                 store_seconds,
                 results.num_rows,
             )
+
+    def record_metrics(self, reports: list[pa.Table], rows: int, elapsed: float) -> None:
+        """Add a finished micro-batch's task reports to ``metrics`` (never fails the batch)."""
+        try:
+            delivered, parked = np.zeros(len(self.sinks), np.int64), np.zeros(len(self.sinks), np.int64)
+            for report in reports:
+                for column, total in (("sink_delivered", delivered), ("sink_parked", parked)):
+                    for values in report.column(column).to_pylist():
+                        if values:
+                            total += np.asarray(values, np.int64)
+            results = reports[0]
+            self.metrics.record_batch(
+                BatchReport(
+                    rows,
+                    elapsed,
+                    delivered.tolist(),
+                    parked.tolist(),
+                    pc.list_flatten(results.column("commit_ms")).to_numpy(zero_copy_only=False),
+                    pc.list_flatten(results.column("commit_counts")).to_numpy(zero_copy_only=False),
+                    time.time() * 1000.0,
+                )
+            )
+        except Exception as exc:  # noqa: BLE001 - metrics are for operators; the data path does not depend on them
+            log.warning("could not record the batch's metrics: %s", exc)
 
     @staticmethod
     def _stall_for_test(trigger: str) -> None:
@@ -572,6 +670,7 @@ class Pipeline:
                 "parked": [parked],
                 "open_lsn": [None],
                 "truncated": [[]],
+                **sink_report(len(self.sinks), i, delivered, parked),
             },
             schema=WRITE_RESULT_SCHEMA,
         )
@@ -669,6 +768,10 @@ class Pipeline:
                 )
         schema = self.config.store.schema
         self._visibility.retrying(lambda conn: park_messages(conn, schema, rows))
+        per_sink: dict[str, int] = {}
+        for row in rows:
+            per_sink[row.sink] = per_sink.get(row.sink, 0) + 1
+        self.metrics.park(per_sink)
         return len(rows)
 
     def _push_sink(self, projected: DataFrame, i: int, sink: SinkConfig, truncated: list[str]) -> pa.Table:

@@ -233,3 +233,17 @@ def record_sink_setup(conn: psycopg.Connection[Any], schema: str, sink: str) -> 
         sql.SQL("INSERT INTO {}.sink_setups (sink) VALUES (%s) ON CONFLICT DO NOTHING").format(ident(schema)), (sink,)
     )
     conn.commit()
+
+
+def backfill_totals(conn: psycopg.Connection[Any], schema: str) -> list[tuple[str, str, str, str, int, int]]:
+    """Per sink, table and state: (sink, table_schema, table_name, state, backfills, rows processed),
+    one aggregate over the backfills table (``metrics.backfill``)."""
+    return [
+        (sink, table_schema, table_name, state, int(n), int(rows))
+        for sink, table_schema, table_name, state, n, rows in conn.execute(
+            sql.SQL(
+                "SELECT sink, table_schema, table_name, state, count(*), coalesce(sum(rows_processed), 0)"
+                " FROM {}.backfills GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 3, 4"
+            ).format(ident(schema))
+        ).fetchall()
+    ]

@@ -47,3 +47,17 @@ def read_status(conn: psycopg.Connection[Any], schema: str) -> list[dict[str, An
     with conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
         cur.execute(sql.SQL("SELECT * FROM {}.stream_status ORDER BY database").format(ident(schema)))
         return list(cur.fetchall())
+
+
+def status_ages(conn: psycopg.Connection[Any], schema: str) -> list[tuple[str, float | None, float | None]]:
+    """Per database: (database, seconds since its heartbeat, seconds since its last micro-batch), on
+    the store's clock (``metrics.stream``)."""
+    return [
+        (database, None if beat is None else float(beat), None if batch is None else float(batch))
+        for database, beat, batch in conn.execute(
+            sql.SQL(
+                "SELECT database, extract(epoch FROM now() - heartbeat_at), extract(epoch FROM now() - last_batch_at)"
+                " FROM {}.stream_status ORDER BY database"
+            ).format(ident(schema))
+        ).fetchall()
+    ]

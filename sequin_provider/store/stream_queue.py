@@ -241,3 +241,14 @@ def stream_counts(conn: psycopg.Connection[Any], schema: str, sink: str) -> dict
     ).fetchone()
     total, visible, outstanding = row if row else (0, 0, 0)
     return {"total": int(total), "visible": int(visible), "outstanding": int(outstanding)}
+
+
+def pending_counts(conn: psycopg.Connection[Any], schema: str) -> dict[str, int]:
+    """Every sink's pending counter (received, neither acked nor nacked; ``stream_pending``): one
+    small table read, no count over the stream table (``metrics.api``)."""
+    return {
+        sink: int(pending)
+        for sink, pending in conn.execute(
+            sql.SQL("SELECT sink, pending FROM {}.stream_pending").format(ident(schema))
+        ).fetchall()
+    }

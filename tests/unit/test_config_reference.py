@@ -55,6 +55,7 @@ def minimal_config(destination: dict[str, Any]) -> dict[str, Any]:
             }
         ],
         "stream": {"max_batch_rows": 1000},
+        "metrics": {"stream_port": 9464},
     }
 
 
@@ -68,6 +69,7 @@ MAPPINGS: dict[str, tuple[str, ...]] = {
     "sinks.tables": ("sinks", 0, "tables", 0),
     "sinks.initial_backfill": ("sinks", 0, "initial_backfill"),
     "stream": ("stream",),
+    "metrics": ("metrics",),
 }  # type: ignore[dict-item]
 """The mappings of the config (name -> where it is in ``minimal_config``), besides the destinations."""
 
@@ -115,7 +117,7 @@ def reference_sections() -> dict[str, tuple[str, str | None]]:
     """Each mapping's part of the reference and, for a nested mapping, its parent key's name."""
     text = REFERENCE.read_text()
     keys = section(text, r"^## Keys", r"^## (?!Keys)")
-    parts = {top: section(keys, rf"^### `{top}`") for top in ("databases", "store", "sinks", "stream")}
+    parts = {top: section(keys, rf"^### `{top}`") for top in ("databases", "store", "sinks", "stream", "metrics")}
     return {
         "<top>": ("\n".join(f"| `{top}` |" for top in parts), None),
         "databases": (parts["databases"], None),
@@ -126,6 +128,7 @@ def reference_sections() -> dict[str, tuple[str, str | None]]:
         "sinks.tables": (parts["sinks"], "tables"),
         "sinks.initial_backfill": (parts["sinks"], "initial_backfill"),
         "stream": (parts["stream"], None),
+        "metrics": (parts["metrics"], None),
         **{
             f"destination:{kind}": (section(text, rf"^`destination` of `type: {kind}`"), None)
             for kind in registry.names()
