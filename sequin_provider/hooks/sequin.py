@@ -31,7 +31,7 @@ from airflow.sdk.exceptions import AirflowNotFoundException
 from psycopg.conninfo import make_conninfo
 
 from sequin_provider import backfill as backfill_module
-from sequin_provider import buffer, replay, replication, store
+from sequin_provider import buffer, freshness, replay, replication, store
 from sequin_provider.exceptions import StoreUnavailableError
 from sequin_provider.supervision import BackfillServerSupervisorLock, StreamLock
 
@@ -357,6 +357,20 @@ class SequinHook(BaseHook):
         the function behind ``sequin replay``)."""
         with store_errors("the store"):
             return replay.replay_changes(config, request, workers=workers)
+
+    def source_mark(self, source_dsn: str) -> freshness.Mark:
+        """A ``freshness.Mark`` of the source now: every transaction committed so far is before its position."""
+        with store_errors("the source", psycopg.Error):
+            with psycopg.connect(source_dsn, autocommit=True, connect_timeout=DEFAULT_CONNECT_TIMEOUT) as conn:
+                return freshness.take_mark(conn)
+
+    def measure_freshness(
+        self, source_dsn: str, store_dsn: str, slot: str, sinks: list[str], timeout: float
+    ) -> freshness.Freshness:
+        """Through which commit time ``sinks`` of one database are complete (``freshness.measure_freshness``
+        on the config's source and store, with this connection's store schema)."""
+        with store_errors("the source or the store", psycopg.Error):
+            return freshness.measure_freshness(source_dsn, store_dsn, self.settings.store_schema, slot, sinks, timeout)
 
     # -- queries -----------------------------------------------------------------------------
 

@@ -35,8 +35,11 @@ from sequin_provider.airflow_errors import airflow_errors, airflow_exception
 from sequin_provider.backfill import DEFAULT_MAX_QUERY_MS, RUN_LOCK_WAIT, progress_line
 from sequin_provider.exceptions import SequinError
 from sequin_provider.hooks.sequin import SequinHook
+from sequin_provider.operators.assets import emit_sink_table_event, sink_table_asset, sink_tables_alias
 from sequin_provider.operators.common import load_sequin_config, optional_text, task_instance_key, warn_if_elsewhere
+from sequin_provider.operators.lineage import backfill_lineage
 from sequin_provider.operators.spark_submit import SparkSubmitRun, default_application, resolve_target, submit_env
+from sequin_provider.pgoutput import int_to_lsn
 from sequin_provider.store import BackfillConflict
 from sequin_provider.triggers.sequin import BACKFILL_FAILED_STATES, BackfillCompletedTrigger
 
@@ -46,6 +49,7 @@ if TYPE_CHECKING:
     from airflow.sdk import Context
 
     from sequin_provider.config import SequinConfig
+    from sequin_provider.operators.lineage import Lineage
     from sequin_provider.store import Backfill
 
 APPLICATION_NAME = "sequin-backfill-operator"
@@ -131,6 +135,7 @@ class SequinBackfillOperator(BaseOperator):
         takeover_wait: float = RUN_LOCK_WAIT,
         **kwargs: Any,
     ) -> None:
+        kwargs.setdefault("outlets", [sink_tables_alias()])  # the completed table's event goes through it
         super().__init__(**kwargs)
         self.sink = sink
         self.table = table
@@ -155,6 +160,7 @@ class SequinBackfillOperator(BaseOperator):
         self.takeover_wait = takeover_wait
         self.backfill_id: int | None = None
         self.adopted = False  # the backfill was started by an earlier try of this task instance
+        self._lineage: Lineage | None = None  # what the completed backfill read and wrote
         self._run: SparkSubmitRun | None = None
 
     @cached_property
@@ -260,7 +266,7 @@ class SequinBackfillOperator(BaseOperator):
             backfill.rows_initial if backfill.rows_initial is not None else "?",
         )
         if self._placed_elsewhere(config, backfill):
-            return self.wait_in_store(backfill)
+            return self.wait_in_store(backfill, context)
         try:
             self._run = self.submit(path, backfill.id, config.connections())
         except Exception as exc:
@@ -271,7 +277,7 @@ class SequinBackfillOperator(BaseOperator):
             if time.monotonic() - last_log >= PROGRESS_LOG_INTERVAL:
                 last_log = time.monotonic()
                 self._log_progress()
-        return self.after_run(self._run)
+        return self.after_run(self._run, context)
 
     def submit(
         self, config_path: Path, backfill_id: int, connections: Mapping[str, str] | None = None
@@ -298,13 +304,13 @@ class SequinBackfillOperator(BaseOperator):
         application = self.application or default_application("backfill.py")
         return SparkSubmitRun(hook, application, cwd=str(config_path.parent)).start()
 
-    def after_run(self, run: SparkSubmitRun) -> int:
+    def after_run(self, run: SparkSubmitRun, context: Context | None = None) -> int:
         """spark-submit returned: completed -> id; failed/cancelled -> fail; still active -> wait or fail."""
         assert self.backfill_id is not None
         backfill = self.hook.backfill(self.backfill_id)
         self.log.info("backfill %d: %s", backfill.id, progress_line(backfill))
         if backfill.state == "completed":
-            return backfill.id
+            return self.completed(context, backfill.id)
         if backfill.state in BACKFILL_FAILED_STATES:
             raise AirflowException(f"backfill {backfill.id} {backfill.state}: {backfill.error or 'no error recorded'}")
         if not run.succeeded and not self._run_elsewhere(self.takeover_wait):
@@ -313,7 +319,7 @@ class SequinBackfillOperator(BaseOperator):
             raise AirflowException(f"backfill {backfill.id} failed: {reason}")
         # spark-submit returned at once while the app runs elsewhere (cluster deploy mode), or
         # another app holds the backfill (ours found it taken)
-        return self.wait_in_store(backfill)
+        return self.wait_in_store(backfill, context)
 
     def _run_elsewhere(self, wait: float) -> bool:
         """Whether another app holds the backfill's run lock after ``wait`` seconds (it is running it)."""
@@ -343,7 +349,7 @@ class SequinBackfillOperator(BaseOperator):
             )
         return placement.where != "here"
 
-    def wait_in_store(self, backfill: Backfill) -> int:
+    def wait_in_store(self, backfill: Backfill, context: Context | None = None) -> int:
         """Wait for a backfill another process runs until the store says it finished: deferred to
         ``BackfillCompletedTrigger``, or in this worker (``deferrable=False``)."""
         self.log.info("backfill %d is %s: waiting for it in the store", backfill.id, backfill.state)
@@ -360,7 +366,7 @@ class SequinBackfillOperator(BaseOperator):
                 method_name="execute_complete",
                 timeout=None if self.wait_timeout is None else timedelta(seconds=float(self.wait_timeout)),
             )
-        return self.execute_complete({}, self._wait_in_worker(trigger))
+        return self.execute_complete(context or {}, self._wait_in_worker(trigger))  # type: ignore[arg-type]
 
     def _wait_in_worker(self, trigger: BackfillCompletedTrigger) -> dict[str, Any]:
         """The trigger's loop, run here (``deferrable=False``)."""
@@ -383,10 +389,44 @@ class SequinBackfillOperator(BaseOperator):
         status, message = event.get("status"), str(event.get("message") or event)
         if status == "success":
             self.log.info("%s", message)
-            return backfill_id
+            return self.completed(context, backfill_id)
         if status == "timeout" and self.backfill_id is not None:
             self._transition("cancelled", f"the task stopped waiting: {message}")
         raise AirflowException(message)
+
+    def completed(self, context: Context | None, backfill_id: int) -> int:
+        """The backfill completed: emit the event of its sink table's asset (extra: rows, position, sink,
+        ...; ``operators.assets``) and return its id. A failure to emit is logged, never fails the task
+        (the backfill is done; a retry would not redo it)."""
+        try:
+            backfill = self.hook.backfill(backfill_id)
+            config, _ = load_sequin_config(self.hook, self.config_path)
+            database = config.sink(backfill.sink).database
+            mark = self.hook.source_mark(config.database(database).dsn)
+        except Exception as exc:  # noqa: BLE001 - see above
+            self.log.warning("backfill %d completed; its asset event could not be made: %s", backfill_id, exc)
+            return backfill_id
+        table = f"{backfill.table_schema}.{backfill.table_name}"
+        extra = {
+            "event": "backfill_completed",
+            "database": database,
+            "sink": backfill.sink,
+            "table": table,
+            "backfill_id": backfill.id,
+            "kind": backfill.kind,
+            "rows": backfill.rows_processed,
+            "rows_emitted": backfill.rows_emitted,
+            "position": mark.lsn,
+            "position_lsn": int_to_lsn(mark.lsn),
+            "finished_at": backfill.finished_at.isoformat() if backfill.finished_at else None,
+        }
+        emit_sink_table_event(context, sink_table_asset(database, table, backfill.sink), extra)
+        self._lineage = backfill_lineage(config, database, table, backfill.sink)
+        return backfill_id
+
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        """OpenLineage (``apache-airflow-providers-openlineage``): the source table read, the sink table written."""
+        return None if self._lineage is None else self._lineage.operator_lineage()
 
     # -- stopping ------------------------------------------------------------------------------
 

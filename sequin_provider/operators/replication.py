@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
+from sequin_provider.operators.common import load_sequin_config, optional_text
+from sequin_provider.operators.lineage import database_lineage
 from sequin_provider.operators.supervised import SupervisedAppOperator
 from sequin_provider.supervision import (
     HeartbeatWatch,
@@ -81,3 +83,14 @@ class SequinReplicationOperator(SupervisedAppOperator):
         if warning:
             self.log.warning("database %r: %s", db.name, warning)
         return stall
+
+    def get_openlineage_facets_on_start(self) -> Any:
+        """OpenLineage (``apache-airflow-providers-openlineage``): every table the database's sinks
+        capture in, every sink table out (``operators.lineage``); None if the config cannot be read."""
+        try:
+            config, _ = load_sequin_config(self.hook, self.config_path)
+            db = config.database(optional_text(self.database))
+        except Exception as exc:  # noqa: BLE001 - lineage must never fail the supervisor
+            self.log.warning("no OpenLineage datasets: %s", exc)
+            return None
+        return database_lineage(config, db.name).operator_lineage()

@@ -128,6 +128,7 @@ def test_provider_info_declares_the_operators() -> None:
         "SequinBackfillOperator",
         "SequinBackfillServerOperator",
         "SequinBufferRetryOperator",
+        "SequinFreshnessOperator",
         "SequinReplayOperator",
         "SequinReplicationOperator",
     }

@@ -18,11 +18,12 @@ import os
 import re
 import select
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -40,6 +41,7 @@ from sequin_provider.operators.backfill_server import SequinBackfillServerOperat
 from sequin_provider.operators.buffer import SequinBufferRetryOperator
 from sequin_provider.operators.replay import SequinReplayOperator
 from sequin_provider.operators.replication import SequinReplicationOperator
+from sequin_provider.pgoutput import int_to_lsn, lsn_to_int
 from sequin_provider.provisioning import initialize
 from sequin_provider.sensors.sequin import ParkedMessagesSensor, ReplicationSlotLagSensor, StreamHeartbeatSensor
 from tests.support.airflow import Webhook, no_process_left, sequin_connection
@@ -56,6 +58,8 @@ DAG_IDS = {
     "sequin_replication",
     "sequin_monitoring",
     "sequin_buffer_retry",
+    "sequin_freshness",
+    "sequin_downstream_example",
 }
 
 RUNNER = """
@@ -91,7 +95,22 @@ for line in sys.stdin:
                 xcom = session.query(XComModel.value).filter_by(dag_id=ti.dag_id, run_id=ti.run_id,
                                                                 task_id=ti.task_id, key="return_value").scalar()
                 tasks[ti.task_id] = {"state": str(ti.state), "xcom": xcom}
-        result = {"state": str(run.state), "tasks": tasks}
+        result = {"state": str(run.state), "run_id": run.run_id, "tasks": tasks}
+        if request.get("schedule"):
+            # what the scheduler's loop does next: create the runs of the DAGs the asset events queued
+            from airflow.jobs.job import Job
+            from airflow.jobs.scheduler_job_runner import SchedulerJobRunner
+            from airflow.models.dagrun import DagRun
+            from airflow.utils.sqlalchemy import prohibit_commit
+            with create_session() as session:
+                with prohibit_commit(session) as guard:
+                    SchedulerJobRunner(job=Job())._create_dagruns_for_dags(guard, session)
+            with create_session() as session:
+                result["scheduled"] = [
+                    {"run_id": r.run_id, "run_type": str(r.run_type), "state": str(r.state),
+                     "events": [e.extra for e in r.consumed_asset_events]}
+                    for r in session.query(DagRun).filter(DagRun.dag_id == request["schedule"])
+                ]
     except BaseException as exc:
         traceback.print_exc()
         result = {"error": repr(exc)}
@@ -109,11 +128,11 @@ def dagbag() -> Any:
     return DagBag(dag_folder=str(DAGS))
 
 
-def test_dags_folder_imports_the_five_dags_with_their_schedules() -> None:
+def test_dags_folder_imports_the_dags_with_their_schedules() -> None:
     bag = dagbag()
     assert bag.import_errors == {}
     assert set(bag.dag_ids) == DAG_IDS
-    schedules = {dag_id: bag.dags[dag_id].schedule for dag_id in DAG_IDS}
+    schedules = {dag_id: bag.dags[dag_id].schedule for dag_id in DAG_IDS - {"sequin_downstream_example"}}
     assert schedules == {
         "sequin_backfill": None,
         "sequin_replay": "@daily",
@@ -121,8 +140,16 @@ def test_dags_folder_imports_the_five_dags_with_their_schedules() -> None:
         "sequin_backfill_server": "@continuous",
         "sequin_monitoring": "*/5 * * * *",
         "sequin_buffer_retry": "* * * * *",
+        "sequin_freshness": "*/5 * * * *",
     }
-    for dag_id in DAG_IDS - {"sequin_backfill"}:
+    (asset,) = bag.dags["sequin_downstream_example"].schedule  # scheduled on one sink table's asset
+    assert (asset.name, asset.uri, asset.group) == (
+        "sequin:app/public.orders@orders",
+        "sequin://app/public.orders?sink=orders",
+        "sequin",
+    )
+    assert asset.extra == {"database": "app", "table": "public.orders", "sink": "orders"}
+    for dag_id in DAG_IDS - {"sequin_backfill", "sequin_downstream_example"}:
         assert bag.dags[dag_id].max_active_runs == 1 and not bag.dags[dag_id].catchup, dag_id
 
 
@@ -357,6 +384,7 @@ def airflow_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",  # asset events queue the DAGs scheduled on them
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
     }
     done = subprocess.run(
@@ -400,6 +428,7 @@ class DagRunner:
         dags: Path = DAGS,
         connections: list[dict[str, Any]] | None = None,
         timeout: float = 1200.0,
+        schedule: str | None = None,
     ) -> dict[str, Any]:
         """``dag.test(run_conf=conf)`` of a DAG in ``dags`` with this process's environment, in ``log``'s
         folder, after storing ``connections`` (``Connection`` fields) in the metadata database; returns
@@ -413,6 +442,7 @@ class DagRunner:
             "log": str(log),
             "cwd": str(log.parent),
             "connections": connections or [],
+            "schedule": schedule,
             "env": {**os.environ, **self.airflow_env, "AIRFLOW__CORE__DAGS_FOLDER": str(dags)},
         }
         self.proc.stdin.write(json.dumps(request).encode() + b"\n")
@@ -450,11 +480,14 @@ def dag_test(
     log: Path,
     dags: Path = DAGS,
     connections: list[dict[str, Any]] | None = None,
+    schedule: str | None = None,
 ) -> dict[str, Any]:
-    """Run ``dag.test(run_conf=conf)`` (``DagRunner.run``); returns the run's and tasks' states and XComs.
-    Airflow reads its DAG folder once per interpreter: a run of another folder gets an interpreter of its own."""
+    """Run ``dag.test(run_conf=conf)`` (``DagRunner.run``); returns the run's and tasks' states and XComs,
+    and with ``schedule`` (a DAG id) the runs of that DAG after the scheduler created those the run's
+    asset events queued. Airflow reads its DAG folder once per interpreter: a run of another folder
+    gets an interpreter of its own."""
     if dags == DAGS:
-        return runner.run(dag_id, conf, log, dags, connections)
+        return runner.run(dag_id, conf, log, dags, connections, schedule=schedule)
     own = DagRunner({**runner.airflow_env, "AIRFLOW__CORE__DAGS_FOLDER": str(dags)}, log.with_suffix(".runner.log"))
     try:
         return own.run(dag_id, conf, log, dags, connections)
@@ -758,6 +791,167 @@ def test_dag_test_backfill_goes_to_the_supervised_backfill_server(
     assert "the supervisor was stopped" in str(outcome.get("error"))
     assert all(no_process_left(run.pid) for run in op.runs)
     assert not server_lock_held(dsn)
+
+
+# -- assets --------------------------------------------------------------------------------------------
+
+
+def asset_events(airflow_env: dict[str, str], run_id: str) -> list[dict[str, Any]]:
+    """The asset events a run emitted (metadata database), with their asset and the DAGs they queued."""
+    database = airflow_env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].removeprefix("sqlite:///")
+    with sqlite3.connect(database) as db:
+        rows = db.execute(
+            "SELECT a.id, a.name, a.uri, e.extra, e.source_dag_id, e.source_task_id FROM asset_event e"
+            " JOIN asset a ON a.id = e.asset_id WHERE e.source_run_id = ? ORDER BY e.id",
+            (run_id,),
+        ).fetchall()
+        return [
+            {
+                "name": name,
+                "uri": uri,
+                "extra": json.loads(extra),
+                "source": (dag_id, task_id),
+                "queued": sorted(
+                    r[0]
+                    for r in db.execute("SELECT target_dag_id FROM asset_dag_run_queue WHERE asset_id = ?", (asset_id,))
+                ),
+            }
+            for asset_id, name, uri, extra, dag_id, task_id in rows
+        ]
+
+
+def example_on(monkeypatch: pytest.MonkeyPatch, table: str, sink: str) -> None:
+    """Schedule ``sequin_downstream_example`` on ``table`` of database ``app`` as delivered to ``sink``."""
+    monkeypatch.setenv("SEQUIN_EXAMPLE_DATABASE", "app")
+    monkeypatch.setenv("SEQUIN_EXAMPLE_TABLE", table)
+    monkeypatch.setenv("SEQUIN_EXAMPLE_SINK", sink)
+
+
+def test_dag_test_backfill_emits_its_asset_event_and_the_downstream_dag_runs_after_it(
+    dag_runner: DagRunner,
+    airflow_env: dict[str, str],
+    connections: tuple[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A completed backfill emits one event of its sink table's asset, extra: rows, position, sink; the
+    DAG scheduled on that asset is queued, and the scheduler creates its asset-triggered run with it."""
+    dsn, _ = connections
+    example_on(monkeypatch, "public.events", "events_sink")
+    result = dag_test(
+        dag_runner,
+        "sequin_backfill",
+        {"sink": "events_sink", "table": "events"},
+        tmp_path / "dag.log",
+        schedule="sequin_downstream_example",
+    )
+    assert result["state"] == "success", result
+    final = backfill(dsn, int(result["tasks"]["backfill"]["xcom"]))
+    with psycopg.connect(dsn) as conn:
+        now_lsn = lsn_to_int(conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0])  # type: ignore[index]
+    (event,) = asset_events(airflow_env, result["run_id"])
+    assert (event["name"], event["uri"]) == (
+        "sequin:app/public.events@events_sink",
+        "sequin://app/public.events?sink=events_sink",
+    )
+    assert event["source"] == ("sequin_backfill", "backfill")
+    assert event["queued"] == []  # the event queued the downstream DAG; the scheduler made its run of it (below)
+    extra = event["extra"]
+    position = extra.pop("position")
+    assert extra == {
+        "event": "backfill_completed",
+        "database": "app",
+        "sink": "events_sink",
+        "table": "public.events",
+        "backfill_id": final.id,
+        "kind": "full",
+        "rows": 200,
+        "rows_emitted": 200,
+        "position_lsn": int_to_lsn(position),
+        "finished_at": final.finished_at.isoformat(),
+    }
+    reads = [
+        m
+        for m in sink_messages(dsn, "events_sink")
+        if m["metadata"]["idempotency_key"].startswith(f"backfill:{final.id}:")
+    ]
+    assert sorted(m["record"]["id"] for m in reads) == list(range(1, 201))
+    assert max(m["metadata"]["commit_lsn"] for m in reads) < position <= now_lsn  # every read is before it
+    (run,) = result["scheduled"]
+    assert run["run_type"] == "asset_triggered" and run["state"] == "queued"
+    assert [e["backfill_id"] for e in run["events"]] == [final.id]
+
+
+def test_dag_test_freshness_is_never_ahead_of_what_is_delivered(
+    dag_runner: DagRunner,
+    airflow_env: dict[str, str],
+    connections: tuple[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While rows are written, ``sequin_freshness`` emits per sink table ``complete_through`` T: every
+    change committed at or before T was in the sink (visible) when the run ended, and T is recent; the
+    DAG scheduled on one of these assets gets an asset-triggered run with the event."""
+    dsn, _ = connections
+    example_on(monkeypatch, "public.events", "events_sink")
+    stop = threading.Event()
+    written: list[int] = []
+
+    def writer() -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            next_id = 100_000
+            while not stop.is_set():
+                conn.execute("INSERT INTO events VALUES (%s, timestamptz '2024-01-01 00:00:00+00')", (next_id,))
+                written.append(next_id)
+                next_id += 1
+                time.sleep(0.01)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    started = datetime.now(timezone.utc)
+    thread.start()
+    try:
+        result = dag_test(
+            dag_runner, "sequin_freshness", {}, tmp_path / "dag.log", schedule="sequin_downstream_example"
+        )
+        seen = {m["metadata"]["idempotency_key"] for m in sink_messages(dsn, "events_sink")}
+    finally:
+        stop.set()
+        thread.join(30)
+    assert result["state"] == "success", result
+    summary = result["tasks"]["freshness"]["xcom"]
+    summary = summary if isinstance(summary, dict) else json.loads(summary)
+    through = summary["app"]["complete_through"]
+    assert sorted(summary["app"]["sinks"]) == ["events_sink", "items_log", "items_sink"]
+    assert summary["app"]["behind"] == []
+    t = datetime.fromisoformat(through)
+    assert started - timedelta(seconds=5) < t < datetime.now(timezone.utc)
+
+    events = asset_events(airflow_env, result["run_id"])
+    assert sorted((e["extra"]["sink"], e["extra"]["table"]) for e in events) == [
+        ("events_sink", "public.events"),
+        ("items_log", "public.items"),
+        ("items_sink", "public.items"),
+    ]
+    assert {e["extra"]["complete_through"] for e in events} == {through}
+    for e in events:
+        assert e["extra"]["confirmed_position"] >= e["extra"]["position"] and e["source"][0] == "sequin_freshness"
+
+    # every change committed at or before T was delivered when the run ended
+    everything = wait_for(
+        lambda: (lambda ms: ms if {m["record"]["id"] for m in ms} >= set(written) else None)(
+            [m for m in sink_messages(dsn, "events_sink") if m["action"] == "insert" and m["record"]["id"] >= 100_000]
+        ),
+        120,
+        what="every written row in the sink",
+    )
+    before = [m for m in everything if datetime.fromisoformat(m["metadata"]["commit_timestamp"]) <= t]
+    assert len(before) > 10 and len(everything) > len(before)  # writes on both sides of T
+    assert [m["record"]["id"] for m in before if m["metadata"]["idempotency_key"] not in seen] == []
+
+    (run,) = [r for r in result["scheduled"] if any(e.get("event") == "freshness" for e in r["events"])]
+    assert run["run_type"] == "asset_triggered"
+    assert [e["complete_through"] for e in run["events"] if e.get("event") == "freshness"] == [through]
+    execute(dsn, "DELETE FROM events WHERE id >= 100000")
 
 
 # -- connections stored in Airflow's metadata database ------------------------------------------------
