@@ -71,6 +71,7 @@ def spark_session(app_name: str, master: str | None = None, java_options: str = 
         .config("spark.sql.execution.arrow.maxRecordsPerBatch", "20000")
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.ui.enabled", os.environ.get("SEQUIN_SPARK_UI", "false"))
+        .config("spark.ui.showConsoleProgress", "false")  # bars of \r-joined text in the log; progress is logged
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .config("spark.sql.streaming.noDataMicroBatches.enabled", "false")
     )
@@ -153,6 +154,7 @@ def run_stream_app(
 
     from sequin_provider.spark.pipeline import Pipeline
     from sequin_provider.spark.source import SequinReplicationDataSource
+    from sequin_provider.spark.spool import SpoolUnreachableError, check_reachable, join, spool_folder
 
     pipeline = Pipeline(config, db.name)
     spark = spark_session(f"sequin-replication-{db.name}", master, stream_java_options(pipeline.payload))
@@ -163,7 +165,17 @@ def run_stream_app(
         log.error("%s", exc)
         spark.stop()
         return 2
-    checkpoint_dir = checkpoint or str(Path(config.stream.checkpoint_location) / db.name)
+    checkpoint_dir = checkpoint or join(config.stream.checkpoint_location, db.name)
+    spool = spool_folder(config.stream.spool_location, checkpoint_dir, db.name)
+    if not spark.sparkContext.master.startswith("local"):  # executors on other hosts read the spool
+        try:
+            check_reachable(spark, spool)
+        except SpoolUnreachableError as exc:
+            log.error("%s", exc)
+            _record_error(config, db.name, str(exc))
+            spark.stop()
+            return 2
+        log.info("spool %s: readable by the executors of %s", spool, spark.sparkContext.master)
     try:
         with psycopg.connect(config.store_dsn(db.name), connect_timeout=10) as conn:
             store.update_status(
@@ -186,11 +198,6 @@ def run_stream_app(
         spark.stop()
         return 2
     use_local_checkpoint_manager(spark, checkpoint_dir)
-    spool = (
-        str(Path(config.stream.spool_location) / db.name)
-        if config.stream.spool_location
-        else str(Path(checkpoint_dir) / "sequin-spool")
-    )
     changes = (
         spark.readStream.format("sequin_replication")
         .option("config", path)

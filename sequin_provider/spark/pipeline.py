@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from datetime import datetime, timezone
@@ -44,6 +45,7 @@ from sequin_provider.delivery import (
     selected_actions,
     selection_predicate,
 )
+from sequin_provider.logs import configure_logging
 from sequin_provider.message_render import RenderedRows, SinkRendering, outgoing, render, selection
 from sequin_provider.messages import CHANGE_FIELD_NAMES, CHANGE_SCHEMA_DDL, open_transaction_lsn
 from sequin_provider.metrics.stream import COMMIT_TIMESTAMP_PRECISION_MS, BatchReport, StreamMetrics
@@ -58,7 +60,8 @@ from sequin_provider.spark.poison import (
     position_key,
     without_failed,
 )
-from sequin_provider.spark.source import SPOOL_SLICE_DDL, spool_slice_rows, spool_table
+from sequin_provider.spark.source import SPOOL_SLICE_DDL, spool_slice_rows
+from sequin_provider.spark.spool import spool_table
 from sequin_provider.spark.worker_heap import freeze_long_lived
 from sequin_provider.store import ParkRow, park_messages
 
@@ -476,6 +479,23 @@ _WRITERS: dict[tuple[str, str], StreamWriter] = {}
 _PUSHERS: dict[tuple[str, str, str], PushWriter] = {}
 
 
+def log_writer_ready(what: str) -> None:
+    """Say, once per Python worker, which host and executor deliver from now on (on a cluster the
+    line lands in the executor's own log: a standalone worker's ``<app>/<executor>/stderr``)."""
+    configure_logging()  # a Python worker starts with no handler
+    executor = os.environ.get("SPARK_EXECUTOR_ID") or executor_of_log_url(os.environ.get("SPARK_LOG_URL_STDERR", ""))
+    log.info("%s is ready on %s (executor %s, pid %d)", what, socket.gethostname(), executor or "driver", os.getpid())
+
+
+def executor_of_log_url(url: str) -> str | None:
+    """The executor id a standalone worker puts in its executors' log URL (``…&executorId=3&…``)."""
+    for part in url.partition("?")[2].split("&"):
+        key, _, value = part.partition("=")
+        if key == "executorId":
+            return value
+    return None
+
+
 def stream_writer(config_path: str, database: str) -> StreamWriter:
     """This Python worker's writer of ``database`` (its config, renderings and store connection are
     made once per worker, not per task).
@@ -487,6 +507,7 @@ def stream_writer(config_path: str, database: str) -> StreamWriter:
     writer = _WRITERS.get(key)
     if writer is None:
         writer = _WRITERS[key] = StreamWriter(config_path, database)
+        log_writer_ready(f"the stream writer of database {database!r}")
     freeze_long_lived()
     return writer
 
@@ -497,6 +518,7 @@ def push_writer(config_path: str, database: str, sink: str) -> PushWriter:
     writer = _PUSHERS.get(key)
     if writer is None:
         writer = _PUSHERS[key] = PushWriter(config_path, database, sink)
+        log_writer_ready(f"the writer of push sink {sink!r}")
     freeze_long_lived()
     return writer
 

@@ -28,9 +28,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import threading
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import pyarrow as pa
@@ -57,6 +55,14 @@ from sequin_provider.replication import (
     confirmed_flush_lsn,
 )
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
+from sequin_provider.spark.spool import (
+    make_folder,
+    remove_spooled,
+    spool_path,
+    spool_table,
+    spooled_end,
+    write_spool,
+)
 from sequin_provider.spark.worker_heap import freeze_long_lived
 
 log = logging.getLogger(__name__)
@@ -124,32 +130,6 @@ def offset_position(offset: dict) -> Position:
 def position_offset(position: Position) -> dict:
     """A ``Position`` as a source offset (``idx`` only inside a transaction)."""
     return {"lsn": position[0], "idx": position[1]} if position[1] else {"lsn": position[0]}
-
-
-def spool_path(folder: str, start: Position, end: Position) -> str:
-    """The spool file of the batch ``(start, end]``."""
-    return os.path.join(folder, f"{start[0]:020d}_{start[1]:010d}-{end[0]:020d}_{end[1]:010d}.arrow")
-
-
-def spooled_end(name: str) -> Position:
-    """The end position of the batch a spool file name (or a crash's ``.arrow.tmp…``) is for."""
-    lsn, _, idx = name.split(".")[0].split("-")[1].partition("_")
-    return int(lsn), int(idx or 0)
-
-
-def write_spool(path: str, batch: pa.RecordBatch) -> None:
-    """Write ``batch`` as an Arrow IPC file, atomically (a reader never sees half a file, and
-    several writers of the same file, such as the slices of a re-read batch, do not collide)."""
-    tmp = f"{path}.tmp{os.getpid()}-{threading.get_ident()}"
-    with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, CHANGE_ARROW_SCHEMA) as writer:
-        writer.write_batch(batch)
-    os.replace(tmp, path)
-
-
-def spool_table(path: str) -> pa.Table:
-    """A whole spool file, memory-mapped (its buffers stay valid after the call)."""
-    with pa.memory_map(path) as source:
-        return pa.ipc.open_file(source).read_all()
 
 
 def spool_slice(path: str, offset: int, rows: int) -> Iterator[pa.RecordBatch]:
@@ -278,7 +258,7 @@ class ReplicationStreamReader(DataSourceStreamReader):
         self._last_batch_at = time.monotonic()
         # A heartbeat-only transaction gives a 0-row batch: the offset still advances, so the
         # slot is acknowledged past it and an idle database does not retain WAL.
-        os.makedirs(self.spool, exist_ok=True)
+        make_folder(self.spool)
         path = spool_path(self.spool, position, last.end)
         rows = with_open_transaction(rows, last)
         write_spool(path, rows_to_arrow(rows))
@@ -365,7 +345,7 @@ class ReplicationStreamReader(DataSourceStreamReader):
         batches = list(replay.reread_from_slot(position_offset(partition.start), position_offset(partition.end)))
         whole = pa.Table.from_batches(batches, CHANGE_ARROW_SCHEMA)
         if self.references:  # the executors' writers take the rows from the file: put it back
-            os.makedirs(os.path.dirname(partition.path), exist_ok=True)
+            make_folder(partition.path.rpartition("/")[0] or ".")
             write_spool(partition.path, whole.combine_chunks().to_batches()[0] if whole.num_rows else rows_to_arrow([]))
         # the re-read is deterministic, so each slice takes its own rows of it
         table = whole.slice(partition.offset, partition.length)
@@ -407,7 +387,9 @@ class ReplicationStreamReader(DataSourceStreamReader):
         lsn = position[0]  # a batch may end inside a transaction: the slot moves to commit boundaries only
         if self._reader is None:
             self._reader = self._new_reader()
-        self._spooled_rows = {p: n for p, n in self._spooled_rows.items() if spooled_end(Path(p).name) > position}
+        self._spooled_rows = {
+            p: n for p, n in self._spooled_rows.items() if spooled_end(p.rpartition("/")[2]) > position
+        }
         if self._reader.is_open:
             self._reader.acknowledge(lsn)
         else:
@@ -418,7 +400,7 @@ class ReplicationStreamReader(DataSourceStreamReader):
                 self._reader.acknowledge(lsn)
             finally:
                 self._reader.close()
-        self._remove_spooled(position)
+        remove_spooled(self.spool, position)
         try:  # the batch is delivered: pages closed in it are emitted (a later commit retries)
             sink, schema = self._backfill_store()
             sink.retrying(lambda conn: store.finish_emitted_pages(conn, schema, lsn))
@@ -437,17 +419,6 @@ class ReplicationStreamReader(DataSourceStreamReader):
         db, _ = self._settings()
         assert self._config is not None
         return [s.name for s in self._config.sinks_of(db.name) if s.destination.kind.stored]
-
-    def _remove_spooled(self, committed: Position) -> None:
-        folder = Path(self.spool)
-        if not folder.is_dir():
-            return
-        for path in folder.glob("*.arrow*"):
-            try:
-                if spooled_end(path.name) <= committed:  # also a crash's .arrow.tmp
-                    path.unlink()
-            except (ValueError, IndexError, FileNotFoundError):
-                continue
 
     def stop(self) -> None:
         if self._reader is not None:

@@ -92,3 +92,28 @@ def lock_is_free(dsn: str) -> bool:
     with psycopg.connect(dsn, autocommit=True) as conn:
         got = conn.execute("SELECT pg_try_advisory_lock(hashtext(%s))", (lock_name("sequin", "app"),)).fetchone()[0]
         return bool(got)  # released with this session
+
+
+class OperatorThread:
+    """An operator's ``execute`` in a thread of the test, as it would run in a worker: its result or
+    the exception it raised (``outcome["result"]`` / ``outcome["error"]``) once it returns."""
+
+    def __init__(self, operator: Any) -> None:
+        self.operator = operator
+        self.outcome: dict[str, Any] = {}
+        self.thread = threading.Thread(target=self._run, name=f"operator-{operator.task_id}", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.outcome["result"] = self.operator.execute(context={})
+        except BaseException as exc:  # noqa: BLE001 - inspected by the test
+            self.outcome["error"] = exc
+
+    def start(self) -> OperatorThread:
+        self.thread.start()
+        return self
+
+    def stop(self, timeout: float = 180) -> None:
+        """Stop the operator as Airflow does (``on_kill``) and wait for ``execute`` to return."""
+        self.operator.on_kill()
+        self.thread.join(timeout)

@@ -73,3 +73,17 @@ def test_the_compose_config_is_valid_for_the_compose_connections() -> None:
     config = load_config(ROOT / "sequin.compose.yaml", environ=scheduler_env)
     assert config.database().dsn == "postgresql://sequin:sequin@postgres:5432/shop"
     assert config.stream.checkpoint_location == "/var/lib/sequin/checkpoints"
+
+
+def test_the_spark_worker_reads_the_config_its_connections_and_the_spool_as_the_driver_does() -> None:
+    """The stream app's executors read the config at the driver's path, resolve its connections in
+    their own environment and read the default spool (under the checkpoint) on the same volume."""
+    services = compose()["services"]
+    worker, scheduler = services["spark-worker"], services["airflow-scheduler"]
+    config_mount = next(v for v in scheduler["volumes"] if "sequin.compose.yaml" in v)
+    checkpoint_mount = next(v for v in scheduler["volumes"] if v.startswith("checkpoints:"))
+    assert config_mount in worker["volumes"] and checkpoint_mount in worker["volumes"]
+    config = load_config(ROOT / "sequin.compose.yaml", environ=env(worker))
+    assert config.database().dsn == load_config(ROOT / "sequin.compose.yaml", environ=env(scheduler)).database().dsn
+    assert config.stream.spool_location is None  # the default spool: under the shared checkpoint volume
+    assert config.stream.checkpoint_location == checkpoint_mount.split(":")[1]

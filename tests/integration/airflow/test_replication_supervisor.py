@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from airflow.sdk.exceptions import AirflowException
 from devtools.stream_process import streaming_status, wait_for
 from sequin_provider import store
 from sequin_provider.operators.replication import SequinReplicationOperator
-from tests.support.airflow import lock_is_free, no_process_left, sequin_connection
+from tests.support.airflow import OperatorThread, lock_is_free, no_process_left, sequin_connection
 from tests.support.config import write_config
 from tests.support.postgres import execute, sink_messages
 
@@ -94,16 +93,8 @@ def test_a_crashed_stream_app_is_restarted_and_no_change_is_lost(setup: Any, dsn
         poll_interval=0.5,
         driver_memory="1g",
     )
-    outcome: dict[str, Any] = {}
-
-    def supervise() -> None:
-        try:
-            outcome["result"] = op.execute(context={})
-        except BaseException as exc:  # noqa: BLE001 - inspected below
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=supervise, daemon=True)
-    thread.start()
+    running = OperatorThread(op).start()
+    outcome = running.outcome
     try:
         first = wait_for(
             lambda: outcome.get("error") or streaming_since(dsn, None), 600, what="the supervised app to stream"
@@ -131,8 +122,7 @@ def test_a_crashed_stream_app_is_restarted_and_no_change_is_lost(setup: Any, dsn
 
         messages = wait_for(all_there, 300, what="every change in the sink")
     finally:
-        op.on_kill()
-        thread.join(180)
+        running.stop()
     inserts = [m["record"]["id"] for m in messages if m["action"] == "insert"]
     assert sorted(set(inserts)) == list(range(1, 301))  # nothing lost (a replayed batch may repeat: at least once)
     updates = [m for m in messages if m["action"] == "update"]

@@ -141,7 +141,7 @@ def test_the_push_shares_of_a_spooled_batch_send_each_group_once_in_order_from_i
 
     from sequin_provider import store
     from sequin_provider.spark.pipeline import PushWriter
-    from sequin_provider.spark.source import write_spool
+    from sequin_provider.spark.spool import write_spool
     from tests.support.receiver import Receiver
 
     with psycopg.connect(dsn) as conn:

@@ -57,6 +57,7 @@ sinks:
     destination: {{type: webhook, url: "{url}", batch: true, batch_size: 50, timeout: 1s}}
 stream:
   checkpoint_location: {checkpoint}
+  spool_location: {spool}
   max_batch_wait: 100ms
 """
 
@@ -161,8 +162,9 @@ class RoundResult:
 class Supervisor:
     """Keeps one stream app running, as the Airflow supervisor does: a dead app is started again."""
 
-    def __init__(self, config: Path, workdir: Path, store_dsn: str) -> None:
+    def __init__(self, config: Path, workdir: Path, store_dsn: str, app_env: dict[str, str] | None = None) -> None:
         self.config = config
+        self.app_env = app_env or {}
         self.workdir = workdir
         self.store_dsn = store_dsn
         self.starts = 0
@@ -182,7 +184,9 @@ class Supervisor:
         with self.lock:
             self.started_at = datetime.now(timezone.utc)
             self.app = StreamAppProcess(
-                self.config, self.workdir / "stream-app.log", {TEST_STALL_AFTER_STORE_ENV: str(self.stall_trigger)}
+                self.config,
+                self.workdir / "stream-app.log",
+                {**self.app_env, TEST_STALL_AFTER_STORE_ENV: str(self.stall_trigger)},
             ).start()
             self.starts += 1
 
@@ -367,6 +371,18 @@ class Backfills(Worker):
             return store.get_backfill(conn, SCHEMA, backfill_id).state
 
 
+def assert_clean(result: RoundResult, profile: Profile) -> None:
+    """Fail unless the round lost, reordered and redelivered-after-ack nothing, drained, and every
+    kill was followed by a new app."""
+    assert result.reports, "the round produced no report"
+    for report in result.reports:
+        assert report.ok, f"{report.line()}\n" + "\n".join(report.examples)
+        assert report.redelivered_after_ack == 0  # an acked message never comes back, across the kills
+        assert report.committed > 1000 and report.reads >= profile.seed_accounts // 2
+    assert "not drained" not in " ".join(result.notes)
+    assert result.app_starts >= 1 + profile.kills + profile.acked_kills  # every kill was followed by a new app
+
+
 def fault_plan(profile: Profile, rng: random.Random) -> list[str]:
     """The round's faults in a random order, with the backfill started midway."""
     faults = ["kill"] * profile.kills + ["kill-acked"] * profile.acked_kills
@@ -378,7 +394,9 @@ def fault_plan(profile: Profile, rng: random.Random) -> list[str]:
 
 
 class ChaosRound:
-    """Sets up a round's databases and pipeline, injects the faults, drains and checks."""
+    """Sets up a round's databases and pipeline, injects the faults, drains and checks; ``app_env``
+    is added to the stream app's environment (e.g. ``SEQUIN_SPARK_MASTER``: a cluster's master) and
+    ``spool_location`` is the config's ``stream.spool_location``."""
 
     def __init__(
         self,
@@ -388,8 +406,12 @@ class ChaosRound:
         round_no: int,
         seed: int,
         log: Callable[[str], None] = print,
+        app_env: dict[str, str] | None = None,
+        spool_location: str | None = None,
     ) -> None:
         self.pg = pg
+        self.app_env = app_env
+        self.spool_location = spool_location
         self.workdir = workdir
         self.profile = profile
         self.rng = random.Random(seed)
@@ -408,10 +430,15 @@ class ChaosRound:
         config = self.workdir / "sequin.yaml"
         config.write_text(
             CONFIG.format(
-                source=source_dsn, store=store_dsn, db=self.db, url=receiver.url, checkpoint=self.workdir / "checkpoint"
+                source=source_dsn,
+                store=store_dsn,
+                db=self.db,
+                url=receiver.url,
+                checkpoint=self.workdir / "checkpoint",
+                spool=json.dumps(self.spool_location),
             )
         )
-        supervisor = Supervisor(config, self.workdir, store_dsn).start()
+        supervisor = Supervisor(config, self.workdir, store_dsn, self.app_env).start()
         received: list[dict[str, Any]] = []
         acked: dict[str, int] = {}
         lock = threading.Lock()
