@@ -210,8 +210,7 @@ def queue_replay(config: SequinConfig, request: ReplayRequest) -> ReplayResult:
             for start in range(0, len(rows), QUEUE_CHUNK):
                 parked = park_rows(plan, replay.id, mark, rows[start : start + QUEUE_CHUNK], start + 1)
                 store.park_messages(conn, schema, parked)
-            store.record_replay_queued(conn, schema, replay.id, mark, len(rows))
-        replay = next(r for r in store.list_replays(conn, schema, 50) if r.id == replay.id)
+            replay = store.record_replay_queued(conn, schema, replay.id, mark, len(rows))
     log.info(
         "replay %d: %d changes of %s queued for sink %s at %d",
         replay.id,

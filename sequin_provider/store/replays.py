@@ -62,14 +62,18 @@ def create_replay(
 
 def record_replay_queued(
     conn: psycopg.Connection[Any], schema: str, replay_id: int, position: int, messages: int
-) -> None:
-    """The replay's messages are in its sink's buffer, at ``position`` of the sink's order."""
-    conn.execute(
-        sql.SQL("UPDATE {}.replays SET position = %s, messages = %s, queued_at = now() WHERE id = %s").format(
-            ident(schema)
-        ),
+) -> Replay:
+    """The replay's messages are in its sink's buffer, at ``position`` of the sink's order; returns
+    the replay as recorded now."""
+    row = conn.execute(
+        sql.SQL(
+            "UPDATE {}.replays SET position = %s, messages = %s, queued_at = now() WHERE id = %s RETURNING " + _COLUMNS
+        ).format(ident(schema)),
         (position, messages, replay_id),
-    )
+    ).fetchone()
+    if row is None:
+        raise LookupError(f"no replay {replay_id} in {schema}.replays")
+    return _replay(row)
 
 
 def list_replays(conn: psycopg.Connection[Any], schema: str, limit: int = 20) -> list[Replay]:
