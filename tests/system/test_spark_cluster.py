@@ -1,7 +1,7 @@
 """The apps against a real Spark standalone cluster (``spark://``), not local mode.
 
 A master and two workers are started from pyspark's own jars on loopback (the same daemons the
-docker-compose file runs in containers, ``tests.support.spark_cluster``). ``SequinBackfillOperator``
+docker-compose file runs in containers, ``devtools.spark_cluster``). ``SequinBackfillOperator``
 submits ``spark_apps/backfill.py`` in client mode: the driver runs here, the range readers run in
 executors that the workers start. The stream app runs the short chaos round with its executors on
 both workers.
@@ -17,6 +17,7 @@ import psycopg
 import pytest
 
 from devtools.embedded_postgres import EmbeddedPostgres
+from devtools.spark_cluster import SparkCluster
 from devtools.stream_process import streaming_status, wait_for
 from sequin_provider import store
 from sequin_provider.operators.backfill import SequinBackfillOperator
@@ -25,7 +26,6 @@ from tests.support.airflow import OperatorThread, lock_is_free, no_process_left,
 from tests.support.chaos.harness import SHORT, ChaosRound, assert_clean
 from tests.support.config import write_config
 from tests.support.postgres import execute, sink_messages
-from tests.support.spark_cluster import SparkCluster
 from tests.support.stream_app import StreamApp
 
 ROWS = 2000

@@ -1,6 +1,6 @@
 """A real Spark standalone cluster on loopback: a master and workers started from pyspark's own jars
-(the same daemons the docker-compose file runs in containers), for tests that submit apps to
-``spark://`` rather than run them in local mode.
+(the same daemons the docker-compose file runs in containers), for tests and benchmarks that submit
+apps to ``spark://`` rather than run them in local mode.
 
 Each worker has a work folder of its own (``worker-<n>``), where it starts the executors of every
 app (``<app id>/<executor id>/stderr``): what an executor logged tells which worker ran it.
