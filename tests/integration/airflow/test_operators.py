@@ -26,6 +26,7 @@ from devtools.stream_process import wait_for
 from sequin_provider import store
 from sequin_provider.backfill import run_lock, server_lock
 from sequin_provider.operators.backfill import SequinBackfillOperator
+from sequin_provider.operators.backfill_server import SequinBackfillServerOperator
 from sequin_provider.operators.buffer import SequinBufferRetryOperator
 from sequin_provider.operators.common import task_instance_key
 from sequin_provider.operators.replication import (
@@ -531,3 +532,56 @@ def test_replication_run_for_stops_and_succeeds(env: Env) -> None:
     (run,) = op.runs
     assert run.finished and no_process_left(run.pid)
     assert lock_is_free(env.dsn)
+
+
+# -- SequinBackfillServerOperator: the same supervision, the server's own sign of life ---------------
+
+
+def server_operator(env: Env, mode: str = "sleep", **kwargs: Any) -> SequinBackfillServerOperator:
+    return SequinBackfillServerOperator(
+        task_id="serve",
+        application=str(env.app),
+        env_vars=env.fake_env(mode),
+        restart_backoff=0.1,
+        poll_interval=0.1,
+        stop_grace_period=10,
+        **kwargs,
+    )
+
+
+def test_backfill_server_exit_3_is_not_restarted(env: Env) -> None:
+    """Exit code 3 (another server serves the database): restarting cannot help, the task fails at once."""
+    op = server_operator(env, "fail", max_restarts=3, start_timeout=3600)
+    with pytest.raises(AirflowException, match="another backfill server serves the database; not restarting it"):
+        op.execute(context={})
+    (start,) = env.app_events()
+    assert start[2:] == ["--config", str(env.config), "--serve", "--database", "app", "--master", "local[1]"]
+    assert len(op.runs) == 1 and op.restarts == 0
+
+
+def test_backfill_server_is_alive_while_its_lock_is_held_and_restarted_when_not(env: Env) -> None:
+    """The server records no heartbeat: its lock in the store held is its sign of life. A server that
+    never takes it stalls and is restarted (bounded); while it is held, the server runs on."""
+    op = server_operator(env, start_timeout=1, stall_timeout=5, max_restarts=1)
+    with pytest.raises(AirflowException, match=r"stalled \(no first heartbeat for .*giving up after 1 consecutive"):
+        op.execute(context={})
+    assert len(op.runs) == 2 and all(run.finished and no_process_left(run.pid) for run in op.runs)
+
+    server = server_lock(env.dsn, "sequin", "app", "the server (stand-in)")
+    assert server.acquire()  # what the real server holds while it is up
+    try:
+        op = server_operator(env, start_timeout=1, stall_timeout=1, max_restarts=1, run_for=3)
+        assert op.execute(context={})["restarts"] == 0
+    finally:
+        server.release()
+
+
+def test_backfill_server_refuses_a_second_supervisor(env: Env) -> None:
+    op = server_operator(env, start_timeout=3600)
+    thread, outcome = in_thread(lambda: op.execute(context={}))
+    wait_for(lambda: any(e[0] == "start" for e in env.app_events()), 300, what="the server to start")
+    with pytest.raises(AirflowFailException, match="backfill server of database 'app' is already supervised"):
+        server_operator(env).execute(context={})
+    op.on_kill()
+    thread.join(120)
+    assert "the supervisor was stopped" in str(outcome.get("error"))
