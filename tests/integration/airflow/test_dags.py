@@ -25,6 +25,7 @@ import threading
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 import psycopg
@@ -880,6 +881,19 @@ def test_dag_test_backfill_emits_its_asset_event_and_the_downstream_dag_runs_aft
     (run,) = result["scheduled"]
     assert run["run_type"] == "asset_triggered" and run["state"] == "queued"
     assert [e["backfill_id"] for e in run["events"]] == [final.id]
+
+
+def test_the_downstream_example_reads_what_its_triggering_events_say(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sequin_downstream_example``'s task returns the extras of the events of its asset that triggered it."""
+    example_on(monkeypatch, "public.events", "events_sink")
+    dag = dagbag().dags["sequin_downstream_example"]
+    (asset,) = dag.schedule
+    assert asset.uri == "sequin://app/public.events?sink=events_sink"
+    freshness = {"event": "freshness", "sink": "events_sink", "table": "public.events", "complete_through": "T"}
+    done = {"event": "backfill_completed", "table": "public.events", "backfill_id": 7, "rows": 200}
+    events = {asset: [SimpleNamespace(extra=freshness), SimpleNamespace(extra=done)]}
+    assert dag.task_dict["delivered"].python_callable(triggering_asset_events=events) == [freshness, done]
+    assert dag.task_dict["delivered"].python_callable(triggering_asset_events={}) == []
 
 
 def test_dag_test_freshness_is_never_ahead_of_what_is_delivered(
