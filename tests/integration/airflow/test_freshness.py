@@ -4,11 +4,60 @@ end to end under ``dag.test`` with concurrent writes: tests/integration/airflow/
 
 from __future__ import annotations
 
+import threading
+from datetime import datetime
+
 import psycopg
 
 from sequin_provider import store
-from sequin_provider.freshness import measure_freshness, sinks_parked_below
+from sequin_provider.freshness import measure_freshness, sinks_parked_below, take_mark
+from sequin_provider.pgoutput import lsn_to_int
 from tests.support.postgres import execute
+
+
+def test_a_mark_follows_every_commit_made_before_its_time(dsn: str) -> None:
+    """Transactions commit concurrently while marks are taken; every transaction whose commit time is
+    at or before a mark's time has its commit record ending at or before the mark's position (read from
+    the WAL with test_decoding, which gives each commit's end position and time)."""
+    execute(
+        dsn,
+        "CREATE TABLE t (id serial PRIMARY KEY)",
+        "SELECT pg_create_logical_replication_slot('mark_check', 'test_decoding')",
+    )
+    stop = threading.Event()
+
+    def writer() -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            while not stop.is_set():
+                conn.execute("INSERT INTO t DEFAULT VALUES")
+
+    threads = [threading.Thread(target=writer, daemon=True) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            marks = [take_mark(conn) for _ in range(30)]
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_switch_wal()")  # the test cluster commits asynchronously: flush the WAL
+            commits = [
+                (lsn_to_int(lsn), datetime.fromisoformat(data.rsplit("(at ", 1)[1].rstrip(")")))
+                for lsn, data in conn.execute(
+                    "SELECT lsn::text, data FROM pg_logical_slot_get_changes('mark_check', NULL, NULL,"
+                    " 'include-timestamp', 'on') WHERE data LIKE 'COMMIT %'"
+                ).fetchall()
+            ]
+    finally:
+        execute(dsn, "SELECT pg_drop_replication_slot('mark_check')")
+    assert len(commits) > 100
+    for mark in marks:
+        before = [lsn for lsn, at in commits if at <= mark.at]
+        assert before and max(before) <= mark.lsn, mark  # test_decoding reports a commit's end position
+    assert [m.lsn for m in marks] == sorted(m.lsn for m in marks)
 
 
 def test_a_sink_with_a_message_parked_before_the_mark_is_behind(dsn: str) -> None:
