@@ -29,7 +29,7 @@ from sequin_provider.replication import slot_info
 @dataclass(frozen=True)
 class Mark:
     """Every transaction that committed at or before ``at`` (source clock) has its commit record
-    before WAL position ``lsn``."""
+    ending at or before WAL position ``lsn``."""
 
     at: datetime
     lsn: int
