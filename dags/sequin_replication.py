@@ -18,12 +18,12 @@ Connections: ``sequin_default`` (store, ``config_path``) and ``spark_default`` (
 from __future__ import annotations
 
 import os
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 
 from airflow.sdk import dag
 
-from sequin_provider.notifications.sequin import alert_from_environment
 from sequin_provider.operators.replication import SequinReplicationOperator
+from sequin_provider.operators.supervised import supervisor_dag_defaults
 
 
 @dag(
@@ -34,13 +34,7 @@ from sequin_provider.operators.replication import SequinReplicationOperator
     max_active_runs=1,
     tags=["sequin"],
     doc_md=__doc__,
-    default_args={
-        "retries": int(os.environ.get("SEQUIN_SUPERVISOR_RETRIES", "3")),
-        "retry_delay": timedelta(minutes=1),
-        "retry_exponential_backoff": True,
-        "max_retry_delay": timedelta(minutes=30),
-        "on_failure_callback": alert_from_environment("Sequin stream app down"),
-    },
+    default_args=supervisor_dag_defaults("Sequin stream app down"),
 )
 def sequin_replication() -> None:
     SequinReplicationOperator(

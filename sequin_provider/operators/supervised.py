@@ -10,6 +10,8 @@ lock and sign of life, and which exits must not be restarted.
 
 from __future__ import annotations
 
+import os
+from datetime import timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
@@ -20,6 +22,7 @@ from airflow.sdk.exceptions import AirflowException
 from sequin_provider.airflow_errors import airflow_errors
 from sequin_provider.exceptions import LockHeldError
 from sequin_provider.hooks.sequin import SequinHook
+from sequin_provider.notifications.sequin import alert_from_environment
 from sequin_provider.operators.common import load_sequin_config, optional_text, warn_if_elsewhere
 from sequin_provider.operators.spark_submit import (
     SparkSubmitRun,
@@ -43,6 +46,20 @@ if TYPE_CHECKING:
     from airflow.sdk import Context
 
     from sequin_provider.config import DatabaseConfig
+
+
+def supervisor_dag_defaults(alert_title: str) -> dict[str, Any]:
+    """``default_args`` of a bundled ``@continuous`` DAG whose one task supervises an app: Airflow
+    retries the failed supervisor (``SEQUIN_SUPERVISOR_RETRIES``, default 3, backing off from one
+    minute to 30) and the last failure sends ``alert_title`` (``alert_from_environment``). Reads only
+    the environment, so a DAG file may call it at parse time."""
+    return {
+        "retries": int(os.environ.get("SEQUIN_SUPERVISOR_RETRIES", "3")),
+        "retry_delay": timedelta(minutes=1),
+        "retry_exponential_backoff": True,
+        "max_retry_delay": timedelta(minutes=30),
+        "on_failure_callback": alert_from_environment(alert_title),
+    }
 
 
 class SupervisedAppOperator(BaseOperator):

@@ -16,9 +16,8 @@ from fastapi.testclient import TestClient
 from sequin_provider import store, stream_queue
 from sequin_provider.plugins.sequin import URL_PREFIX, LazySequinApp, SequinPlugin
 from sequin_provider.plugins.view_data import backfill_entry
-from tests.support.config import write_config
-from tests.support.postgres import execute
 from tests.support.receiver import Receiver
+from tests.support.view import running_backfill, view_config
 
 
 def test_plugin_is_registered_and_declares_the_app_and_the_view() -> None:
@@ -31,23 +30,8 @@ def test_plugin_is_registered_and_declares_the_app_and_the_view() -> None:
 
 
 def _config_with_a_message(dsn: str, dbname: str, tmp_path: Path, url: str = "http://127.0.0.1:9/hook") -> Path:
-    execute(
-        dsn,
-        "CREATE TABLE kv (k int PRIMARY KEY, v int)",
-        f"SELECT pg_create_logical_replication_slot('slot_{dbname}', 'pgoutput')",
-    )
-    config = write_config(
-        tmp_path / "sequin.yaml",
-        f"""
-        databases: [{{name: app, dsn: "{dsn}", slot: {{name: slot_{dbname}}}}}]
-        sinks:
-          - {{name: kv_stream, tables: [kv], destination: {{type: sequin_stream}}}}
-          - {{name: kv_hook, tables: [kv], destination: {{type: webhook, url: "{url}", batch: false, timeout: 5s}}}}
-        """,
-    )
+    config = view_config(dsn, dbname, tmp_path, url)
     with psycopg.connect(dsn) as conn:
-        store.migrate(conn, "sequin")
-        conn.commit()
         store.insert_stream_messages(conn, "sequin", [("kv_stream", 5, 0, "g", "5:0", '{"record": {"k": 1}}')])
         store.advance_visible_lsn(conn, "sequin", ["kv_stream"], 5)
     return config
@@ -170,12 +154,8 @@ def test_backfill_entry_has_progress_rate_and_eta(dsn: str) -> None:
     with psycopg.connect(dsn) as conn:
         store.migrate(conn, "sequin")
         conn.commit()
-        backfill = store.create_backfill(conn, "sequin", "s", "public", "t", rows_initial=1000)
-        store.transition_backfill(conn, "sequin", backfill.id, "running")
-        store.record_backfill_progress(conn, "sequin", backfill.id, {"k": 400}, 400, 400)
-        conn.execute("UPDATE sequin.backfills SET started_at = updated_at - interval '40 seconds'")
-        conn.commit()
-        entry = backfill_entry(store.get_backfill(conn, "sequin", backfill.id))
+        backfill_id = running_backfill(conn, "s", "t")
+        entry = backfill_entry(store.get_backfill(conn, "sequin", backfill_id))
     assert (entry["rows_done"], entry["rows_total"], entry["percent"]) == (400, 1000, 40.0)
     assert (entry["rows_per_second"], entry["eta_seconds"]) == (10.0, 60)
     assert entry["progress"] == "running, 400/1,000 rows (40.0%), 10 rows/s, ETA 0:01:00"

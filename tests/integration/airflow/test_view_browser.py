@@ -30,9 +30,8 @@ from fastapi.responses import HTMLResponse
 from devtools.embedded_postgres import free_port
 from sequin_provider import store, stream_queue
 from sequin_provider.plugins.sequin import URL_PREFIX, LazySequinApp
-from tests.support.config import write_config
-from tests.support.postgres import execute
 from tests.support.receiver import Receiver
+from tests.support.view import running_backfill, view_config
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
@@ -121,39 +120,18 @@ def seed(dsn: str, dbname: str, tmp_path: Path, hook_url: str) -> tuple[Path, st
     """A config with a stream sink and a webhook sink, the stream's last batch at 1,234 rows/s, a
     running backfill 400/1,000 rows in 40 s, and one parked message of the webhook sink, not due
     for 10 minutes; the config, a token and the backfill's id."""
-    execute(
-        dsn,
-        "CREATE TABLE kv (k int PRIMARY KEY, v int)",
-        f"SELECT pg_create_logical_replication_slot('slot_{dbname}', 'pgoutput')",
-    )
-    config = write_config(
-        tmp_path / "sequin.yaml",
-        f"""
-        databases: [{{name: app, dsn: "{dsn}", slot: {{name: slot_{dbname}}}}}]
-        sinks:
-          - {{name: kv_stream, tables: [kv], destination: {{type: sequin_stream}}}}
-          - name: kv_hook
-            tables: [kv]
-            destination: {{type: webhook, url: "{hook_url}", batch: false, timeout: 5s}}
-        """,
-    )
+    config = view_config(dsn, dbname, tmp_path, hook_url)
     with psycopg.connect(dsn) as conn:
-        store.migrate(conn, "sequin")
-        conn.commit()
         token = stream_queue.create_token(conn, "sequin", "browser")
         conn.commit()
-        backfill = store.create_backfill(conn, "sequin", "kv_stream", "public", "kv", rows_initial=1000)
-        store.transition_backfill(conn, "sequin", backfill.id, "running")
-        store.record_backfill_progress(conn, "sequin", backfill.id, {"k": 400}, 400, 400)
-        conn.execute("UPDATE sequin.backfills SET started_at = updated_at - interval '40 seconds'")
-        conn.commit()
+        backfill_id = running_backfill(conn, "kv_stream", "kv")
         now = datetime.now(timezone.utc)
         store.update_status(conn, "sequin", "app", 5000, heartbeat_at=now, last_batch_at=now, rows_per_sec=1234.4)
         message = json.dumps({"record": {"k": 7, "v": 42}, "action": "insert"})
         store.park_messages(
             conn, "sequin", [store.ParkRow("kv_hook", 700, 0, "kv:7", "700:0", message, None, 3, ERROR, delay=600.0)]
         )
-    return config, token, backfill.id
+    return config, token, backfill_id
 
 
 def test_view_in_headless_chromium_shows_progress_and_retries_a_parked_message(
