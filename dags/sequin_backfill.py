@@ -4,13 +4,14 @@ Sends the rows a table holds now to one sink as ``read`` messages (docs/backfill
 every row in primary-key order; ``partial`` reads rows with ``sort_column >= start_position``.
 The stream app of the sink's database must be running.
 
-``sink`` and ``table`` are drop-downs of the sinks of ``sequin.yaml`` and of their tables when the
-DAG processor can read the file cheaply at parse time: ``$SEQUIN_CONFIG`` names a regular file of at
+``sink`` is a drop-down of the sinks of ``sequin.yaml``, and ``table`` suggests their tables (free
+text: ``items`` is taken for ``public.items``), when the DAG processor can read the file cheaply at
+parse time: ``$SEQUIN_CONFIG`` names a regular file of at
 most 1 MB that parses as YAML (``sequin_provider.dag_config``: no connection lookup, no network, no
 validation). Otherwise (unset, missing, unreadable, a FIFO) they are free text, since parse-time I/O
 that can fail or hang is what Airflow's DAG processor must not do. Either way the operator checks
 them when the run starts and fails with the reason, e.g. ``unknown sink 'x' (configured sinks:
-orders, users)``; the table list holds every sink's tables, each shown with the sinks that capture it.
+orders, users)``.
 Connections: ``sequin_default`` and ``spark_default``.
 """
 

@@ -101,15 +101,13 @@ def sink_choices(sinks: list[SinkTables] | None) -> dict[str, Any]:
 
 
 def table_choices(sinks: list[SinkTables] | None) -> dict[str, Any]:
-    """``Param`` keywords that make a table field a drop-down of every configured sink's tables (each
-    shown with the sinks that capture it); ``{}`` (free text) without them."""
+    """``Param`` keywords that offer every configured sink's tables as suggestions of a free text
+    field (JSON Schema ``examples``: Airflow's form lists them under the field); ``{}`` without them.
+    Suggestions, not an ``enum``: a table is also accepted without its schema (``items`` for
+    ``public.items``), as scripts and the REST API send it, and the operator checks it at run time."""
     if not sinks:
         return {}
-    owners: dict[str, list[str]] = {}
+    tables: dict[str, None] = {}
     for s in sinks:
-        for table in s.tables:
-            owners.setdefault(table, []).append(s.sink)
-    return {
-        "enum": list(owners),
-        "values_display": {table: f"{table} (sinks: {', '.join(names)})" for table, names in owners.items()},
-    }
+        tables.update(dict.fromkeys(s.tables))
+    return {"examples": list(tables)}

@@ -332,8 +332,9 @@ def form_fields(monkeypatch: pytest.MonkeyPatch, config: Path) -> tuple[dict[str
 
 
 def test_backfill_form_offers_the_configured_sinks_and_tables(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """A small readable ``$SEQUIN_CONFIG``: drop-downs of its sinks and of their tables (no connection
-    looked up, no environment substituted, nothing validated); the choices hold at trigger time."""
+    """A small readable ``$SEQUIN_CONFIG``: a drop-down of its sinks and their tables as suggestions
+    (no connection looked up, no environment substituted, nothing validated); the sink choices hold at
+    trigger time, a table may still be given without its schema."""
     config = tmp_path / "sequin.yaml"
     config.write_text(FORM_CONFIG)
     sink, table = form_fields(monkeypatch, config)
@@ -342,13 +343,10 @@ def test_backfill_form_offers_the_configured_sinks_and_tables(monkeypatch: pytes
         "orders": "orders (public.orders, billing.invoices)",
         "audit": "audit (public.orders)",
     }
-    assert table["enum"] == ["public.orders", "billing.invoices"]
-    assert table["values_display"] == {
-        "public.orders": "public.orders (sinks: orders, audit)",
-        "billing.invoices": "billing.invoices (sinks: orders)",
-    }
+    assert table["examples"] == ["public.orders", "billing.invoices"] and "enum" not in table
     params = dagbag().dags["sequin_backfill"].params
     assert params.get_param("sink").resolve("audit") == "audit"
+    assert params.get_param("table").resolve("orders") == "orders"  # suggestions: public. may be left out
     with pytest.raises(Exception, match="nope"):
         params.get_param("sink").resolve("nope")
 
@@ -370,7 +368,7 @@ def test_backfill_form_falls_back_to_free_text(monkeypatch: pytest.MonkeyPatch, 
     sink, table = form_fields(monkeypatch, config)
     assert time.monotonic() - started < 60
     for field in (sink, table):
-        assert field["type"] == "string" and "enum" not in field and "values_display" not in field
+        assert field["type"] == "string" and not {"enum", "values_display", "examples"} & set(field)
 
 
 # -- dag.test() --------------------------------------------------------------------------------------
