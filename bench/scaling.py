@@ -130,12 +130,12 @@ class Source:
 
 def config_text(case: Case, source: Source, store_dsn: str, slot: str, work: Path) -> str:
     """The stream app's config of ``case``: ``case.sinks`` Sequin Stream sinks of every table."""
-    group = "\n    group_column_names: [account]" if case.groups else ""
+    tables = ", ".join(f"{{name: {t}, group_column_names: [account]}}" if case.groups else t for t in source.tables)
     sinks = "".join(
         f"""
   - name: sink{n}
-    tables: [{", ".join(source.tables)}]
-    destination: {{type: sequin_stream}}{group}"""
+    tables: [{tables}]
+    destination: {{type: sequin_stream}}"""
         for n in range(1, case.sinks + 1)
     )
     return f"""
