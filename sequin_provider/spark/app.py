@@ -50,6 +50,43 @@ def stream_java_options(payload: str) -> str:
     return SPOOL_STREAM_JAVA_OPTIONS if payload == "spool" else STREAM_JAVA_OPTIONS
 
 
+TUNED_SPARK_CONF = {
+    "spark.sql.execution.arrow.maxRecordsPerBatch": "20000",
+    "spark.ui.showConsoleProgress": "false",  # bars of \r-joined text in the log; progress is logged
+    "spark.sql.execution.arrow.pyspark.enabled": "true",
+    "spark.sql.streaming.noDataMicroBatches.enabled": "false",
+    "spark.python.unix.domain.socket.enabled": "true",
+}
+"""Spark settings the apps run with unless spark-submit's ``--conf`` (or spark-defaults) sets them.
+
+``spark.python.unix.domain.socket.enabled``: the JVM talks to its Python workers (and the Python
+driver) over Unix domain sockets instead of loopback TCP. Over TCP, a task's small writes to a
+Python worker waited for the worker's delayed acknowledgement (Nagle's algorithm against Linux's
+40 ms delayed ACK): measured at a steady 5,000 changes/s, the stream app's Python worker waited
+43-50 ms for the first input of every task, and again as long for the partition its data source
+read; with Unix sockets 2-3 ms. A micro-batch went from 190 to 90-100 ms (docs/performance.md)."""
+
+
+def _submitted_conf() -> set[str]:
+    """The Spark settings spark-submit (``--conf``, spark-defaults.conf) gave an already running
+    driver JVM; empty when this process launches the JVM itself (the builder's settings are then
+    the only ones)."""
+    if not _under_spark_submit():
+        return set()
+    from pyspark import SparkConf, SparkContext
+
+    SparkContext._ensure_initialized()  # connects to spark-submit's JVM; launches nothing
+    return {key for key, _ in SparkConf().getAll()}
+
+
+def shuffle_partitions(spark: Any) -> None:
+    """Shuffles (a push sink's ``payload=full`` job, Spark SQL filters) as wide as the cores Spark
+    has (at least 2) unless ``spark.sql.shuffle.partitions`` was given: Spark's default of 200
+    would turn a micro-batch of a few hundred rows into 200 tasks."""
+    if not spark.sparkContext.getConf().contains("spark.sql.shuffle.partitions"):
+        spark.conf.set("spark.sql.shuffle.partitions", str(max(2, spark.sparkContext.defaultParallelism)))
+
+
 def spark_session(app_name: str, master: str | None = None, java_options: str = STREAM_JAVA_OPTIONS) -> Any:
     """A SparkSession tuned for the stream app (small shuffles, quiet logs); ``java_options`` are the
     local driver JVM's unless ``$SEQUIN_SPARK_JAVA_OPTIONS`` says otherwise."""
@@ -68,14 +105,14 @@ def spark_session(app_name: str, master: str | None = None, java_options: str = 
     builder = (
         builder.config("spark.driver.memory", memory)
         .config("spark.driver.extraJavaOptions", os.environ.get("SEQUIN_SPARK_JAVA_OPTIONS", java_options))
-        .config("spark.sql.execution.arrow.maxRecordsPerBatch", "20000")
-        .config("spark.sql.shuffle.partitions", "2")
         .config("spark.ui.enabled", os.environ.get("SEQUIN_SPARK_UI", "false"))
-        .config("spark.ui.showConsoleProgress", "false")  # bars of \r-joined text in the log; progress is logged
-        .config("spark.sql.execution.arrow.pyspark.enabled", "true")
-        .config("spark.sql.streaming.noDataMicroBatches.enabled", "false")
     )
+    submitted = _submitted_conf()
+    for key, value in TUNED_SPARK_CONF.items():
+        if key not in submitted:
+            builder = builder.config(key, value)
     spark = builder.getOrCreate()
+    shuffle_partitions(spark)
     spark.sparkContext.setLogLevel(os.environ.get("SEQUIN_SPARK_LOG_LEVEL", "WARN"))
     return spark
 
