@@ -58,13 +58,13 @@ from bench.backfill_throughput import (  # noqa: E402
 from bench.delivery_throughput import answers, fill, http_consumer, run_consumers  # noqa: E402
 from bench.machine_memory import add_touch_memory_argument, touch_memory_for  # noqa: E402
 from bench.stream_throughput import (  # noqa: E402
-    ROW,
     TABLE,
     add_pg_setting_argument,
     check_sink,
     current_lsn,
     run_pg_recvlogical,
     sink_count,
+    steady_writes,
     write_workload,
 )
 from devtools.embedded_postgres import EmbeddedPostgres, free_port  # noqa: E402
@@ -331,26 +331,6 @@ class Ids:
         first = self.next
         self.next += n
         return first
-
-
-def steady_writes(dsn: str, rate: int, seconds: float, first_id: int) -> int:
-    """``rate`` inserts/s in 100 transactions/s for ``seconds``; returns rows written."""
-    txn_rows = max(1, rate // 100)
-    total, tick = 0, 0
-    started = time.monotonic()
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        while time.monotonic() - started < seconds:
-            lo = first_id + tick * txn_rows
-            conn.execute(
-                f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW}"
-                f" FROM generate_series({lo}, {lo + txn_rows - 1}) g"
-            )
-            total += txn_rows
-            tick += 1
-            pause = started + tick / 100.0 - time.monotonic()
-            if pause > 0:
-                time.sleep(pause)
-    return total
 
 
 def measure(contender: Contender, dsn: str, ids: Ids, args: argparse.Namespace) -> dict[str, Any]:

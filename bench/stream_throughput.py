@@ -146,24 +146,40 @@ def run_decoder_only(dsn: str, slot: str, start_lsn: int, end_lsn: int, expected
     return time.monotonic() - started
 
 
-def latency_run(dsn: str, store_dsn: str, rate: int, seconds: int, first_id: int) -> dict[str, float]:
-    """Steady ``rate`` changes/s for ``seconds``; commit -> durable sink row percentiles (ms)."""
-    txn_rows = max(1, rate // 100)  # 100 transactions per second
-    before = sink_count(store_dsn)
-    total = 0
+STEADY_SESSION_OPTIONS = "-c synchronous_commit=on"
+"""The steady writer's session commits as PostgreSQL does by default, flushing its WAL at each
+commit (cheap here: the embedded cluster runs with ``fsync`` off). The cluster's own default is
+``synchronous_commit=off``, for the throughput runs; under it a commit reaches the disk, and so any
+logical decoder (walsender: flushed WAL only), at the WAL writer's next round (``wal_writer_delay``,
+200 ms), which added 0-200 ms to every change's latency whatever the consumer."""
+
+
+def steady_writes(dsn: str, rate: int, seconds: float, first_id: int) -> int:
+    """``rate`` inserts/s into ``events`` in 100 transactions/s for ``seconds`` (ids from
+    ``first_id``), committed as ``STEADY_SESSION_OPTIONS`` says; returns the rows written."""
+    txn_rows = max(1, rate // 100)
+    total, tick = 0, 0
     started = time.monotonic()
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        tick = 0
+    with psycopg.connect(dsn, autocommit=True, options=STEADY_SESSION_OPTIONS) as conn:
         while time.monotonic() - started < seconds:
             lo = first_id + tick * txn_rows
             conn.execute(
-                f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW} FROM generate_series({lo}, {lo + txn_rows - 1}) g"
+                f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW}"
+                f" FROM generate_series({lo}, {lo + txn_rows - 1}) g"
             )
             total += txn_rows
             tick += 1
             pause = started + tick / 100.0 - time.monotonic()
             if pause > 0:
                 time.sleep(pause)
+    return total
+
+
+def latency_run(dsn: str, store_dsn: str, rate: int, seconds: int, first_id: int) -> dict[str, float]:
+    """Steady ``rate`` changes/s for ``seconds`` (``steady_writes``); commit -> durable sink row percentiles (ms)."""
+    before = sink_count(store_dsn)
+    started = time.monotonic()
+    total = steady_writes(dsn, rate, seconds, first_id)
     achieved = total / (time.monotonic() - started)
     wait_for(lambda: sink_count(store_dsn) >= before + total, 120, what="latency run to drain")
     with psycopg.connect(store_dsn) as conn:
