@@ -33,6 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
+from pyspark.sql.pandas.types import from_arrow_schema
 
 from sequin_provider import store
 from sequin_provider.buffer import backoff_seconds, change_source
@@ -454,11 +455,7 @@ WRITE_RESULT_SCHEMA = pa.schema(
         ("commit_counts", pa.list_(pa.int64())),
     ]
 )
-WRITE_RESULT_DDL = (
-    "rows bigint, written bigint, max_lsn bigint, store_seconds double, delivered bigint, parked bigint,"
-    " open_lsn bigint, truncated array<string>, sink_delivered array<bigint>, sink_parked array<bigint>,"
-    " commit_ms array<bigint>, commit_counts array<bigint>"
-)
+WRITE_RESULT_TYPE = from_arrow_schema(WRITE_RESULT_SCHEMA)
 """A task's report: change rows read, stream rows copied, the highest position read, its seconds,
 push messages delivered and parked, the commit LSN of the transaction the batch ends inside (its
 marker row was in this task's rows; null otherwise), and the tables truncated in a ``payload=full``
@@ -665,7 +662,7 @@ class Pipeline:
         if reread:
             projected = projected.persist()  # rendered once, read by the stream job and each push job
         try:
-            results = projected.mapInArrow(self._write, WRITE_RESULT_DDL).toArrow()
+            results = projected.mapInArrow(self._write, WRITE_RESULT_TYPE).toArrow()
             truncated = sorted(set(pc.list_flatten(results.column("truncated")).to_pylist())) if push_jobs else []
             pushed = [self._push_sink(projected, i, sink, truncated) for i, sink in push_jobs]
             # batched kinds last: the driver has the whole batch's messages of the sink, written at once
@@ -816,7 +813,7 @@ class Pipeline:
             .select(*columns)
             .repartition(partitions, share)
             .sortWithinPartitions("commit_lsn", "commit_idx")
-            .mapInArrow(self._push[sink.name], WRITE_RESULT_DDL)
+            .mapInArrow(self._push[sink.name], WRITE_RESULT_TYPE)
             .toArrow()
         )
 
