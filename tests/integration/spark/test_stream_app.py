@@ -566,3 +566,28 @@ def test_a_local_checkpoint_is_written_through_the_file_system_manager(tmp_path:
         assert spark.conf.get(CHECKPOINT_FILE_MANAGER_CONF, None) == "com.example.TheirManager"
     finally:
         spark.stop()
+
+
+def test_python_workers_talk_over_unix_sockets_and_shuffles_follow_the_cores() -> None:
+    """The apps' session (``spark_session``) runs its Python workers over Unix domain sockets (over
+    loopback TCP a task's first input waited for a delayed ACK: docs/performance.md), and sizes
+    shuffles by the cores Spark has, at least 2, instead of Spark's 200."""
+    from sequin_provider.spark.app import spark_session
+
+    def worker_socket(batches: Iterator[Any]) -> Iterator[Any]:  # in a Python worker: its socket family
+        import os
+
+        import pyarrow as pa
+
+        for _ in batches:
+            pass
+        yield pa.RecordBatch.from_pydict({"unix": [os.environ.get("PYTHON_UNIX_DOMAIN_ENABLED", "false")]})
+
+    spark = spark_session("sequin-session-tests", "local[1]")
+    try:
+        assert spark.sparkContext.getConf().get("spark.python.unix.domain.socket.enabled") == "true"
+        assert spark.conf.get("spark.sql.shuffle.partitions") == "2"  # local[1]: at least 2
+        rows = spark.range(10, numPartitions=1).mapInArrow(worker_socket, "unix string").collect()
+        assert [r.unix.lower() for r in rows] == ["true"]
+    finally:
+        spark.stop()
