@@ -5,8 +5,9 @@
 One embedded cluster; per case a fresh source database and store, the stream app into Sequin Stream
 sinks after a warm-up of half the changes, throughput = changes / (first commit -> the last micro-batch
 durable in every sink). Beside it, ``pg_recvlogical`` draining the same workload from its own slot in
-the same run (the decode limit of that shape), and the app's CPU per change (every process of the app:
-driver, JVM, reader, Python workers; the store's and walsender's CPU are not in it). The cases:
+the same run (the decode limit of that shape), and the CPU per change by process (``cpu_by_class`` of
+stream_throughput.py): the app's (driver, JVM, reader, Python workers, standalone executors'), the
+store's backends, the walsender, and everything (the workload's own writes included). The cases:
 
   width    rows of ~100 B vs ~1.6 KB (Sequin's published cases), one table, inserts then updates
   tables   the same changes over 1 vs 20 tables of one sink
@@ -36,7 +37,14 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.stream_throughput import current_lsn, run_pg_recvlogical, sink_count  # noqa: E402
+from bench.stream_throughput import (  # noqa: E402
+    cpu_by_class,
+    cpu_delta,
+    current_lsn,
+    process_class,
+    run_pg_recvlogical,
+    sink_count,
+)
 from devtools.embedded_postgres import EmbeddedPostgres  # noqa: E402
 from devtools.spark_cluster import SparkCluster  # noqa: E402
 from devtools.stream_process import StreamAppProcess, wait_for  # noqa: E402
@@ -161,38 +169,34 @@ def decode_limit(dsn: str, source: Source, changes: int, inserts_only: bool) -> 
     return changes / seconds
 
 
-def app_cpu_seconds(app: StreamAppProcess) -> float:
-    """CPU seconds so far of the app's process tree (driver, JVM, reader, Python workers)."""
-    assert app.proc is not None
-    root = psutil.Process(app.proc.pid)
-    total = 0.0
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            times = proc.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
+STORE_BACKENDS = "postgres: store backends (the COPY into the stream table)"
+SOURCE_BACKENDS = "postgres: source backends (the workload's writes)"
+APP_CLASSES = ("Spark JVM", "reader process", "Python workers", "driver")
+"""The classes of ``process_class`` that are the stream app's own processes (standalone executors'
+JVMs and Python workers included: they are classed by their command lines, wherever they run)."""
 
 
-def executor_cpu_seconds() -> float:
-    """CPU seconds so far of standalone executors: their JVMs and the Python workers they fork are the
-    workers' children, not the app's."""
-    total = 0.0
-    for proc in psutil.process_iter():
+def scaling_class(proc: psutil.Process) -> str | None:
+    """``process_class``, with the backends told apart by database: each case's store is ``store_N``."""
+    klass = process_class(proc)
+    if klass is not None and klass.startswith("postgres: other backends"):
         try:
-            if "CoarseGrainedExecutorBackend" not in " ".join(proc.cmdline()):
-                continue
-            tree = [proc, *proc.children(recursive=True)]
+            words = " ".join(proc.cmdline()).split()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        for member in tree:
-            try:
-                times = member.cpu_times()
-            except psutil.NoSuchProcess:
-                continue
-            total += times.user + times.system
-    return total
+            return None
+        return STORE_BACKENDS if any(w.startswith("store_") for w in words[:4]) else SOURCE_BACKENDS
+    return klass
+
+
+def per_change(cpu: dict[str, float], changes: int) -> dict[str, float]:
+    """µs of CPU per change: the app's processes, the store's backends, the walsender, and everything."""
+    app = sum(seconds for klass, seconds in cpu.items() if klass.startswith(APP_CLASSES))
+    return {
+        "app_cpu_us_per_change": app / changes * 1e6,
+        "store_cpu_us_per_change": cpu.get(STORE_BACKENDS, 0.0) / changes * 1e6,
+        "walsender_cpu_us_per_change": sum(s for k, s in cpu.items() if "walsender" in k) / changes * 1e6,
+        "all_cpu_us_per_change": sum(cpu.values()) / changes * 1e6,
+    }
 
 
 def measure(
@@ -224,11 +228,11 @@ def measure(
         base = sink_count(store_dsn)
         source.write(changes // 2, case.inserts_only)  # warm-up
         wait_for(lambda: sink_count(store_dsn) >= base + changes // 2, 900, interval=0.2, what="the warm-up")
-        base, cpu0, exec0 = sink_count(store_dsn), app_cpu_seconds(app), executor_cpu_seconds()
+        base, cpu0 = sink_count(store_dsn), cpu_by_class(scaling_class)
         started = source.write(changes, case.inserts_only)
         wait_for(lambda: sink_count(store_dsn) >= base + changes, 900, interval=0.1, what="the measured run")
         rate = changes / (time.time() - started)
-        cpu = app_cpu_seconds(app) - cpu0 + executor_cpu_seconds() - exec0
+        cpu = cpu_delta(cpu0, cpu_by_class(scaling_class))
     finally:
         app.stop()
         if cluster is not None:
@@ -247,11 +251,14 @@ def measure(
         "changes_per_s": rate,
         "decode_limit": limit,
         "of_limit": rate / limit,
-        "app_cpu_us_per_change": cpu / changes * 1e6,
+        **per_change(cpu, changes),
+        "cpu_seconds": cpu,
     }
     log(
         f"scaling: {case.family:8s} {case.name:30s} {rate:10,.0f}/s  limit {limit:10,.0f}/s  "
-        f"{rate / limit:5.2f}x  app CPU {result['app_cpu_us_per_change']:5.1f} us/change"
+        f"{rate / limit:5.2f}x  CPU us/change: app {result['app_cpu_us_per_change']:5.1f}, store "
+        f"{result['store_cpu_us_per_change']:4.1f}, walsender {result['walsender_cpu_us_per_change']:4.1f}, "
+        f"all {result['all_cpu_us_per_change']:5.1f}"
     )
     return result
 
@@ -259,13 +266,15 @@ def measure(
 def markdown(results: list[dict[str, Any]]) -> str:
     """The table, one row per case, grouped by family."""
     lines = [
-        "| family | case | changes | changes/s | decode limit (same shape) | of the limit | app CPU µs/change |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| family | case | changes | changes/s | decode limit (same shape) | of the limit"
+        " | CPU µs/change: app | store | walsender | all |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
             f"| {r['family']} | {r['case']} | {r['changes']:,} | {r['changes_per_s']:,.0f} | {r['decode_limit']:,.0f}"
-            f" | {r['of_limit']:.2f} | {r['app_cpu_us_per_change']:.1f} |"
+            f" | {r['of_limit']:.2f} | {r['app_cpu_us_per_change']:.1f} | {r['store_cpu_us_per_change']:.1f}"
+            f" | {r['walsender_cpu_us_per_change']:.1f} | {r['all_cpu_us_per_change']:.1f} |"
         )
     return "\n".join(lines)
 
