@@ -374,6 +374,7 @@ class StagedPage:
     select_ms: float
     stage_ms: float
     reads_written: bool = False  # the task wrote the page's reads: its window's close is final
+    after_page: int | None = None  # the page whose last key this page starts after (None: the range's start)
 
 
 class RangeReader:
@@ -383,7 +384,10 @@ class RangeReader:
     the stream app emits the previous ones, so a page's round trip through the stream app is not
     paid page after page. Windows of one range never overlap (each page's low watermark follows
     the previous page's high watermark), and the range's cursor advances over emitted pages in
-    order only. A stale page is read again from its start, with every page after it.
+    order only. Each page names the page it follows, and the stream app releases a page only after
+    the one it follows, so a stale page makes the pages after it stale too: they are read again from
+    its start, and no row whose read was released is read twice. A job that resumes counts the
+    pages its predecessor left released (``store.released_pages_after``) and reads on after them.
     """
 
     def __init__(
@@ -482,7 +486,22 @@ class RangeReader:
                 backfill.max_query_ms, initial_size=min(1000, self.max_page_rows), max_size=self.max_page_rows
             )
             cursor: list[str] | None = list(rng.cursor) if rng.cursor is not None else None
-            in_flight: deque[StagedPage] = deque()
+            # pages an earlier attempt at this range left waiting (a retried task) go stale: only the
+            # released ones count
+            store.abandon_backfill_pages(store_conn, self.schema, self.backfill_id, self.range_idx)
+            # pages an earlier run left released but did not count: their reads may be served (and
+            # acked) already, so they are waited for and counted, and reading goes on after them
+            in_flight: deque[StagedPage] = deque(self._released(store_conn, rng, cursor))
+            after_page = in_flight[-1].page_id if in_flight else rng.last_page
+            if in_flight:
+                cursor = in_flight[-1].cursor_after
+                log.info(
+                    "backfill %d range %d: %d pages an earlier run left released (%d rows) are counted, not read again",
+                    self.backfill_id,
+                    self.range_idx,
+                    len(in_flight),
+                    sum(p.rows for p in in_flight),
+                )
             read_all = False
             while True:
                 state = store.get_backfill(store_conn, self.schema, self.backfill_id).state
@@ -500,6 +519,7 @@ class RangeReader:
                         positions,
                         optimizer,
                         cursor,
+                        after_page,
                         record,
                         read_sink,
                         in_task,
@@ -509,18 +529,18 @@ class RangeReader:
                     read_all = page.rows < page.size
                     if page.rows:
                         in_flight.append(page)
-                        cursor = page.cursor_after
+                        cursor, after_page = page.cursor_after, page.page_id
                 # the stream app emits pages in order; wait for the oldest once enough are in flight
                 while in_flight and (read_all or len(in_flight) >= self.pages_in_flight):
                     oldest = in_flight.popleft()
                     # a range's last page waits for its batch, so a completed backfill's reads are all served
                     emitted = self._wait_emitted(store_conn, oldest, final=read_all and not in_flight)
-                    if emitted is None:  # stale: read again from its start (later pages' reads may come twice)
+                    if emitted is None:  # stale: read again from its start; the pages after it go stale too
                         result.stale_pages += 1
                         for later in in_flight:
                             self._wait_emitted(store_conn, later, quiet=True)
                         in_flight.clear()
-                        cursor, read_all = oldest.cursor_before, False
+                        cursor, after_page, read_all = oldest.cursor_before, oldest.after_page, False
                         break
                     done = read_all and not in_flight
                     store.advance_backfill_range(
@@ -532,6 +552,7 @@ class RangeReader:
                         oldest.rows,
                         emitted,
                         done,
+                        oldest.page_id,
                     )
                     result.rows_processed += oldest.rows
                     result.rows_emitted += emitted
@@ -560,6 +581,7 @@ class RangeReader:
         positions: list[int],
         optimizer: PageSizeOptimizer,
         cursor: list[str] | None,
+        after_page: int | None,
         record: sql.Composable | None = None,
         read_sink: SinkConfig | None = None,
         in_task: bool = False,
@@ -571,7 +593,7 @@ class RangeReader:
         (``source_sql.record_sql``) the source renders the rows and they are staged as bytes;
         without it the decoder renders them in Python."""
         size = optimizer.size
-        page_id = store.open_backfill_page(store_conn, self.schema, self.backfill_id, self.range_idx)
+        page_id = store.open_backfill_page(store_conn, self.schema, self.backfill_id, self.range_idx, after_page)
         mark = Watermark(self.backfill_id, page_id, self.range_idx, shape.schema, shape.name, shape.primary_key)
         emit_message(source, LOW_PREFIX, watermark_content(mark))
         last = False  # the page ends its range
@@ -667,7 +689,35 @@ class RangeReader:
             select_ms,
             (time.monotonic() - started) * 1000 - select_ms,
             reads is not None,
+            after_page,
         )
+
+    def _released(
+        self, store_conn: psycopg.Connection[Any], rng: store.BackfillRange, cursor: list[str] | None
+    ) -> list[StagedPage]:
+        """The released pages after the range's last counted page, as pages in flight."""
+        pages: list[StagedPage] = []
+        previous, before = rng.last_page, cursor
+        for page in store.released_pages_after(
+            store_conn, self.schema, self.backfill_id, self.range_idx, rng.last_page
+        ):
+            now = time.monotonic()
+            pages.append(
+                StagedPage(
+                    page.id,
+                    page.rows_staged,
+                    page.rows_staged,
+                    before,
+                    page.cursor_after,
+                    now,
+                    0.0,
+                    0.0,
+                    page.reads_written,
+                    previous,
+                )
+            )
+            previous, before = page.id, page.cursor_after
+        return pages
 
     def _wait_emitted(
         self, store_conn: psycopg.Connection[Any], page: StagedPage, quiet: bool = False, final: bool = False

@@ -286,7 +286,9 @@ class ReplicationStreamReader(DataSourceStreamReader):
                     "backfill %d page %d: window %s; the page will be read again",
                     mark.backfill_id,
                     mark.page_id,
-                    "seen whole but the page is not waiting" if window.seen else "not seen by this process",
+                    "seen whole, but the page is not waiting or follows one not released"
+                    if window.seen
+                    else "not seen by this process",
                 )
                 continue
             reads += read_rows(

@@ -27,6 +27,7 @@ class BackfillRange:
     cursor: list[str] | None
     done: bool
     rows_processed: int
+    last_page: int | None = None  # the last page the job counted (``advance_backfill_range``)
 
 
 def ensure_backfill_ranges(
@@ -60,7 +61,7 @@ def backfill_ranges(conn: psycopg.Connection[Any], schema: str, backfill_id: int
     """A backfill's ranges in key order."""
     rows = conn.execute(
         sql.SQL(
-            "SELECT backfill_id, range_idx, lower_key, upper_key, cursor, done, rows_processed"
+            "SELECT backfill_id, range_idx, lower_key, upper_key, cursor, done, rows_processed, last_page"
             " FROM {}.backfill_ranges WHERE backfill_id = %s ORDER BY range_idx"
         ).format(ident(schema)),
         (backfill_id,),
@@ -68,13 +69,17 @@ def backfill_ranges(conn: psycopg.Connection[Any], schema: str, backfill_id: int
     return [BackfillRange(*r) for r in rows]
 
 
-def open_backfill_page(conn: psycopg.Connection[Any], schema: str, backfill_id: int, range_idx: int) -> int:
-    """A new page of a range (before its low watermark); returns the page id."""
+def open_backfill_page(
+    conn: psycopg.Connection[Any], schema: str, backfill_id: int, range_idx: int, after_page: int | None = None
+) -> int:
+    """A new page of a range (before its low watermark); returns the page id. ``after_page``: the
+    page whose last key this page starts after (None: the range's start), which the stream app must
+    have released before it releases this one (``close_backfill_window``)."""
     row = conn.execute(
-        sql.SQL("INSERT INTO {}.backfill_pages (backfill_id, range_idx) VALUES (%s, %s) RETURNING id").format(
-            ident(schema)
-        ),
-        (backfill_id, range_idx),
+        sql.SQL(
+            "INSERT INTO {}.backfill_pages (backfill_id, range_idx, after_page) VALUES (%s, %s, %s) RETURNING id"
+        ).format(ident(schema)),
+        (backfill_id, range_idx, after_page),
     ).fetchone()
     conn.commit()
     return int(row[0])  # type: ignore[index]
@@ -212,15 +217,20 @@ def close_backfill_window(
     page whose reads the task already wrote, hidden (``read_lsn``), has its dropped reads deleted
     and the rest released: ``in_store`` counts them. A window not seen (the app restarted in
     between), or of a backfill no longer running, makes a staged page ``stale`` (its rows and
-    hidden reads go) and the job reads the page again. A closing page closed again (a replayed
-    batch) gives the same answer as the first close; other states are left alone.
+    hidden reads go) and the job reads the page again. So does a page that follows one not released
+    (``after_page``, stale: the job reads again from that page, this one included), so a range's
+    released pages are always a prefix of its keys and no row is read again once its read may have
+    been served. A closing page closed again (a replayed batch) gives the same answer as the first
+    close; other states are left alone.
     """
     s = ident(schema)
     with conn.transaction():
         row = conn.execute(
             sql.SQL(
-                "SELECT p.state, p.backfill_id, b.sink, b.state, p.rows_emitted, p.read_lsn"
+                "SELECT p.state, p.backfill_id, b.sink, b.state, p.rows_emitted, p.read_lsn,"
+                " p.after_page IS NULL OR a.state IN ('closing', 'emitted')"
                 " FROM {0}.backfill_pages p JOIN {0}.backfills b ON b.id = p.backfill_id"
+                " LEFT JOIN {0}.backfill_pages a ON a.id = p.after_page"
                 " WHERE p.id = %s FOR UPDATE OF p"
             ).format(s),
             (page_id,),
@@ -235,7 +245,7 @@ def close_backfill_window(
                 [] if row[5] is not None else _kept_rows(conn, s, page_id),
                 in_store=int(row[4] or 0) if row[5] is not None else 0,
             )
-        elif not seen or row[3] != "running":
+        elif not seen or row[3] != "running" or not row[6]:
             _stale_pages(conn, s, [page_id])
             result = None
         elif row[5] is not None:
@@ -458,6 +468,40 @@ def _drop_staged_rows(conn: psycopg.Connection[Any], s: sql.Identifier, pages: S
     return ids
 
 
+@dataclass(frozen=True)
+class ReleasedPage:
+    """A page the stream app released (``closing`` or ``emitted``) that its job has not counted."""
+
+    id: int
+    rows_staged: int
+    cursor_after: list[str] | None
+    reads_written: bool  # the task wrote its reads (``read_lsn``)
+
+
+def released_pages_after(
+    conn: psycopg.Connection[Any], schema: str, backfill_id: int, range_idx: int, last_page: int | None
+) -> list[ReleasedPage]:
+    """The chain of released pages that follows ``last_page`` in a range (None: from its start), in
+    order: what a job that stopped had in flight and the stream app released (their reads may be
+    served and acked already), for the resumed job to count instead of reading their keys again."""
+    rows = conn.execute(
+        sql.SQL(
+            """WITH RECURSIVE chain AS (
+                SELECT p.id, p.rows_staged, p.cursor_after, p.read_lsn, 1 AS n FROM {0}.backfill_pages p
+                 WHERE p.backfill_id = %(b)s AND p.range_idx = %(r)s AND p.after_page IS NOT DISTINCT FROM %(after)s::bigint
+                   AND p.id > coalesce(%(after)s::bigint, 0) AND p.state IN ('closing', 'emitted')
+                UNION ALL
+                SELECT p.id, p.rows_staged, p.cursor_after, p.read_lsn, c.n + 1 FROM chain c
+                  JOIN {0}.backfill_pages p ON p.after_page = c.id
+                 WHERE p.backfill_id = %(b)s AND p.range_idx = %(r)s AND p.state IN ('closing', 'emitted'))
+            SELECT id, rows_staged, cursor_after, read_lsn IS NOT NULL FROM chain ORDER BY n"""
+        ).format(ident(schema)),
+        {"b": backfill_id, "r": range_idx, "after": last_page},
+    ).fetchall()
+    conn.commit()
+    return [ReleasedPage(int(r[0]), int(r[1]), r[2], bool(r[3])) for r in rows]
+
+
 def discard_backfill_page(conn: psycopg.Connection[Any], schema: str, page_id: int) -> None:
     """Job side: give up a page that is not emitted (stale, or the job stops); its rows and hidden reads go."""
     with conn.transaction():
@@ -465,19 +509,25 @@ def discard_backfill_page(conn: psycopg.Connection[Any], schema: str, page_id: i
     conn.commit()
 
 
-def abandon_backfill_pages(conn: psycopg.Connection[Any], schema: str, backfill_id: int) -> int:
-    """Pages of a backfill left open or staged will never be waited for (the job restarts, or the
-    backfill ended): they become stale, and their rows and hidden reads go."""
+def abandon_backfill_pages(
+    conn: psycopg.Connection[Any], schema: str, backfill_id: int, range_idx: int | None = None
+) -> int:
+    """Pages of a backfill (or of one of its ranges) left open or staged will never be waited for
+    (the job or its task restarts, or the backfill ended): they become stale, and their rows and
+    hidden reads go."""
     s = ident(schema)
     with conn.transaction():
-        ids = stale_backfill_pages(conn, s, backfill_id)
+        ids = stale_backfill_pages(conn, s, backfill_id, range_idx)
     conn.commit()
     return len(ids)
 
 
-def stale_backfill_pages(conn: psycopg.Connection[Any], s: sql.Identifier, backfill_id: int) -> list[int]:
-    """In the caller's transaction: a backfill's open and staged pages become ``stale`` (their rows
-    and hidden reads go); returns their ids. For a backfill that stopped (``transition_backfill``)."""
+def stale_backfill_pages(
+    conn: psycopg.Connection[Any], s: sql.Identifier, backfill_id: int, range_idx: int | None = None
+) -> list[int]:
+    """In the caller's transaction: a backfill's (or one range's) open and staged pages become
+    ``stale`` (their rows and hidden reads go); returns their ids. For a backfill that stopped
+    (``transition_backfill``), and for a job or task that starts over."""
     return _stale_pages(
         conn,
         s,
@@ -486,8 +536,9 @@ def stale_backfill_pages(conn: psycopg.Connection[Any], s: sql.Identifier, backf
             for r in conn.execute(
                 sql.SQL(
                     "SELECT id FROM {}.backfill_pages WHERE backfill_id = %s AND state IN ('open', 'staged')"
+                    " AND (%s::integer IS NULL OR range_idx = %s::integer)"
                 ).format(s),
-                (backfill_id,),
+                (backfill_id, range_idx, range_idx),
             ).fetchall()
         ],
     )
@@ -502,16 +553,19 @@ def advance_backfill_range(
     processed: int,
     emitted: int,
     done: bool,
+    page_id: int | None = None,
 ) -> None:
-    """Job side, after a page is emitted: move the range's cursor and add to the backfill's counts."""
+    """Job side, after a page is emitted: move the range's cursor, record ``page_id`` as the last
+    page it counted, and add to the backfill's counts."""
     s = ident(schema)
     with conn.transaction():
         conn.execute(
             sql.SQL(
                 "UPDATE {}.backfill_ranges SET cursor = coalesce(%s, cursor), done = %s,"
-                " rows_processed = rows_processed + %s WHERE backfill_id = %s AND range_idx = %s"
+                " rows_processed = rows_processed + %s, last_page = coalesce(%s, last_page)"
+                " WHERE backfill_id = %s AND range_idx = %s"
             ).format(s),
-            (Jsonb(cursor) if cursor is not None else None, done, processed, backfill_id, range_idx),
+            (Jsonb(cursor) if cursor is not None else None, done, processed, page_id, backfill_id, range_idx),
         )
         done_row = conn.execute(
             sql.SQL(

@@ -317,6 +317,24 @@ CREATE TABLE IF NOT EXISTS {schema}.replays (
 );
 """,
     ),
+    # A range's pages form a chain: each page names the page it follows (``after_page``: the one
+    # whose last key is its first cursor; null: the range's start), and the stream app releases a
+    # page only when the page it follows was released, so what a range released is always a prefix
+    # of its keys. ``last_page`` is the last page the job counted; a resumed job takes the released
+    # pages after it as its own instead of reading their keys again (their reads may be acked).
+    # A range that had released pages before this migration starts from its last one (its recorded
+    # cursor, as before: such a page may be read again once).
+    (
+        16,
+        "backfill pages follow one another; ranges know the last page they counted",
+        """
+ALTER TABLE {schema}.backfill_pages ADD COLUMN IF NOT EXISTS after_page bigint;
+ALTER TABLE {schema}.backfill_ranges ADD COLUMN IF NOT EXISTS last_page bigint;
+UPDATE {schema}.backfill_ranges r SET last_page = (SELECT max(p.id) FROM {schema}.backfill_pages p
+    WHERE p.backfill_id = r.backfill_id AND p.range_idx = r.range_idx AND p.state IN ('closing', 'emitted'))
+    WHERE r.last_page IS NULL;
+""",
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

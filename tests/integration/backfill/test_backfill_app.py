@@ -26,7 +26,6 @@ import pytest
 from devtools.embedded_postgres import EmbeddedPostgres
 from devtools.stream_process import wait_for
 from sequin_provider import store
-from sequin_provider.backfill.reader import DEFAULT_PAGES_IN_FLIGHT
 from sequin_provider.config import load_config
 from sequin_provider.store import Backfill
 from tests.support.backfills import backfill, ranges_moved
@@ -401,7 +400,9 @@ def test_stream_app_killed_mid_backfill_then_restarted_completes_with_nothing_mi
     assert result["final"].state == "completed", result["final"].error
     ids = [m["record"]["id"] for m in reads_of(dsn, "killed_sink")]
     assert set(ids) == set(range(1, 150_001))  # nothing missing
-    # a page re-read after the restart may repeat rows emitted before it (at least once): same idempotency key
+    # and nothing twice: a page whose window a restart broke is read again alone, since the pages
+    # after it in flight are not released either (a consumer may have acked their reads already)
+    assert len(ids) == 150_000, f"{len(ids) - 150_000} reads of rows already read"
     with psycopg.connect(dsn) as conn:
         stale = conn.execute(
             "SELECT count(*) FROM sequin.backfill_pages WHERE backfill_id = %s AND state = 'stale'", (created.id,)
@@ -466,9 +467,9 @@ def test_backfill_app_killed_mid_run_resumes_from_its_cursors_with_nothing_missi
     assert final.state == "completed", final.error
     ids = [m["record"]["id"] for m in reads_of(dsn, "resumed_sink")]
     assert set(ids) == set(range(1, 120_001))  # nothing missing
-    # resumed from the cursors, not from the start: at most the pages in flight at the kill are read again
-    # (2 ranges, each with up to DEFAULT_PAGES_IN_FLIGHT pages of at most 5,000 rows)
-    assert len(ids) - 120_000 <= 2 * DEFAULT_PAGES_IN_FLIGHT * 5_000, len(ids)
+    # resumed after the last page each range released, not from its recorded cursor: the pages in
+    # flight at the kill whose reads were served (and maybe acked) are not read again
+    assert len(ids) == 120_000, f"{len(ids) - 120_000} reads of rows already read"
 
 
 def count_messages(dsn: str, sink: str) -> int:
@@ -682,10 +683,17 @@ sinks: [{sink_yaml}]
     return config.sinks[0], created.id
 
 
-def stage(conn: psycopg.Connection, backfill_id: int, rows: list[tuple[list[str], str]], reads: Any = None) -> int:
-    """One page of ``rows`` staged (with ``reads``: written as the sink's hidden reads); its id."""
-    page = store.open_backfill_page(conn, "sequin", backfill_id, 0)
-    assert store.stage_backfill_page(conn, "sequin", page, rows, None, reads)
+def stage(
+    conn: psycopg.Connection,
+    backfill_id: int,
+    rows: list[tuple[list[str], str]],
+    reads: Any = None,
+    after: int | None = None,
+) -> int:
+    """One page of ``rows`` staged (with ``reads``: written as the sink's hidden reads; ``after``:
+    the page it follows); its id. Its cursor is its last row's key."""
+    page = store.open_backfill_page(conn, "sequin", backfill_id, 0, after)
+    assert store.stage_backfill_page(conn, "sequin", page, rows, rows[-1][0] if rows else None, reads)
     return page
 
 
@@ -860,6 +868,50 @@ def test_task_written_reads_wait_for_their_window_and_go_with_a_page_that_is_not
         assert store.get_backfill_page(conn, "sequin", stopped).state == "stale" and hidden() == 0
         assert not store.stage_backfill_page(conn, "sequin", late, [(["e", "1"], '{"k":"e","n":1}')], None, reads(4500))
         assert hidden() == 0 and receive(conn) == []
+
+
+def test_a_page_after_one_not_released_is_not_released_and_a_resumed_range_counts_what_was(
+    dsn: str, tmp_path: Path
+) -> None:
+    """A stream app restart breaks the window of the page in flight (stale), while the pages the job
+    read after it are seen whole: they are not released either, so the job reads all of them again
+    from the stale page's start and no row's read is served twice (a consumer may have acked the
+    first). A job that stops with released pages it has not counted resumes after them."""
+    sink, backfill_id = tricky_backfill(dsn, tmp_path, STORE_RENDERED_SINKS["change"])
+
+    def rows(*keys: str) -> list[tuple[list[str], str]]:
+        return [([k, "1"], json.dumps({"k": k, "n": 1})) for k in keys]
+
+    with psycopg.connect(dsn) as conn:
+        store.ensure_backfill_ranges(conn, "sequin", backfill_id, [(None, None)])
+        store.advance_visible_lsn(conn, "sequin", ["s"], 10_000)
+        broken = stage(conn, backfill_id, rows("a", "b"), tricky_reads(sink, backfill_id, 1000))
+        second = stage(conn, backfill_id, rows("c", "d"), tricky_reads(sink, backfill_id, 2000), after=broken)
+        third = stage(conn, backfill_id, rows("e"), tricky_reads(sink, backfill_id, 3000), after=second)
+        assert store.close_backfill_window(conn, "sequin", broken, False, set(), 1500) is None  # not seen
+        assert store.close_backfill_window(conn, "sequin", second, True, set(), 2500) is None  # seen, follows it
+        assert store.close_backfill_window(conn, "sequin", third, True, set(), 3500) is None
+        assert [store.get_backfill_page(conn, "sequin", p).state for p in (broken, second, third)] == ["stale"] * 3
+        assert receive(conn) == []  # none of their reads is served
+
+        # read again from the broken page's start; two pages released, then the job stops
+        again = stage(conn, backfill_id, rows("a", "b"), tricky_reads(sink, backfill_id, 4000))
+        then = stage(conn, backfill_id, rows("c", "d"), tricky_reads(sink, backfill_id, 5000), after=again)
+        for page, high in ((again, 4500), (then, 5500)):
+            closed = store.close_backfill_window(conn, "sequin", page, True, set(), high)
+            assert closed is not None and closed.in_store == 2
+        assert receive(conn) == [("read", k) for k in "abcd"]  # served and acked
+
+        released = store.released_pages_after(conn, "sequin", backfill_id, 0, None)
+        assert [(p.id, p.rows_staged, p.cursor_after, p.reads_written) for p in released] == [
+            (again, 2, ["b", "1"], True),
+            (then, 2, ["d", "1"], True),
+        ]
+        store.advance_backfill_range(conn, "sequin", backfill_id, 0, ["b", "1"], 2, 2, False, again)
+        (rng,) = store.backfill_ranges(conn, "sequin", backfill_id)
+        assert rng.last_page == again and rng.cursor == ["b", "1"]
+        assert [p.id for p in store.released_pages_after(conn, "sequin", backfill_id, 0, again)] == [then]
+        assert store.released_pages_after(conn, "sequin", backfill_id, 0, then) == []
 
 
 def test_a_released_read_waits_for_the_batch_that_closed_its_window(dsn: str, tmp_path: Path) -> None:
