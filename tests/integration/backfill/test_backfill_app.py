@@ -55,6 +55,8 @@ SCHEMA = [
     "INSERT INTO killed SELECT g, 'row ' || g, g FROM generate_series(1, 150000) g",
     "CREATE TABLE resumed (id bigint PRIMARY KEY, name text NOT NULL)",
     "INSERT INTO resumed SELECT g, 'row ' || g FROM generate_series(1, 120000) g",
+    "CREATE TABLE retried (id int PRIMARY KEY, v int NOT NULL)",
+    "INSERT INTO retried SELECT g, 0 FROM generate_series(1, 3000) g",
     "CREATE TABLE paid (id int PRIMARY KEY, status text, region text)",
     "INSERT INTO paid SELECT g, CASE WHEN g % 3 = 0 THEN 'paid' ELSE 'open' END,"
     " CASE WHEN g % 4 = 0 THEN 'eu' ELSE 'us' END FROM generate_series(1, 20000) g",
@@ -80,6 +82,7 @@ sinks:
   - {{name: killed_sink, tables: [killed], destination: {{type: sequin_stream}}}}
   - {{name: resumed_sink, tables: [resumed], destination: {{type: sequin_stream}}}}
   - {{name: paid_sink, tables: [paid], destination: {{type: sequin_stream}}}}
+  - {{name: retried_sink, tables: [retried], destination: {{type: sequin_stream}}}}
 stream:
   checkpoint_location: {checkpoint}
 """
@@ -470,6 +473,53 @@ def test_backfill_app_killed_mid_run_resumes_from_its_cursors_with_nothing_missi
     # resumed after the last page each range released, not from its recorded cursor: the pages in
     # flight at the kill whose reads were served (and maybe acked) are not read again
     assert len(ids) == 120_000, f"{len(ids) - 120_000} reads of rows already read"
+
+
+def test_a_retried_range_task_takes_back_the_page_its_earlier_attempt_left_staged(
+    app_db: tuple[str, StreamApp, Path],
+) -> None:
+    """A range's task that dies after staging a page (its executor lost before the high watermark)
+    leaves that page's hidden reads in the stream table, first in their groups. The retried task
+    (Spark's ``spark.task.maxFailures``; no new app, so ``start_backfill`` does not run) makes them
+    stale before it reads the range again: each row is served once, and a later change of a row of
+    the dead page is not held back behind a read that will never be released."""
+    from sequin_provider import stream_queue
+    from sequin_provider.backfill.reader import RangeReader
+    from sequin_provider.backfill.watermarks import page_reads
+
+    dsn, app, config_path = app_db
+    config = load_config(config_path)
+    created = backfill(dsn, config_path, "retried_sink", "retried")
+    with psycopg.connect(dsn) as conn:
+        store.transition_backfill(conn, "sequin", created.id, "running")
+        store.ensure_backfill_ranges(conn, "sequin", created.id, [(None, None)])
+        # the earlier attempt: a page of rows 1-10 staged as hidden reads, its window never closed
+        lsn = int(conn.execute("SELECT pg_current_wal_lsn() - '0/0'").fetchone()[0])
+        reads = page_reads(
+            config.sink("retried_sink"), "app", created.id, "public", "retried", "2026-11-26T00:00:00Z", lsn
+        )
+        dead = store.open_backfill_page(conn, "sequin", created.id, 0, None)
+        rows = [([str(i)], json.dumps({"id": i, "v": 0})) for i in range(1, 11)]
+        assert store.stage_backfill_page(conn, "sequin", dead, rows, ["10"], reads)
+        conn.commit()
+    result = RangeReader(config, "app", created.id, 0, max_page_rows=1000).run()
+    assert result.done and result.rows_processed == 3000
+    execute(dsn, "UPDATE retried SET v = 1 WHERE id = 5")  # a row the dead page had read
+    served: list[tuple[str, int]] = []
+
+    def consumed() -> bool:
+        with psycopg.connect(dsn) as conn:
+            got = stream_queue.receive(conn, "sequin", "retried_sink", 1000, 30.0, 10_000)
+            stream_queue.ack(conn, "sequin", "retried_sink", [d.ack_id for d in got])
+        served.extend((m["action"], m["record"]["id"]) for m in map(json.loads, (d.data for d in got)))
+        return ("update", 5) in served
+
+    wait_for(consumed, 120, what="the change of row 5, after its read")
+    with psycopg.connect(dsn) as conn:
+        assert store.get_backfill_page(conn, "sequin", dead).state == "stale"
+    reads_served = sorted(i for action, i in served if action == "read")
+    assert reads_served == list(range(1, 3001))  # each row once: the dead page's reads were taken back
+    assert served.index(("read", 5)) < served.index(("update", 5))
 
 
 def count_messages(dsn: str, sink: str) -> int:
