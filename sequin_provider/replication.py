@@ -644,6 +644,7 @@ class ChangeReader:
                         break
                     data_start, payload = message
                     if stall and data_start <= self._ack_sent < received:
+                        stream.send_status()  # the walsender's timeout counts from the stall's start
                         time.sleep(stall)
                         stall = 0.0
                     event = decoder.decode(payload)

@@ -19,7 +19,12 @@ import psycopg
 from devtools.stream_process import wait_for
 from sequin_provider.replication import ChangeReader, create_slot, slot_info
 
-WAL_SENDER_TIMEOUT = 4.0
+WAL_SENDER_TIMEOUT = 8.0
+STALL = WAL_SENDER_TIMEOUT * 0.6
+"""Past half the timeout, when the walsender asks for a reply; the reader sends a status as the stall
+starts, so the rest (3.2 s) is left to read the backlog queued before that request and answer it (a
+CI run once saw the connection closed when the stall began 1-2 s after the last status, as the stall
+hook then did not send one)."""
 LONG_ROWS = 60_000  # several MB of pgoutput: more than the socket buffers hold, so the walsender blocks
 
 
@@ -51,7 +56,7 @@ def test_a_keepalive_during_a_stall_never_confirms_an_unacknowledged_transaction
     execute_one = lambda statement: psycopg.connect(dsn, autocommit=True).execute(statement)  # noqa: E731
     execute_one(f"INSERT INTO kv VALUES ({LONG_ROWS + 1}, 't1')")  # T1
 
-    monkeypatch.setenv("SEQUIN_TEST_READER_STALL", str(WAL_SENDER_TIMEOUT * 0.75))
+    monkeypatch.setenv("SEQUIN_TEST_READER_STALL", str(STALL))
     reader = ChangeReader(dsn, "slot", "pub")
     reader.open(start)
     try:
