@@ -483,11 +483,10 @@ def test_a_retried_range_task_takes_back_the_page_its_earlier_attempt_left_stage
     (Spark's ``spark.task.maxFailures``; no new app, so ``start_backfill`` does not run) makes them
     stale before it reads the range again: each row is served once, and a later change of a row of
     the dead page is not held back behind a read that will never be released."""
-    from sequin_provider import stream_queue
     from sequin_provider.backfill.reader import RangeReader
     from sequin_provider.backfill.watermarks import page_reads
 
-    dsn, app, config_path = app_db
+    dsn, _, config_path = app_db
     config = load_config(config_path)
     created = backfill(dsn, config_path, "retried_sink", "retried")
     with psycopg.connect(dsn) as conn:
@@ -498,9 +497,7 @@ def test_a_retried_range_task_takes_back_the_page_its_earlier_attempt_left_stage
         reads = page_reads(
             config.sink("retried_sink"), "app", created.id, "public", "retried", "2026-11-26T00:00:00Z", lsn
         )
-        dead = store.open_backfill_page(conn, "sequin", created.id, 0, None)
-        rows = [([str(i)], json.dumps({"id": i, "v": 0})) for i in range(1, 11)]
-        assert store.stage_backfill_page(conn, "sequin", dead, rows, ["10"], reads)
+        dead = stage(conn, created.id, [([str(i)], json.dumps({"id": i, "v": 0})) for i in range(1, 11)], reads)
         conn.commit()
     result = RangeReader(config, "app", created.id, 0, max_page_rows=1000).run()
     assert result.done and result.rows_processed == 3000
@@ -509,9 +506,7 @@ def test_a_retried_range_task_takes_back_the_page_its_earlier_attempt_left_stage
 
     def consumed() -> bool:
         with psycopg.connect(dsn) as conn:
-            got = stream_queue.receive(conn, "sequin", "retried_sink", 1000, 30.0, 10_000)
-            stream_queue.ack(conn, "sequin", "retried_sink", [d.ack_id for d in got])
-        served.extend((m["action"], m["record"]["id"]) for m in map(json.loads, (d.data for d in got)))
+            served.extend(receive(conn, "retried_sink", "id", 1000))
         return ("update", 5) in served
 
     wait_for(consumed, 120, what="the change of row 5, after its read")
@@ -866,14 +861,13 @@ def change(lsn: int, key: str) -> tuple:
     return ("s", lsn, 0, f'public.tricky:["{key}","1"]', f"{lsn}:0", json.dumps({"record": {"k": key, "n": 1}}))
 
 
-def receive(conn: psycopg.Connection) -> list[tuple[str, str]]:
-    """What a consumer of sink ``s`` is served now (then acked): (action, key) in order."""
+def receive(conn: psycopg.Connection, sink: str = "s", key: str = "k", count: int = 10) -> list[tuple[str, Any]]:
+    """What a consumer of ``sink`` is served now (then acked): (action, the record's ``key``) in order."""
     from sequin_provider import stream_queue
 
-    got = stream_queue.receive(conn, "sequin", "s", 10, 30.0, 1000)
-    for d in got:
-        stream_queue.ack(conn, "sequin", "s", [d.ack_id])
-    return [(json.loads(d.data).get("action", "change"), json.loads(d.data)["record"]["k"]) for d in got]
+    got = stream_queue.receive(conn, "sequin", sink, count, 30.0, 1000)
+    stream_queue.ack(conn, "sequin", sink, [d.ack_id for d in got])
+    return [(json.loads(d.data).get("action", "change"), json.loads(d.data)["record"][key]) for d in got]
 
 
 def test_task_written_reads_wait_for_their_window_and_go_with_a_page_that_is_not_emitted(
