@@ -20,7 +20,6 @@ import argparse
 import http.client
 import json
 import multiprocessing as mp
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from devtools.embedded_postgres import EmbeddedPostgres  # noqa: E402
+from devtools.embedded_postgres import EmbeddedPostgres, free_port  # noqa: E402
 from devtools.stream_process import StreamAppProcess, wait_for  # noqa: E402
 from sequin_provider import store, stream_queue  # noqa: E402
 from sequin_provider.config import load_config  # noqa: E402
@@ -51,12 +50,6 @@ MESSAGE = json.dumps(
         "metadata": {"table_schema": "public", "table_name": "events"},
     }
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def answers(url: str) -> bool:

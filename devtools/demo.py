@@ -18,7 +18,7 @@ from pathlib import Path
 import psycopg
 
 from devtools.demo_airflow import run_airflow_demo, sink_messages
-from devtools.embedded_postgres import EmbeddedPostgres, kept_data_dir
+from devtools.embedded_postgres import EmbeddedPostgres, free_port, kept_data_dir
 from devtools.stream_process import ROOT, StreamAppProcess, wait_for
 from sequin_provider.config import load_config
 from sequin_provider.provisioning import initialize
@@ -107,7 +107,6 @@ def describe(message: dict[str, object]) -> str:
 
 def pull_over_http(config_path: object, dsn: str, sink: str) -> list[dict[str, object]]:
     """Serve the pull API on a free loopback port and drain ``sink`` with receive + ack, as a client would."""
-    import socket
     import threading
 
     import httpx
@@ -119,9 +118,7 @@ def pull_over_http(config_path: object, dsn: str, sink: str) -> list[dict[str, o
     with psycopg.connect(dsn) as conn:
         token = stream_queue.create_token(conn, "sequin", f"demo-{int(time.time())}")
         conn.commit()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(create_app(load_config(config_path)), host="127.0.0.1", port=port, log_level="warning")
     )

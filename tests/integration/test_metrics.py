@@ -16,7 +16,7 @@ import httpx
 import psycopg
 import pytest
 
-from devtools.embedded_postgres import EmbeddedPostgres
+from devtools.embedded_postgres import EmbeddedPostgres, free_port
 from devtools.stream_process import BackfillServerProcess, wait_for
 from sequin_provider import store, stream_queue
 from sequin_provider.config import load_config
@@ -27,7 +27,6 @@ from tests.support.metrics import (
     documented_names,
     exported_names,
     family_names,
-    free_port,
     queried_names,
     scrape,
     value,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +15,6 @@ ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "docs" / "grafana" / "sequin-dashboard.json"
 METRICS_PAGE = ROOT / "docs" / "metrics.md"
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(url: str, client: httpx.Client | None = None) -> list[Sample]:

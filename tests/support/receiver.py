@@ -7,13 +7,13 @@ refuse a row, answer 500 at random, stall past the client's timeout or go down (
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from decimal import Decimal
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
+from devtools.embedded_postgres import free_port
 from sequin_provider.sinks.webhook import SIGNATURE_HEADER, signature
 
 Policy = Callable[[list[dict[str, Any]]], tuple[int, float]]
@@ -25,9 +25,7 @@ class Receiver:
 
     def __init__(self, secret: str | None = None, exact: bool = False) -> None:
         """``exact``: parse the bodies with decimals as ``Decimal`` (every digit as sent), not floats."""
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.secret = secret
         self.exact = exact
         self.policy: Policy = lambda messages: (200, 0.0)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 from typing import Any
 
 import uvicorn
 
+from devtools.embedded_postgres import free_port
 from devtools.stream_process import wait_for
 from sequin_provider.config import SequinConfig
 from sequin_provider.stream_api import create_app
@@ -17,9 +17,7 @@ class ApiServer:
     """uvicorn serving the API in a thread, on a free loopback port."""
 
     def __init__(self, config: SequinConfig) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.server = uvicorn.Server(
             uvicorn.Config(create_app(config), host="127.0.0.1", port=self.port, log_level="warning", access_log=False)
         )

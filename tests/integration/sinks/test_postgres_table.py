@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -18,7 +17,7 @@ from typing import Any, Iterator
 import psycopg
 import pytest
 
-from devtools.embedded_postgres import EmbeddedPostgres
+from devtools.embedded_postgres import EmbeddedPostgres, free_port
 from devtools.stream_process import wait_for
 from sequin_provider import store
 from sequin_provider.config import ConfigError, load_config, parse_config
@@ -246,12 +245,6 @@ def test_what_cannot_be_applied_raises_delivery_error_and_the_batch_is_all_or_no
 
 
 # --- sequin init: prepare ------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_prepare_refuses_an_unusable_target_naming_the_sink(dsn: str, dbname: str, target: str, tmp_path: Path) -> None:
