@@ -8,7 +8,7 @@ import psycopg
 from psycopg import sql
 
 from sequin_provider.exceptions import ReplayError
-from sequin_provider.sinks.changelog import CHANGELOG_COLUMNS, ChangelogSelection, select_changes
+from sequin_provider.sinks.changelog import CHANGELOG_COLUMNS, ChangelogSelection, read_changes
 
 if TYPE_CHECKING:
     from sequin_provider.config import SinkConfig
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 def changelog_rows(sink: SinkConfig, selection: ChangelogSelection, store_dsn: str) -> list[tuple[Any, ...]]:
     """The selection's rows of ``sink``'s Iceberg changelog tables, in position order: the range and
     tables pushed down into the scan, then the rows copied into a temporary table of ``store_dsn``'s
-    Postgres, which runs the condition (``select_changes``, as for a Postgres changelog)."""
+    Postgres, which runs the condition (``read_changes``, as for a Postgres changelog)."""
     from pyiceberg.exceptions import NoSuchTableError
     from pyiceberg.expressions import AlwaysTrue, And, EqualTo, GreaterThanOrEqual, LessThan, LessThanOrEqual, Or
 
@@ -65,9 +65,4 @@ def changelog_rows(sink: SinkConfig, selection: ChangelogSelection, store_dsn: s
         with conn.cursor().copy(sql.SQL("COPY replay_changelog ({}) FROM STDIN").format(columns)) as copy:
             for row in scanned.select(list(CHANGELOG_COLUMNS)).to_pylist():
                 copy.write_row([row[c] for c in CHANGELOG_COLUMNS])
-        query, params = select_changes(sql.Identifier("replay_changelog"), selection)
-        try:
-            return conn.execute(query, params).fetchall()
-        except psycopg.Error as exc:
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ReplayError(f"reading changelog of sink {sink.name!r}: {reason}") from None
+        return read_changes(conn, sql.Identifier("replay_changelog"), selection)

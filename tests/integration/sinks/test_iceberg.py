@@ -568,3 +568,12 @@ def test_a_replay_from_the_iceberg_changelog_into_a_sequin_stream_is_exact_and_m
             == f"replay:{m['metadata']['replay_id']}:{r['commit_lsn']}:{r['commit_idx']}"
         )
     assert len(rows) == len(iceberg_rows(config, "a"))  # the retention period kept every recent row
+    bad = subprocess.run(
+        cli_args(config, "replay", "lake", "ref", "--table", "a", "--where", "no_such_column = 1"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert bad.returncode != 0 and "error: reading changelog of sink 'lake'" in bad.stderr, bad.stdout + bad.stderr
+    assert "no_such_column" in bad.stderr
+    assert len([m for m in sink_messages(dsn, "ref") if "replay_id" in m["metadata"]]) == len(expected)
