@@ -261,10 +261,9 @@ class StreamService:
                             schema, _, sink = note.payload.partition("/")
                             if schema == self.schema:
                                 self._wake(sink)
-            except psycopg.Error as exc:
-                log.warning(
-                    "stream API: LISTEN on the store failed (%s); long polls fall back to 1 s re-checks",
-                    str(exc).strip(),
+            except psycopg.Error as exc:  # retried every 2 s; the same reason is logged once a while
+                self.warn_store_unavailable(
+                    f"LISTEN on the store failed ({str(exc).strip()}); long polls fall back to 1 s re-checks"
                 )
                 self._stop.wait(2.0)
 

@@ -28,6 +28,7 @@ class LazySequinApp:
 
     def __init__(self) -> None:
         self._app: Any = None
+        self._service: Any = None
         self._lock = threading.Lock()
 
     def _build(self) -> Any:
@@ -51,7 +52,17 @@ class LazySequinApp:
         service = StreamService(config)
         app = create_app(config, service)
         add_view_routes(app, config, service)
+        self._service = service
         return app
+
+    def close(self) -> None:
+        """Stop what the first request built (the service's LISTEN threads and pools); the next
+        request builds anew. Airflow never calls it (a mounted app gets no lifespan: the service
+        lives as long as the API server); tests do, so no thread outlives a test's store."""
+        with self._lock:
+            service, self._app, self._service = self._service, None, None
+        if service is not None:
+            service.close()
 
     async def __call__(
         self,

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import importlib.metadata as metadata
 import json
+import threading
 from pathlib import Path
+from typing import Iterator
 
 import psycopg
 import pytest
@@ -44,18 +46,24 @@ def _token(dsn: str) -> str:
     return token
 
 
-def _airflow_like() -> FastAPI:
+@pytest.fixture
+def airflow_like() -> Iterator[FastAPI]:
+    """An app that mounts the plugin's as Airflow mounts ``fastapi_apps`` (no lifespan reaches it);
+    closed afterwards, so its LISTEN thread does not outlive the test's database."""
+    plugin = LazySequinApp()
     app = FastAPI()
-    app.mount(URL_PREFIX, LazySequinApp())  # Airflow mounts plugin apps; they get no lifespan
-    return app
+    app.mount(URL_PREFIX, plugin)
+    yield app
+    plugin.close()
+    assert not [t for t in threading.enumerate() if t.name == "sequin-api-listen"], "close() left a LISTEN thread"
 
 
 def test_mounted_app_serves_the_api_and_the_view(
-    dsn: str, dbname: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    dsn: str, dbname: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, airflow_like: FastAPI
 ) -> None:
     monkeypatch.setenv("SEQUIN_CONFIG", str(_config_with_a_message(dsn, dbname, tmp_path)))
     token = _token(dsn)
-    with TestClient(_airflow_like()) as client:
+    with TestClient(airflow_like) as client:
         assert "<form" in client.get(f"{URL_PREFIX}/ui/").text  # no token: asks for one
         refused = client.post(f"{URL_PREFIX}/ui/login", data={"token": "sqn_nope"})
         assert (
@@ -89,11 +97,11 @@ def test_mounted_app_serves_the_api_and_the_view(
 
 
 def test_a_token_in_the_url_is_never_accepted(
-    dsn: str, dbname: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    dsn: str, dbname: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, airflow_like: FastAPI
 ) -> None:
     monkeypatch.setenv("SEQUIN_CONFIG", str(_config_with_a_message(dsn, dbname, tmp_path)))
     token = _token(dsn)
-    with TestClient(_airflow_like()) as client:
+    with TestClient(airflow_like) as client:
         page = client.get(f"{URL_PREFIX}/ui/", params={"token": token})
         assert "<form" in page.text and "not accepted in URLs" in page.text and "view.js" not in page.text
         assert "set-cookie" not in page.headers and "sequin_token" not in client.cookies
@@ -104,7 +112,7 @@ def test_a_token_in_the_url_is_never_accepted(
 
 
 def test_view_lists_parked_messages_and_runs_actions_as_the_cli_does(
-    dsn: str, dbname: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    dsn: str, dbname: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, airflow_like: FastAPI
 ) -> None:
     receiver = Receiver().start()
     try:
@@ -119,7 +127,7 @@ def test_view_lists_parked_messages_and_runs_actions_as_the_cli_does(
                     store.ParkRow("kv_hook", 101, 0, "g2", "k2", json.dumps({"n": 2}), None, 1, "HTTP 503"),
                 ],
             )
-        with TestClient(_airflow_like()) as client:
+        with TestClient(airflow_like) as client:
             client.post(f"{URL_PREFIX}/ui/login", data={"token": _token(dsn)})
             data = client.get(f"{URL_PREFIX}/ui/data").json()
             assert [(m["group"], m["state"], m["error"]) for m in data["buffered"]] == [
@@ -161,10 +169,10 @@ def test_backfill_entry_has_progress_rate_and_eta(dsn: str) -> None:
     assert entry["progress"] == "running, 400/1,000 rows (40.0%), 10 rows/s, ETA 0:01:00"
 
 
-def test_missing_config_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_missing_config_is_reported_not_raised(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, airflow_like: FastAPI
+) -> None:
     monkeypatch.setenv("SEQUIN_CONFIG", str(tmp_path / "absent.yaml"))
-    airflow_like = FastAPI()
-    airflow_like.mount(URL_PREFIX, LazySequinApp())
     with TestClient(airflow_like) as client:
         page = client.get(f"{URL_PREFIX}/ui/")
     assert page.status_code == 503 and "not configured" in page.text and "absent.yaml" in page.text
