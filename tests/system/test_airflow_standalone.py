@@ -111,7 +111,8 @@ def test_backfill_triggered_over_the_rest_api_is_read_through_the_plugin(deploym
     )
 
     plugin = f"{airflow.base_url}/sequin"  # the Sequin Stream API inside Airflow's API server
-    assert httpx.post(f"{plugin}/api/sequin_streams/items_sink/receive").status_code == 401
+    # the first request to the plugin may take seconds on a busy machine (httpx's default timeout is 5 s)
+    assert httpx.post(f"{plugin}/api/sequin_streams/items_sink/receive", timeout=60).status_code == 401
     messages = receive_all(plugin, deployment.token, "items_sink")
     reads = [m for m in messages if m["action"] == "read"]
     assert len(reads) == len(messages) == ROWS  # every row exactly once, nothing else
