@@ -1,6 +1,7 @@
 # make demo: set up .venv and run the pipeline end to end on an embedded Postgres.
 # make test-fast: the unit tests (no Postgres, no Spark; well under 2 minutes), the quick check while working.
-# make test: lint, then every test: unit, integration (real Postgres, local Spark, headless Chromium), system; what CI runs.
+# make test: lint, then every test: unit, integration (real Postgres, local Spark, headless Chromium), system; what CI runs
+# (two pytest workers).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -32,9 +33,12 @@ demo: $(STAMP)
 up: $(STAMP)
 	$(PY) -m devtools.up
 
+# Two pytest workers (pytest-xdist), each test module whole on one (its module fixtures, e.g. one
+# stream app, start once): most of a test's time is waiting on processes. TEST_WORKERS=0: one process.
 TESTS ?= tests
+TEST_WORKERS ?= 2
 test: $(STAMP) lint docs chromium
-	$(PY) -m pytest $(TESTS) $(PYTEST_ARGS)
+	$(PY) -m pytest $(TESTS) -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Debian's headless browser and its WebDriver for the Sequin view's browser test
 # (tests/integration/airflow/test_view_browser.py); installed once, a no-op when both are there.
