@@ -14,7 +14,7 @@ export PYSPARK_DRIVER_PYTHON := $(CURDIR)/$(PY)
 # var/postgres from the npm registry); unset, the system's server. docs/postgres-versions.md.
 export SEQUIN_PG_CACHE ?= $(CURDIR)/var/postgres
 
-.PHONY: venv demo up test test-fast lint format docs openapi chaos bench soak clean lock chromium
+.PHONY: venv demo up test test-fast lint format docs openapi chaos bench soak clean lock chromium spark-archive
 
 venv: $(STAMP)
 
@@ -26,18 +26,23 @@ $(STAMP): pyproject.toml setup.py requirements.lock sequin_provider/_pgoutput_c.
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(STAMP) spark-archive
 	$(PY) -m devtools.demo
 
+# The class-data-sharing archive of Spark's classes the local apps' JVM maps (about 3 s off every start;
+# sequin_provider/spark/class_archive.py): written once per Java and PySpark, ~30 s; a no-op after.
+spark-archive: $(STAMP)
+	$(PY) -m sequin_provider.spark.class_archive
+
 # Embedded Postgres + airflow standalone with this provider and dags/, at http://localhost:8080.
-up: $(STAMP)
+up: $(STAMP) spark-archive
 	$(PY) -m devtools.up
 
 # Two pytest workers (pytest-xdist), each test module whole on one (its module fixtures, e.g. one
 # stream app, start once): most of a test's time is waiting on processes. TEST_WORKERS=0: one process.
 TESTS ?= tests
 TEST_WORKERS ?= 2
-test: $(STAMP) lint docs chromium
+test: $(STAMP) lint docs chromium spark-archive
 	$(PY) -m pytest $(TESTS) -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Debian's headless browser and its WebDriver for the Sequin view's browser test
@@ -76,7 +81,7 @@ openapi: $(STAMP)
 	$(PY) -m devtools.openapi
 
 # Full chaos rounds (faults injected under load, then the checker); the short round is part of make test.
-chaos: $(STAMP)
+chaos: $(STAMP) spark-archive
 	$(PY) -m tests.support.chaos.run --rounds $(or $(ROUNDS),3) --profile full
 
 # Too slow for CI: a 10,000,000-row transaction through the stream app within 15 % of the peak RSS of a

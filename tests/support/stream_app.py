@@ -23,13 +23,18 @@ class StreamApp(StreamAppProcess):
             raise AssertionError(str(exc)) from None
 
 
-def spark_jvm_arguments(app: StreamAppProcess) -> list[str]:
-    """The command line of the Spark JVM the app's driver started (local mode: it runs the executors too)."""
+def spark_jvm(app: StreamAppProcess) -> psutil.Process:
+    """The Spark JVM the app's driver started (local mode: it runs the executors too)."""
     assert app.proc is not None
     for child in psutil.Process(app.proc.pid).children(recursive=True):
         if child.name() == "java":
-            return child.cmdline()
+            return child
     raise AssertionError("the stream app runs no JVM")
+
+
+def spark_jvm_arguments(app: StreamAppProcess) -> list[str]:
+    """The command line of the app's Spark JVM."""
+    return spark_jvm(app).cmdline()
 
 
 def cli(config: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -28,11 +28,12 @@ from sequin_provider import store
 from sequin_provider.config import load_config
 from sequin_provider.pgoutput import lsn_to_int
 from sequin_provider.replication import slot_info
+from sequin_provider.spark.class_archive import archive_path
 from sequin_provider.spark.pipeline import payload_mode
 from tests.support.config import write_config
 from tests.support.key_workload import KeyWorkload, check_against_workload
 from tests.support.postgres import execute, sink_messages
-from tests.support.stream_app import StreamApp, spark_jvm_arguments
+from tests.support.stream_app import StreamApp, spark_jvm, spark_jvm_arguments
 
 SCHEMA = [
     "CREATE TABLE accounts (id int PRIMARY KEY, name text NOT NULL, balance numeric(20,2))",
@@ -320,6 +321,18 @@ def test_a_jvm_that_evaluates_sinks_sql_keeps_the_optimising_jit_tier(shop: tupl
     assert payload_mode(load_config(config).sinks) == "full"
     arguments = spark_jvm_arguments(app)
     assert "-XX:+UseParallelGC" in arguments and not any(a.startswith("-XX:TieredStopAtLevel") for a in arguments)
+
+
+def test_the_jvm_maps_the_class_archive_make_wrote(shop: tuple[str, StreamApp, Path]) -> None:
+    """Spark's classes come from the class-data-sharing archive (``spark.class_archive``; ``make``
+    writes it before the tests): the JVM was told to map it, and did (a JVM that cannot use an
+    archive skips it silently, so its command line alone proves nothing)."""
+    _, app, _ = shop
+    archive = archive_path()
+    assert archive is not None and archive.is_file(), "no class archive: make spark-archive writes it"
+    jvm = spark_jvm(app)
+    assert f"-XX:SharedArchiveFile={archive}" in jvm.cmdline()
+    assert str(archive) in {m.path for m in jvm.memory_maps()}
 
 
 # ---------------------------------------------------------------------------------------------
