@@ -74,7 +74,8 @@ class Server:
                 " style='display:block;border:none;width:100%;height:100vh'></iframe></body>"
             )
 
-        app.mount(URL_PREFIX, LazySequinApp())
+        self.plugin = LazySequinApp()
+        app.mount(URL_PREFIX, self.plugin)
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -95,6 +96,7 @@ class Server:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+        self.plugin.close()  # a mounted app gets no lifespan: its LISTEN thread would outlive the store
 
 
 @pytest.fixture
