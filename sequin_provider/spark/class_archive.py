@@ -20,6 +20,7 @@ import hashlib
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 ARCHIVE_ENV = "SEQUIN_SPARK_CLASS_ARCHIVE"
@@ -44,9 +45,15 @@ def archive_path() -> Path | None:
 
     java = _java_binary()
     stamp = os.stat(java).st_mtime_ns if java and os.path.exists(java) else 0  # a reinstalled Java
-    key = f"{pyspark.__version__}:{Path(pyspark.__file__).parent}:{java}:{stamp}"
+    key = [pyspark.__version__, java, str(stamp)]
+    # The JVM skips an archive when a jar of its class path has another size or time than when it
+    # was written (a reinstalled venv, same paths): those name the archive too.
+    jars = Path(pyspark.__file__).parent / "jars"
+    for jar in sorted(jars.glob("*.jar")):
+        info = jar.stat()
+        key.append(f"{jar}:{info.st_size}:{info.st_mtime_ns}")
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "sequin" / f"spark-classes-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsa"
+    return cache / "sequin" / f"spark-classes-{hashlib.sha256('|'.join(key).encode()).hexdigest()[:16]}.jsa"
 
 
 def archive_options() -> str:
@@ -111,6 +118,19 @@ def build(path: Path) -> None:
     if not partial.is_file() or partial.stat().st_size == 0:
         raise RuntimeError(f"the JVM wrote no class archive to {partial}")
     os.replace(partial, path)
+    _prune(path)
+
+
+STALE_ARCHIVE_DAYS = 7
+
+
+def _prune(kept: Path) -> None:
+    """Remove the folder's other archives written over ``STALE_ARCHIVE_DAYS`` ago (each is ~160 MB,
+    and a reinstalled venv leaves one that no JVM can use any more)."""
+    cutoff = time.time() - STALE_ARCHIVE_DAYS * 86400
+    for other in kept.parent.glob("spark-classes-*.jsa"):
+        if other != kept and other.stat().st_mtime < cutoff:
+            other.unlink(missing_ok=True)
 
 
 def main() -> int:

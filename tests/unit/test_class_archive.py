@@ -3,6 +3,7 @@ That a running app's JVM really maps it: ``tests/integration/spark/test_stream_a
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -43,3 +44,19 @@ def test_the_default_is_named_after_this_java_and_this_pyspark(monkeypatch: pyte
     assert first is not None and first.parent == tmp_path / "sequin" and first.suffix == ".jsa"
     monkeypatch.setenv("JAVA_HOME", str(tmp_path / "another-jdk"))
     assert archive_path() != first  # another Java: another archive (a mismatched one would be ignored)
+
+
+def test_a_reinstalled_jar_names_another_archive(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The JVM skips an archive whose class path jars changed size or time (a venv installed again at
+    the same path, as CI does): such an install must not find the old archive and keep skipping it."""
+    import pyspark
+
+    jars = tmp_path / "pyspark" / "jars"
+    jars.mkdir(parents=True)
+    (jars / "spark-core.jar").write_bytes(b"jar")
+    monkeypatch.setattr(pyspark, "__file__", str(tmp_path / "pyspark" / "__init__.py"))
+    monkeypatch.delenv(ARCHIVE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    before = archive_path()
+    os.utime(jars / "spark-core.jar", ns=(1, 1))
+    assert archive_path() != before
