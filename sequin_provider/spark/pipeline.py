@@ -52,6 +52,7 @@ from sequin_provider.messages import CHANGE_FIELD_NAMES, CHANGE_SCHEMA_DDL, open
 from sequin_provider.metrics.stream import COMMIT_TIMESTAMP_PRECISION_MS, BatchReport, StreamMetrics
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
 from sequin_provider.sinks.stored import StoredSinkWriter, StreamTableWriter
+from sequin_provider.spark.arrow_map import ArrowMap
 from sequin_provider.spark.poison import (
     JSON_COLUMNS,
     engine_error,
@@ -547,14 +548,17 @@ class Pipeline:
         self.config = config
         self.database = config.database(database)
         self.sinks: tuple[SinkConfig, ...] = config.sinks_of(self.database.name)
-        self._write = write_partitions(config.source, self.database.name)
+        self._write = ArrowMap(write_partitions(config.source, self.database.name), WRITE_RESULT_TYPE)
         self._visibility = SequinStreamSink(
             config.store_dsn(self.database.name), config.store.schema, config.stream.store_retry_timeout
         )
         self._status_conn: Any = None
         self.stream_sinks = [s.name for s in self.sinks if s.destination.kind.stored]
         self.push_sinks = [(i, s) for i, s in enumerate(self.sinks) if s.destination.kind.pushed]
-        self._push = {s.name: push_partitions(config.source, self.database.name, s.name) for _, s in self.push_sinks}
+        self._push = {
+            s.name: ArrowMap(push_partitions(config.source, self.database.name, s.name), WRITE_RESULT_TYPE)
+            for _, s in self.push_sinks
+        }
         self.batch_sinks = [(i, s) for i, s in enumerate(self.sinks) if s.destination.kind.batched]
         """Sinks whose kind takes each micro-batch's messages at once on the driver (``DestinationKind.commit_batch``)."""
         self.payload = payload_mode(self.sinks)
@@ -662,7 +666,7 @@ class Pipeline:
         if reread:
             projected = projected.persist()  # rendered once, read by the stream job and each push job
         try:
-            results = projected.mapInArrow(self._write, WRITE_RESULT_TYPE).toArrow()
+            results = self._write(projected).toArrow()
             truncated = sorted(set(pc.list_flatten(results.column("truncated")).to_pylist())) if push_jobs else []
             pushed = [self._push_sink(projected, i, sink, truncated) for i, sink in push_jobs]
             # batched kinds last: the driver has the whole batch's messages of the sink, written at once
@@ -808,14 +812,13 @@ class Pipeline:
                 if not sink.message_grouping
                 else F.when(table.isin(truncated), F.concat(F.lit("\0"), table)).otherwise(share)
             )
-        return (
+        ordered = (
             projected.where(F.col(f"_select_{i}"))
             .select(*columns)
             .repartition(partitions, share)
             .sortWithinPartitions("commit_lsn", "commit_idx")
-            .mapInArrow(self._push[sink.name], WRITE_RESULT_TYPE)
-            .toArrow()
         )
+        return self._push[sink.name](ordered).toArrow()
 
     def _record_status(self, batch_id: int, rows: int, elapsed: float, end_lsn: int | None) -> None:
         """Best effort: the status row is for operators; the data path does not depend on it."""
