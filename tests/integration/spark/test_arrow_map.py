@@ -65,6 +65,18 @@ def test_it_maps_each_frame_as_map_in_arrow_does(spark: Any) -> None:
         assert all(row.doubled == 2 * row.id for row in got)
 
 
+def test_columns_are_found_by_name_in_each_frame(spark: Any) -> None:
+    """The UDF is applied to each column list once, by name: a frame with the same names in
+    another order, or with other names, maps its own columns."""
+    mapped = ArrowMap(doubled, SCHEMA)
+    first = frames(spark)[0]
+    swapped = first.select("tag", "id")
+    renamed = first.selectExpr("id + 1000 AS id", "tag", "'x' AS `odd name`")
+    assert sorted(mapped(first).collect()) == sorted(first.mapInArrow(doubled, SCHEMA).collect())
+    assert sorted(mapped(swapped).collect()) == sorted(swapped.mapInArrow(doubled, SCHEMA).collect())
+    assert sorted(r.id for r in mapped(renamed).collect()) == list(range(1000, 1050))
+
+
 def test_the_function_is_pickled_once_for_many_batches(spark: Any, pickles: list[int]) -> None:
     mapped = ArrowMap(doubled, SCHEMA)
     for frame in frames(spark):
