@@ -29,9 +29,13 @@ $(STAMP): pyproject.toml setup.py requirements.lock sequin_provider/_pgoutput_c.
 demo: $(STAMP) spark-archive
 	$(PY) -m devtools.demo
 
-# The class-data-sharing archive of Spark's classes the local apps' JVM maps (about 3 s off every start;
-# sequin_provider/spark/class_archive.py): written once per Java and PySpark, ~30 s; a no-op after.
+# What the local apps' driver JVM loads, built once per Java and PySpark (a no-op after): the jar of
+# the checkpoint manager that forks no chmod (sequin_provider/spark/local_checkpoint.py; needs javac,
+# skipped without it), then the class-data-sharing archive of Spark's classes and that jar's (about
+# 3 s off every start; sequin_provider/spark/class_archive.py; ~30 s). The jar first: the archive is
+# only valid for the class path it was written with.
 spark-archive: $(STAMP)
+	$(PY) -m sequin_provider.spark.local_checkpoint
 	$(PY) -m sequin_provider.spark.class_archive
 
 # Embedded Postgres + airflow standalone with this provider and dags/, at http://localhost:8080.

@@ -94,6 +94,7 @@ def spark_session(app_name: str, master: str | None = None, java_options: str = 
     from pyspark.sql import SparkSession
 
     from sequin_provider.spark.class_archive import archive_options
+    from sequin_provider.spark.local_checkpoint import driver_classpath
 
     # executors' Python workers must run the interpreter that has this package (a venv's)
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -112,6 +113,8 @@ def spark_session(app_name: str, master: str | None = None, java_options: str = 
         .config("spark.ui.enabled", os.environ.get("SEQUIN_SPARK_UI", "false"))
     )
     submitted = _submitted_conf()
+    if driver_classpath() and "spark.driver.extraClassPath" not in submitted:
+        builder = builder.config("spark.driver.extraClassPath", driver_classpath())  # local_checkpoint's classes
     for key, value in TUNED_SPARK_CONF.items():
         if key not in submitted:
             builder = builder.config(key, value)
@@ -119,29 +122,6 @@ def spark_session(app_name: str, master: str | None = None, java_options: str = 
     shuffle_partitions(spark)
     spark.sparkContext.setLogLevel(os.environ.get("SEQUIN_SPARK_LOG_LEVEL", "WARN"))
     return spark
-
-
-CHECKPOINT_FILE_MANAGER_CONF = "spark.sql.streaming.checkpointFileManagerClass"
-LOCAL_CHECKPOINT_FILE_MANAGER = (
-    "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager"
-)
-"""Spark's own checkpoint file manager over Hadoop's ``FileSystem`` API, for a local checkpoint.
-
-The default one (``FileContext``) has Hadoop's local file system look up whether the destination of
-every rename is a symbolic link, which without Hadoop's native library forks ``readlink``: about
-six processes per micro-batch from the 4 GB driver JVM (offsets, commits, the source's metadata),
-measured with strace at a steady 5,000 changes/s. The ``FileSystem`` manager renames the same way
-(one ``rename(2)`` in the same directory, atomic on a local file system) without that lookup."""
-
-
-def use_local_checkpoint_manager(spark: Any, checkpoint_dir: str) -> None:
-    """Checkpoint a local ``checkpoint_dir`` through ``LOCAL_CHECKPOINT_FILE_MANAGER``, unless the
-    user chose a manager (``--conf``) or the checkpoint is on another file system (HDFS, S3...),
-    where the default's semantics are the ones Spark documents."""
-    scheme = checkpoint_dir.split(":", 1)[0] if "://" in checkpoint_dir else ""
-    if scheme not in ("", "file") or spark.conf.get(CHECKPOINT_FILE_MANAGER_CONF, None):
-        return
-    spark.conf.set(CHECKPOINT_FILE_MANAGER_CONF, LOCAL_CHECKPOINT_FILE_MANAGER)
 
 
 PROGRESS_POLL_INTERVAL = 1.0
@@ -193,6 +173,7 @@ def run_stream_app(
     for line in report.warnings:
         log.warning("%s", line)
 
+    from sequin_provider.spark.local_checkpoint import use_local_checkpoint_manager
     from sequin_provider.spark.pipeline import Pipeline
     from sequin_provider.spark.source import SequinReplicationDataSource
     from sequin_provider.spark.spool import SpoolUnreachableError, check_reachable, join, spool_folder

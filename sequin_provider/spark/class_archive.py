@@ -20,8 +20,10 @@ import hashlib
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
+
+from sequin_provider.spark.local_checkpoint import driver_classpath, use_local_checkpoint_manager
+from sequin_provider.spark.user_cache import cache_folder, prune
 
 ARCHIVE_ENV = "SEQUIN_SPARK_CLASS_ARCHIVE"
 
@@ -49,11 +51,11 @@ def archive_path() -> Path | None:
     # The JVM skips an archive when a jar of its class path has another size or time than when it
     # was written (a reinstalled venv, same paths): those name the archive too.
     jars = Path(pyspark.__file__).parent / "jars"
-    for jar in sorted(jars.glob("*.jar")):
+    ours = [Path(driver_classpath())] if driver_classpath() else []  # first on the class path when built
+    for jar in [*ours, *sorted(jars.glob("*.jar"))]:
         info = jar.stat()
         key.append(f"{jar}:{info.st_size}:{info.st_mtime_ns}")
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "sequin" / f"spark-classes-{hashlib.sha256('|'.join(key).encode()).hexdigest()[:16]}.jsa"
+    return cache_folder() / f"spark-classes-{hashlib.sha256('|'.join(key).encode()).hexdigest()[:16]}.jsa"
 
 
 def archive_options() -> str:
@@ -80,6 +82,7 @@ def _exercise(spark: object) -> None:
     frame = spark.range(1000).repartition(2)  # type: ignore[attr-defined]
     frame.mapInArrow(double, "id long").selectExpr("to_json(named_struct('id', id)) AS j").collect()
     with tempfile.TemporaryDirectory() as folder:
+        use_local_checkpoint_manager(spark, folder)
         query = (
             spark.readStream.format("rate")  # type: ignore[attr-defined]
             .option("rowsPerSecond", 100)
@@ -118,19 +121,7 @@ def build(path: Path) -> None:
     if not partial.is_file() or partial.stat().st_size == 0:
         raise RuntimeError(f"the JVM wrote no class archive to {partial}")
     os.replace(partial, path)
-    _prune(path)
-
-
-STALE_ARCHIVE_DAYS = 7
-
-
-def _prune(kept: Path) -> None:
-    """Remove the folder's other archives written over ``STALE_ARCHIVE_DAYS`` ago (each is ~160 MB,
-    and a reinstalled venv leaves one that no JVM can use any more)."""
-    cutoff = time.time() - STALE_ARCHIVE_DAYS * 86400
-    for other in kept.parent.glob("spark-classes-*.jsa"):
-        if other != kept and other.stat().st_mtime < cutoff:
-            other.unlink(missing_ok=True)
+    prune(path, "spark-classes-*.jsa")  # ~160 MB each
 
 
 def main() -> int:

@@ -534,51 +534,7 @@ def test_stream_app_stops_when_its_supervisor_dies(supervised: Supervised) -> No
 
 
 # ---------------------------------------------------------------------------------------------
-# The checkpoint
-
-
-def test_a_local_checkpoint_is_written_through_the_file_system_manager(tmp_path: Path) -> None:
-    """A local checkpoint's offsets and commits go through ``FileSystemBasedCheckpointFileManager``
-    (the default forks ``readlink`` from the driver JVM on every rename); a remote checkpoint and a
-    manager the user chose are left alone."""
-    from sequin_provider.spark.app import (
-        CHECKPOINT_FILE_MANAGER_CONF,
-        LOCAL_CHECKPOINT_FILE_MANAGER,
-        spark_session,
-        use_local_checkpoint_manager,
-    )
-
-    spark = spark_session("sequin-checkpoint-tests", "local[1]")
-    try:
-        checkpoint = tmp_path / "ckpt"
-        use_local_checkpoint_manager(spark, str(checkpoint))
-        query = (
-            spark.readStream.format("rate")
-            .option("rowsPerSecond", 100)
-            .load()
-            .writeStream.format("noop")
-            .option("checkpointLocation", str(checkpoint))
-            .start()
-        )
-        try:
-            wait_for(lambda: (query.lastProgress or {}).get("batchId", -1) >= 2, 60, what="three micro-batches")
-            execution = query._jsq.streamingQuery()  # Scala's protected members are public to py4j
-            assert execution.offsetLog().fileManager().getClass().getName() == LOCAL_CHECKPOINT_FILE_MANAGER
-            assert execution.commitLog().fileManager().getClass().getName() == LOCAL_CHECKPOINT_FILE_MANAGER
-        finally:
-            query.stop()
-        assert {"0", "1", "2"} <= {p.name for p in (checkpoint / "commits").iterdir()}
-
-        spark.conf.unset(CHECKPOINT_FILE_MANAGER_CONF)
-        use_local_checkpoint_manager(spark, "hdfs://namenode:8020/sequin/ckpt")
-        assert spark.conf.get(CHECKPOINT_FILE_MANAGER_CONF, None) is None
-        use_local_checkpoint_manager(spark, f"file://{checkpoint}")
-        assert spark.conf.get(CHECKPOINT_FILE_MANAGER_CONF, None) == LOCAL_CHECKPOINT_FILE_MANAGER
-        spark.conf.set(CHECKPOINT_FILE_MANAGER_CONF, "com.example.TheirManager")
-        use_local_checkpoint_manager(spark, str(checkpoint))
-        assert spark.conf.get(CHECKPOINT_FILE_MANAGER_CONF, None) == "com.example.TheirManager"
-    finally:
-        spark.stop()
+# The session
 
 
 def test_python_workers_talk_over_unix_sockets_and_shuffles_follow_the_cores() -> None:
