@@ -58,6 +58,7 @@ from bench.backfill_throughput import (  # noqa: E402
 from bench.delivery_throughput import answers, fill, http_consumer, run_consumers  # noqa: E402
 from bench.machine_memory import add_touch_memory_argument, touch_memory_for  # noqa: E402
 from bench.stream_throughput import (  # noqa: E402
+    SETTLE_SECONDS,
     TABLE,
     add_pg_setting_argument,
     check_sink,
@@ -359,10 +360,12 @@ def measure(contender: Contender, dsn: str, ids: Ids, args: argparse.Namespace) 
         p50s, p99s = [], []
         for run in range(args.runs):
             base, mark = contender.delivered(), contender.mark()
-            first = ids.take(args.rate * (args.seconds + 2))
+            first = ids.take(args.rate * (args.settle + args.seconds + 2))
+            settled = steady_writes(dsn, args.rate, args.settle, first) if args.settle else 0  # SETTLE_SECONDS
+            first += settled
             total = steady_writes(dsn, args.rate, args.seconds, first)
             wait_for(
-                lambda base=base, total=total: contender.delivered() >= base + total,
+                lambda base=base, total=total + settled: contender.delivered() >= base + total,
                 300,
                 interval=0.1,
                 what=f"{contender.name} to deliver the steady run",
@@ -619,7 +622,7 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
     debezium = next(r for r in results["stream"] if r["name"].startswith("Debezium"))
     lines = [
         f"Workload: {args.changes:,} changes per run (inserts then updates, 500-row transactions) on one table;"
-        f" latency at {args.rate:,} changes/s for {args.seconds}s. Median of {args.runs} runs (min–max)."
+        f" latency at {args.rate:,} changes/s for {args.seconds}s, after {args.settle}s at that rate. Median of {args.runs} runs (min–max)."
         + ("".join(f" Server setting `{k}={v}`." for k, v in args.pg_setting))
         + (" The store in a cluster of its own." if args.store_cluster == "own" else "")
         + _touched_text(results.get("memory_touched")),
@@ -678,6 +681,12 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--rate", type=int, default=5_000)
     parser.add_argument("--seconds", type=int, default=15)
+    parser.add_argument(
+        "--settle",
+        type=int,
+        default=SETTLE_SECONDS,
+        help="seconds at the steady rate before each latency run measures (stream_throughput.SETTLE_SECONDS)",
+    )
     parser.add_argument("--backfill-rows", type=int, default=1_000_000)
     parser.add_argument("--api-seconds", type=float, default=5.0)
     parser.add_argument(

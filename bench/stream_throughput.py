@@ -175,13 +175,26 @@ def steady_writes(dsn: str, rate: int, seconds: float, first_id: int) -> int:
     return total
 
 
-def latency_run(dsn: str, store_dsn: str, rate: int, seconds: int, first_id: int) -> dict[str, float]:
-    """Steady ``rate`` changes/s for ``seconds`` (``steady_writes``); commit -> durable sink row percentiles (ms)."""
+SETTLE_SECONDS = 5
+"""Seconds of the steady rate written before the measured window, not measured. The window then
+starts in the steady state the figure names, not in the aftermath of the throughput runs just
+before it (the store's autovacuum and checkpoint, the JVM collecting the big batches' garbage): in
+runs of 2026-11-27 the first 2-3 s after the bursts held micro-batches of 125-300 ms against 60-80
+ms after, and they alone made a p99 of 230-350 ms. ``bench/compare.py`` settles every contender alike."""
+
+
+def latency_run(
+    dsn: str, store_dsn: str, rate: int, seconds: int, first_id: int, settle: int = SETTLE_SECONDS
+) -> dict[str, float]:
+    """Steady ``rate`` changes/s for ``settle`` then ``seconds`` seconds (``steady_writes``); commit ->
+    durable sink row percentiles (ms) of the changes of the last ``seconds``."""
     before = sink_count(store_dsn)
+    settled = steady_writes(dsn, rate, settle, first_id) if settle else 0
+    first_id += settled
     started = time.monotonic()
     total = steady_writes(dsn, rate, seconds, first_id)
     achieved = total / (time.monotonic() - started)
-    wait_for(lambda: sink_count(store_dsn) >= before + total, 120, what="latency run to drain")
+    wait_for(lambda: sink_count(store_dsn) >= before + settled + total, 120, what="latency run to drain")
     with psycopg.connect(store_dsn) as conn:
         row = conn.execute(
             "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), percentile_cont(0.99) WITHIN GROUP (ORDER BY ms),"
@@ -301,6 +314,9 @@ def main() -> int:
     parser.add_argument("--changes", type=int, default=300_000)
     parser.add_argument("--rate", type=int, default=5_000)
     parser.add_argument("--seconds", type=int, default=20)
+    parser.add_argument(
+        "--settle", type=int, default=SETTLE_SECONDS, help="seconds at the steady rate before (c) measures"
+    )
     parser.add_argument("--runs", type=int, default=3, help="repetitions of (b); the median is reported")
     parser.add_argument("--warmup", type=int, default=100_000, help="changes streamed before measuring (JIT warm-up)")
     add_pg_setting_argument(parser)
@@ -379,7 +395,7 @@ stream: {{checkpoint_location: {work / "ckpt"}}}
             results.update(e2e_rates=rates, e2e_rate=e2e, e2e_seconds=busy_seconds)
             throughput_log = app.log_path.read_bytes()[log_mark:].decode(errors="replace")
             log_mark = app.log_path.stat().st_size
-            latency = latency_run(dsn, store_dsn, args.rate, args.seconds, args.runs * args.changes + 1)
+            latency = latency_run(dsn, store_dsn, args.rate, args.seconds, args.runs * args.changes + 1, args.settle)
             latency_log = app.log_path.read_bytes()[log_mark:].decode(errors="replace")
             (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
             (ROOT / "bench" / "results" / "latency_batches.log").write_text(
