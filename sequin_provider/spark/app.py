@@ -56,6 +56,7 @@ TUNED_SPARK_CONF = {
     "spark.sql.execution.arrow.pyspark.enabled": "true",
     "spark.sql.streaming.noDataMicroBatches.enabled": "false",
     "spark.python.unix.domain.socket.enabled": "true",
+    "spark.broadcast.blockSize": "512k",
 }
 """Spark settings the apps run with unless spark-submit's ``--conf`` (or spark-defaults) sets them.
 
@@ -64,7 +65,13 @@ driver) over Unix domain sockets instead of loopback TCP. Over TCP, a task's sma
 Python worker waited for the worker's delayed acknowledgement (Nagle's algorithm against Linux's
 40 ms delayed ACK): measured at a steady 5,000 changes/s, the stream app's Python worker waited
 43-50 ms for the first input of every task, and again as long for the partition its data source
-read; with Unix sockets 2-3 ms. A micro-batch went from 190 to 90-100 ms (docs/performance.md)."""
+read; with Unix sockets 2-3 ms. A micro-batch went from 190 to 90-100 ms (docs/performance.md).
+
+``spark.broadcast.blockSize`` (Spark's default 4m): every job broadcasts its task binary, a few kB,
+into a buffer of one block, allocated and zeroed whole: at 5,000 changes/s, 4 MB several times per
+micro-batch, 31 % of all the JVM allocated (68 MB/s of 220), with young collections of 40-60 ms.
+With 512k: commit -> store latency p50 86-90 -> 67-68 ms, p99 195-203 -> 129-134 ms (two runs each,
+``bench/stream_throughput.py``, 2026-11-27). Broadcasts of a few MB (none of ours) take more blocks."""
 
 
 def _submitted_conf() -> set[str]:
