@@ -371,7 +371,8 @@ def measure(contender: Contender, dsn: str, ids: Ids, args: argparse.Namespace) 
                 what=f"{contender.name} to deliver the steady run",
             )
             time.sleep(0.5)
-            latencies = contender.latencies(mark, first, first + total - 1)
+            # a latency file's lines come in delivery order: the settle period's are the first ``settled``
+            latencies = contender.latencies(mark + settled, first, first + total - 1)
             p50s.append(percentile(latencies, 0.50))
             p99s.append(percentile(latencies, 0.99))
             print(
