@@ -70,8 +70,10 @@ read; with Unix sockets 2-3 ms. A micro-batch went from 190 to 90-100 ms (docs/p
 ``spark.broadcast.blockSize`` (Spark's default 4m): every job broadcasts its task binary, a few kB,
 into a buffer of one block, allocated and zeroed whole: at 5,000 changes/s, 4 MB several times per
 micro-batch, 31 % of all the JVM allocated (68 MB/s of 220), with young collections of 40-60 ms.
-With 512k: commit -> store latency p50 86-90 -> 67-68 ms, p99 195-203 -> 129-134 ms (two runs each,
-``bench/stream_throughput.py``, 2026-11-27). Broadcasts of a few MB (none of ours) take more blocks."""
+With 512k, in two runs each of ``bench/stream_throughput.py`` (2026-11-27): commit -> store latency
+p50 86-90 -> 67-68 ms, p99 195-203 -> 129-134 ms, young collections more frequent and shorter (8 ms
+on average); later runs put p99 within the machine's noise (docs/performance.md). Broadcasts of a
+few MB (none of ours) take more blocks."""
 
 
 def _submitted_conf() -> set[str]:
