@@ -38,7 +38,13 @@ from sequin_provider.hooks.sequin import SequinHook
 from sequin_provider.operators.assets import emit_sink_table_event, sink_table_asset, sink_tables_alias
 from sequin_provider.operators.common import load_sequin_config, optional_text, task_instance_key, warn_if_elsewhere
 from sequin_provider.operators.lineage import backfill_lineage
-from sequin_provider.operators.spark_submit import SparkSubmitRun, default_application, resolve_target, submit_env
+from sequin_provider.operators.spark_submit import (
+    SparkSubmitRun,
+    default_application,
+    resolve_target,
+    submit_conf,
+    submit_env,
+)
 from sequin_provider.pgoutput import int_to_lsn
 from sequin_provider.store import BackfillConflict
 from sequin_provider.triggers.sequin import BACKFILL_FAILED_STATES, BackfillCompletedTrigger
@@ -294,7 +300,7 @@ class SequinBackfillOperator(BaseOperator):
             if value is not None:
                 args += [flag, str(value)]
         hook = SparkSubmitHook(
-            conf=self.spark_conf,
+            conf=submit_conf(target, self.spark_conf),
             conn_id=self.spark_conn_id,
             application_args=args,
             env_vars=submit_env(target, self.env_vars, connections),

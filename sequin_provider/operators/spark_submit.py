@@ -121,6 +121,20 @@ def submit_env(
     return env or None
 
 
+def submit_conf(target: SparkTarget, conf: Mapping[str, Any] | None) -> dict[str, Any]:
+    """spark-submit's ``--conf``: the operator's ``spark_conf``, and where the driver runs here
+    (client mode) the checkpoint jar this machine built first on its class path
+    (``spark.local_checkpoint``: a local checkpoint without a forked ``chmod`` per file), unless
+    ``spark_conf`` sets the driver's class path itself."""
+    from sequin_provider.spark.local_checkpoint import driver_classpath
+
+    merged = dict(conf or {})
+    jar = driver_classpath()
+    if jar and not target.is_cluster and "spark.driver.extraClassPath" not in merged:
+        merged["spark.driver.extraClassPath"] = jar
+    return merged
+
+
 class SparkSubmitRun:
     """One spark-submit of ``application`` by ``hook``: started in a thread, watched, stopped.
 

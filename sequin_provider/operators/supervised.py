@@ -29,6 +29,7 @@ from sequin_provider.operators.spark_submit import (
     SparkTarget,
     default_application,
     resolve_target,
+    submit_conf,
     submit_env,
 )
 from sequin_provider.supervision import (
@@ -235,7 +236,7 @@ class SupervisedAppOperator(BaseOperator):
         """Submit the app for ``database`` through ``SparkSubmitHook``."""
         target = resolve_target(self.spark_conn_id)
         hook = SparkSubmitHook(
-            conf=self.spark_conf,
+            conf=submit_conf(target, self.spark_conf),
             conn_id=self.spark_conn_id,
             application_args=self.app_arguments(config_path, database, target),
             env_vars=submit_env(target, self.env_vars, self._connections),

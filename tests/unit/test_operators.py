@@ -19,7 +19,8 @@ from sequin_provider.operators.replication import (
     HeartbeatWatch,
     backoff_delay,
 )
-from sequin_provider.operators.spark_submit import SparkTarget, resolve_target, submit_env
+from sequin_provider.operators.spark_submit import SparkTarget, resolve_target, submit_conf, submit_env
+from sequin_provider.spark.local_checkpoint import JAR_ENV
 
 
 def test_spark_connection_with_local_master_and_client_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -34,6 +35,26 @@ def test_spark_connection_with_local_master_and_client_env(monkeypatch: pytest.M
     # the driver runs on the cluster: nothing of this machine is imposed on it
     assert submit_env(SparkTarget("spark://m:7077", "cluster"), None) is None
     assert "PYSPARK_PYTHON" not in (submit_env(SparkTarget("yarn", None), None) or {})
+
+
+def test_a_driver_here_gets_the_checkpoint_jar_on_its_class_path(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Client mode: the jar this machine built goes first on the driver's class path (a local
+    checkpoint without forked chmods); not for a driver on the cluster, nor over the user's own
+    class path, nor when there is no jar."""
+    jar = tmp_path / "sequin-spark.jar"
+    jar.write_bytes(b"PK")
+    monkeypatch.setenv(JAR_ENV, str(jar))
+    here, there = SparkTarget("local[2]", None), SparkTarget("spark://m:7077", "cluster")
+    assert submit_conf(here, {"spark.x": "1"}) == {"spark.x": "1", "spark.driver.extraClassPath": str(jar)}
+    assert submit_conf(SparkTarget("yarn", None), None) == {"spark.driver.extraClassPath": str(jar)}
+    assert submit_conf(there, {"spark.x": "1"}) == {"spark.x": "1"}
+    assert submit_conf(here, {"spark.driver.extraClassPath": "/theirs.jar"}) == {
+        "spark.driver.extraClassPath": "/theirs.jar"
+    }
+    monkeypatch.setenv(JAR_ENV, "off")
+    assert submit_conf(here, None) == {}
 
 
 def test_the_configs_connections_reach_the_app_as_environment_only_where_the_hook_keeps_them_off_the_command_line(

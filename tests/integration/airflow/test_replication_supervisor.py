@@ -13,6 +13,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import psutil
 import psycopg
 import pytest
 from airflow.sdk.exceptions import AirflowException
@@ -20,6 +21,7 @@ from airflow.sdk.exceptions import AirflowException
 from devtools.stream_process import streaming_status, wait_for
 from sequin_provider import store
 from sequin_provider.operators.replication import SequinReplicationOperator
+from sequin_provider.spark.local_checkpoint import driver_classpath
 from tests.support.airflow import OperatorThread, lock_is_free, no_process_left, sequin_connection
 from tests.support.config import write_config
 from tests.support.postgres import execute, sink_messages
@@ -105,6 +107,10 @@ def test_a_crashed_stream_app_is_restarted_and_no_change_is_lost(setup: Any, dsn
 
         crashed = op.current_run
         assert crashed is not None and crashed.pid is not None
+        # spark-submit's driver JVM has the checkpoint jar on its class path (operators.spark_submit.submit_conf)
+        submitted = psutil.Process(crashed.pid)
+        jvms = [p for p in [submitted, *submitted.children(recursive=True)] if p.name() == "java"]
+        assert jvms and driver_classpath() and driver_classpath() in " ".join(jvms[0].cmdline())
         os.killpg(crashed.pid, signal.SIGKILL)  # the whole app dies at once: JVM, driver, Python workers
         write(dsn, range(101, 201), "while down")  # committed while no app runs
 
