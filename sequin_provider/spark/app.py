@@ -122,8 +122,9 @@ def spark_session(app_name: str, master: str | None = None, java_options: str = 
         .config("spark.ui.enabled", os.environ.get("SEQUIN_SPARK_UI", "false"))
     )
     submitted = _submitted_conf()
-    if driver_classpath() and "spark.driver.extraClassPath" not in submitted:
-        builder = builder.config("spark.driver.extraClassPath", driver_classpath())  # local_checkpoint's classes
+    jar = driver_classpath()  # local_checkpoint's classes
+    if jar and "spark.driver.extraClassPath" not in submitted:
+        builder = builder.config("spark.driver.extraClassPath", jar)
     for key, value in TUNED_SPARK_CONF.items():
         if key not in submitted:
             builder = builder.config(key, value)

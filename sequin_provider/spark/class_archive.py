@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from sequin_provider.spark.local_checkpoint import driver_classpath, use_local_checkpoint_manager
-from sequin_provider.spark.user_cache import cache_folder, prune
+from sequin_provider.spark.user_cache import cache_folder, configured_path, prune
 
 ARCHIVE_ENV = "SEQUIN_SPARK_CLASS_ARCHIVE"
 
@@ -38,11 +38,11 @@ def _java_binary() -> str:
 def archive_path() -> Path | None:
     """Where the archive for this Java and this PySpark lives (``$SEQUIN_SPARK_CLASS_ARCHIVE``, else
     under the user's cache folder, named after both); None when the setting is ``off``."""
-    setting = os.environ.get(ARCHIVE_ENV, "").strip()
-    if setting.lower() == "off":
-        return None
-    if setting:
-        return Path(setting)
+    return configured_path(ARCHIVE_ENV, _default_archive)
+
+
+def _default_archive() -> Path:
+    """The archive's path in the cache folder, named after the Java binary, PySpark and the jars."""
     import pyspark
 
     java = _java_binary()
@@ -51,8 +51,8 @@ def archive_path() -> Path | None:
     # The JVM skips an archive when a jar of its class path has another size or time than when it
     # was written (a reinstalled venv, same paths): those name the archive too.
     jars = Path(pyspark.__file__).parent / "jars"
-    ours = [Path(driver_classpath())] if driver_classpath() else []  # first on the class path when built
-    for jar in [*ours, *sorted(jars.glob("*.jar"))]:
+    ours = driver_classpath()  # first on the class path when built
+    for jar in [*([Path(ours)] if ours else []), *sorted(jars.glob("*.jar"))]:
         info = jar.stat()
         key.append(f"{jar}:{info.st_size}:{info.st_mtime_ns}")
     return cache_folder() / f"spark-classes-{hashlib.sha256('|'.join(key).encode()).hexdigest()[:16]}.jsa"

@@ -29,7 +29,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from sequin_provider.spark.user_cache import cache_folder, prune
+from sequin_provider.spark.user_cache import cache_folder, configured_path, prune
 
 JAR_ENV = "SEQUIN_SPARK_JAR"
 JAVA_SOURCES = Path(__file__).parent / "java"
@@ -49,11 +49,11 @@ NIO_MANAGER = "io.sequin.spark.LocalCheckpointFileManager"
 def jar_path() -> Path | None:
     """Where the compiled jar for these sources and this PySpark lives (``$SEQUIN_SPARK_JAR``, else
     under the user's cache folder, named after both); None when the setting is ``off``."""
-    setting = os.environ.get(JAR_ENV, "").strip()
-    if setting.lower() == "off":
-        return None
-    if setting:
-        return Path(setting)
+    return configured_path(JAR_ENV, _default_jar)
+
+
+def _default_jar() -> Path:
+    """The jar's path in the cache folder, named after the Java sources and PySpark."""
     import pyspark
 
     digest = hashlib.sha256(pyspark.__version__.encode())

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sequin_provider.spark.user_cache import cache_folder, prune
+from sequin_provider.spark.user_cache import cache_folder, configured_path, prune
 
 
 def test_the_folder_follows_xdg_cache_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -27,3 +27,13 @@ def test_prune_removes_only_old_files_of_the_pattern_and_never_the_kept_one(tmp_
         os.utime(path, (old, old))
     prune(kept, "a-*.jar")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-1.jar", "a-3.jar", "b-1.jsa"]
+
+
+def test_a_setting_names_a_path_or_turns_it_off_or_leaves_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    default = Path("/cache/default")
+    monkeypatch.delenv("SEQUIN_TEST_SETTING", raising=False)
+    assert configured_path("SEQUIN_TEST_SETTING", lambda: default) == default
+    monkeypatch.setenv("SEQUIN_TEST_SETTING", " OFF ")
+    assert configured_path("SEQUIN_TEST_SETTING", lambda: default) is None
+    monkeypatch.setenv("SEQUIN_TEST_SETTING", "/elsewhere/x.jar")
+    assert configured_path("SEQUIN_TEST_SETTING", lambda: default) == Path("/elsewhere/x.jar")
