@@ -61,9 +61,10 @@ def answers(url: str) -> bool:
 
 
 def fill(store_dsn: str, messages: int, groups: int) -> None:
-    """``messages`` visible messages over ``groups`` groups, written as the stream app writes them."""
+    """``messages`` visible messages over ``groups`` groups, written as the stream app writes them.
+    The acked ledger goes too: positions acked in an earlier run would not be written again."""
     with psycopg.connect(store_dsn) as conn:
-        conn.execute("TRUNCATE sequin.stream_messages")
+        conn.execute("TRUNCATE sequin.stream_messages, sequin.stream_acked")
         conn.commit()
         for lo in range(0, messages, 50_000):
             rows = [
@@ -129,10 +130,11 @@ def httpx_consumer(args: tuple[str, str, int, float, Any]) -> int:
 
 
 def sql_consumer(args: tuple[str, str, int, float, Any]) -> int:
-    """The same receive + ack, straight against the store."""
+    """The same receive + ack, straight against the store, on a connection set up as the API's."""
     store_dsn, _, batch, seconds, barrier = args
     acked = 0
-    with psycopg.connect(store_dsn) as conn:
+    with psycopg.connect(store_dsn, autocommit=True) as conn:
+        conn.execute("SET jit = off")
         barrier.wait()
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:

@@ -162,6 +162,14 @@ class Stream:
     max_waiting: int
 
 
+def _configure_connection(conn: psycopg.Connection[Any]) -> None:
+    """A new pooled store connection: JIT off. A receive's one statement reads the size of the head
+    it reads from the store (``store.claim_first``), so the planner estimates a tenth of the stream
+    for it and, on a stream of a few hundred thousand messages, passes ``jit_above_cost``: JIT then
+    compiled every receive for 58 ms, against 2-3 ms to run it."""
+    conn.execute("SET jit = off")
+
+
 class StreamService:
     """The API's state: streams, store pools, token checks, long-poll wake-ups and waiter counts."""
 
@@ -187,9 +195,16 @@ class StreamService:
         )
         """This process's counters (``metrics.api``); ``/metrics`` serves them when ``metrics.api`` is on."""
         dsns = {s.store_dsn for s in self.streams.values()} | {self.token_dsn}
+        # autocommit: a receive, an ack or a nack is one statement, committed with its answer (one
+        # round trip; BEGIN and COMMIT of their own took two more: store.own_transaction)
         self.pools = {
             dsn: ConnectionPool(
-                dsn, min_size=1, max_size=pool_size, open=False, kwargs={"autocommit": False, "connect_timeout": 5}
+                dsn,
+                min_size=1,
+                max_size=pool_size,
+                open=False,
+                kwargs={"autocommit": True, "connect_timeout": 5},
+                configure=_configure_connection,
             )
             for dsn in dsns
         }
@@ -566,7 +581,7 @@ def create_app(config: SequinConfig, service: StreamService | None = None) -> Fa
         async def endpoint(name: str, request: Request) -> Response:
             await authorize(request)
             stream = service.stream(name)
-            ids = list(dict.fromkeys(_validated(AckRequest, await request.body()).ack_ids))
+            ids = _validated(AckRequest, await request.body()).ack_ids  # repeated ids count once (stream_queue)
             await (service.ack(stream, ids) if operation == "ack" else service.nack(stream, ids))
             return Response(b'{"success":true}', media_type="application/json")
 

@@ -69,16 +69,10 @@ def parse_ack_id(ack_id: str | uuid.UUID) -> tuple[int, int, int] | None:
 
 
 def _parsed(ack_ids: Sequence[str | uuid.UUID]) -> tuple[list[int], list[int], list[int]]:
-    lsns: list[int] = []
-    idxs: list[int] = []
-    nonces: list[int] = []
-    for a in ack_ids:
-        parsed = parse_ack_id(a)
-        if parsed is not None:
-            lsns.append(parsed[0])
-            idxs.append(parsed[1])
-            nonces.append(parsed[2])
-    return lsns, idxs, nonces
+    """The positions and nonces of ``ack_ids`` as ``store.Deliveries``, each once; ids that are not
+    ours are left out."""
+    parsed = [p for p in dict.fromkeys(map(parse_ack_id, ack_ids)) if p is not None]
+    return [p[0] for p in parsed], [p[1] for p in parsed], [p[2] for p in parsed]
 
 
 RECOUNT_SECONDS = 5.0
@@ -115,37 +109,53 @@ def receive(
     pending count is the sink's ``stream_pending`` counter, which every receive, ack and nack keeps
     in its own transaction; when it reads full, it is recounted (at most every ``RECOUNT_SECONDS``)
     so a counter gone wrong behind our back (a manual DELETE) cannot stall the sink.
+
+    Most receives are one statement (``store.claim_first``): on an autocommit connection, one
+    round trip. When it claimed too few from a full head, or the counter read full, the rest runs
+    in a transaction of its own; on an autocommit connection the first claim is committed by then,
+    so a store failing in between leaves those messages received by nobody until their visibility
+    times out (as for a consumer that died holding them).
     """
-    claimed: list[store.Claimed] = []
+    first = store.claim_first(
+        conn, schema, sink, batch_size, max_ack_pending, HEAD_GROWTH, visibility_timeout, _NONCE_LIMIT
+    )
+    if first is None:
+        return []
+    claimed = first.claimed
+    if first.pending < max_ack_pending and (len(claimed) >= first.claim or first.in_head < first.head):
+        return _deliveries(claimed)  # the common case: one statement
     with conn.transaction():
-        started = store.receive_start(conn, schema, sink)
-        if started is None:
-            return []
-        visible, outstanding = started
-        if outstanding >= max_ack_pending:
-            outstanding = store.recount_pending(conn, schema, sink, outstanding, RECOUNT_SECONDS)
-        only_redeliveries = outstanding >= max_ack_pending
-        limit = batch_size if only_redeliveries else min(batch_size, max_ack_pending - outstanding)
-        head = outstanding + HEAD_GROWTH * limit
-        while True:
+        if first.pending < max_ack_pending:  # its head was too short for the claim: read on
+            only_redeliveries, limit, head = False, first.claim, first.head * HEAD_GROWTH
+        else:
+            outstanding = store.recount_pending(conn, schema, sink, first.pending, RECOUNT_SECONDS)
+            only_redeliveries = outstanding >= max_ack_pending
+            limit = batch_size if only_redeliveries else min(batch_size, max_ack_pending - outstanding)
+            head = outstanding + HEAD_GROWTH * limit
+        while len(claimed) < limit:
             got, in_head = store.claim_from_head(
                 conn,
                 schema,
                 sink,
-                visible,
+                first.visible,
                 head,
                 only_redeliveries,
                 limit - len(claimed),
                 visibility_timeout,
                 _NONCE_LIMIT,
             )
-            claimed.extend(got)
+            claimed = claimed + got
             # Read further while too few were claimed and the head did not hold every visible
             # message: too few deliverable ones in it, or other receivers hold them (skipped,
             # not waited for). The ones claimed stay in the head, now received.
-            if len(claimed) >= limit or in_head < head:
+            if in_head < head:
                 break
             head *= HEAD_GROWTH
+    return _deliveries(claimed)
+
+
+def _deliveries(claimed: list[store.Claimed]) -> list[Delivery]:
+    """Claimed messages in position order, with their ack ids."""
     return [Delivery(ack_id(lsn, idx, nonce), data) for lsn, idx, nonce, data in sorted(claimed)]
 
 

@@ -3,7 +3,8 @@
 One module per concern, every public name re-exported here (``store.migrate``, ``store.Backfill``):
 
 - ``connection``: ``connect_durable``, ``durable_commit`` and ``ident`` (the schema's SQL identifier,
-  which every module composing store SQL uses);
+  which every module composing store SQL uses), and for the modules: ``own_transaction`` (one
+  statement, one round trip on an autocommit connection) and ``int_array`` (array parameters);
 - ``migrations``: the versioned, idempotent migrations, applied under an advisory lock by ``migrate``;
 - ``stream``: the stream table (writing a micro-batch's messages, the acked ledger, visibility);
 - ``backfills``: the backfills table and sink setups;
@@ -118,10 +119,11 @@ from sequin_provider.store.stream import (
 from sequin_provider.store.stream_queue import (
     Claimed,
     Deliveries,
+    FirstClaim,
     ack_messages,
+    claim_first,
     claim_from_head,
     nack_messages,
-    receive_start,
     recount_pending,
     release_messages,
     stream_counts,
@@ -153,6 +155,7 @@ __all__ = [
     "BackfillRange",
     "Claimed",
     "ClosedWindow",
+    "FirstClaim",
     "CopyChunk",
     "Deliveries",
     "ParkRow",
@@ -173,6 +176,7 @@ __all__ = [
     "behind_barrier",
     "buffer_counts",
     "check_max_query_ms",
+    "claim_first",
     "claim_from_head",
     "close_backfill_window",
     "closing_windows",
@@ -207,7 +211,6 @@ __all__ = [
     "prune_acked",
     "read_messages_sql",
     "read_status",
-    "receive_start",
     "record_backfill_progress",
     "record_parked_failure",
     "record_sink_setup",

@@ -6,12 +6,14 @@ ledger; nack; release), and a sink's counts. How much a receive reads and claims
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from sequin_provider.store.connection import durable_commit, ident
+from sequin_provider.store.connection import DURABLE_COMMIT, ident, int_array, own_transaction
 from sequin_provider.store.stream import READS_RELEASED
 
 Deliveries = tuple[list[int], list[int], list[int]]
@@ -22,11 +24,11 @@ Claimed = tuple[int, int, int, str]
 """A claimed message: (commit_lsn, commit_idx, ack nonce, data JSON)."""
 
 _RECEIVE = """
-    WITH head AS (
+    WITH {start}head AS (
         SELECT m.ctid AS row_id, m.commit_lsn, m.commit_idx, m.group_id, m.barrier, {ready} AS ready
         FROM {s}.stream_messages m
-        WHERE m.sink = %(sink)s AND m.commit_lsn <= %(visible)s
-        ORDER BY m.commit_lsn, m.commit_idx LIMIT %(head)s),
+        WHERE m.sink = %(sink)s AND m.commit_lsn <= {visible}
+        ORDER BY m.commit_lsn, m.commit_idx LIMIT {head}),
     barriers AS MATERIALIZED (
         SELECT commit_lsn, commit_idx, barrier FROM head WHERE barrier IS NOT NULL),
     firsts AS (
@@ -43,7 +45,7 @@ _RECEIVE = """
         FROM {s}.stream_messages m
         WHERE m.ctid = ANY(ARRAY(SELECT row_id FROM deliverable)) AND {ready}
         ORDER BY m.commit_lsn, m.commit_idx
-        LIMIT %(limit)s
+        LIMIT {limit}
         FOR UPDATE OF m SKIP LOCKED),
     claimed AS (
         UPDATE {s}.stream_messages t
@@ -58,23 +60,110 @@ _RECEIVE = """
         INSERT INTO {s}.stream_pending AS p (sink, pending)
         SELECT %(sink)s, count(*) FROM claimed WHERE newly_pending HAVING count(*) > 0
         ON CONFLICT (sink) DO UPDATE SET pending = p.pending + EXCLUDED.pending)
-    SELECT c.commit_lsn, c.commit_idx, c.ack_nonce, c.data, h.n
-    FROM (SELECT count(*) AS n FROM head) h LEFT JOIN claimed c ON true"""
+    SELECT c.commit_lsn, c.commit_idx, c.ack_nonce, c.data, h.n{started}
+    FROM {start_row}(SELECT count(*) AS n FROM head) h LEFT JOIN claimed c ON true"""
+
+_START = """start AS (
+        SELECT v.visible_lsn AS visible, p.pending, l.claim,
+               CASE WHEN l.claim > 0 THEN p.pending + %(growth)s * l.claim ELSE 0 END AS head
+        FROM {s}.stream_visibility v
+        CROSS JOIN LATERAL (SELECT coalesce((SELECT pending FROM {s}.stream_pending WHERE sink = %(sink)s), 0)
+                            AS pending) p
+        CROSS JOIN LATERAL (SELECT CASE WHEN p.pending < %(max_pending)s
+                                   THEN least(%(batch)s, %(max_pending)s - p.pending) ELSE 0 END AS claim) l
+        WHERE v.sink = %(sink)s AND v.visible_lsn IS NOT NULL),
+    """
+"""A receive's start in its first statement (``claim_first``): the sink's visibility watermark and
+pending counter, how many it may claim (none when ``max_pending`` are pending) and the head to
+read for them (the pending ones and ``growth`` times the claim)."""
 
 
-def receive_start(conn: psycopg.Connection[Any], schema: str, sink: str) -> tuple[int, int] | None:
-    """(visible LSN, pending count) of ``sink`` as a receive starts, in the caller's transaction;
-    None while none of its messages is visible (no visibility watermark yet)."""
-    row = conn.execute(
-        sql.SQL(
-            "SELECT (SELECT visible_lsn FROM {0}.stream_visibility WHERE sink = %(sink)s),"
-            " (SELECT pending FROM {0}.stream_pending WHERE sink = %(sink)s)"
-        ).format(ident(schema)),
-        {"sink": sink},
-    ).fetchone()
-    if row is None or row[0] is None:
+def _ready(s: sql.Composable) -> sql.Composable:
+    """Whether message ``m`` may be handed out now (the claim's ``only_redeliveries`` parameter)."""
+    return sql.SQL(
+        "(m.not_visible_until IS NULL OR m.not_visible_until <= now())"
+        " AND (NOT %(only_redeliveries)s OR m.deliver_count > 0) AND {}"
+    ).format(sql.SQL(READS_RELEASED).format(s=s))
+
+
+@lru_cache(maxsize=None)
+def _receive_sql(schema: str, first: bool) -> sql.Composed:
+    """The claim statement of ``schema`` (composed once: composing it took 24 µs per receive):
+    ``first`` reads the receive's start in the same statement (``_START``), else the caller
+    passes the visibility watermark, the head and the claim."""
+    s = ident(schema)
+    if first:
+        return sql.SQL(_RECEIVE).format(
+            s=s,
+            ready=_ready(s),
+            start=sql.SQL(_START).format(s=s),
+            visible=sql.SQL("(SELECT visible FROM start)"),
+            head=sql.SQL("coalesce((SELECT head FROM start), 0)"),
+            limit=sql.SQL("(SELECT claim FROM start)"),
+            started=sql.SQL(", s.visible, s.pending, s.claim, s.head"),
+            start_row=sql.SQL("start s CROSS JOIN "),
+        )
+    return sql.SQL(_RECEIVE).format(
+        s=s,
+        ready=_ready(s),
+        start=sql.SQL(""),
+        visible=sql.SQL("%(visible)s"),
+        head=sql.SQL("%(head)s"),
+        limit=sql.SQL("%(limit)s"),
+        started=sql.SQL(""),
+        start_row=sql.SQL(""),
+    )
+
+
+@dataclass(frozen=True)
+class FirstClaim:
+    """What a receive's first statement claimed and read (``claim_first``)."""
+
+    claimed: list[Claimed]
+    in_head: int
+    """How many messages the head held (fewer than ``head``: every visible one)."""
+    visible: int
+    """The sink's visibility watermark."""
+    pending: int
+    """The sink's pending counter before this claim."""
+    claim: int
+    """How many it could claim: the batch, fewer near ``max_pending``, none at it."""
+    head: int
+    """How many messages of the head it read at most."""
+
+
+def claim_first(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    sink: str,
+    batch_size: int,
+    max_pending: int,
+    growth: int,
+    visibility_timeout: float,
+    nonces: int,
+) -> FirstClaim | None:
+    """A receive's first claim, in one statement: the sink's visibility watermark and pending
+    counter, and ``claim_from_head`` of new messages (up to ``batch_size``, and at most up to
+    ``max_pending`` pending; nothing at it) in a head of the pending messages and ``growth`` times
+    the claim. None while none of the sink's messages is visible. On an autocommit connection outside a transaction block the
+    statement commits by itself (``own_transaction``): one round trip for a whole receive."""
+    with own_transaction(conn):
+        rows = conn.execute(
+            _receive_sql(schema, True),
+            {
+                "sink": sink,
+                "batch": batch_size,
+                "max_pending": max_pending,
+                "growth": growth,
+                "only_redeliveries": False,
+                "timeout": visibility_timeout,
+                "nonces": nonces,
+            },
+        ).fetchall()
+    if not rows:
         return None
-    return int(row[0]), int(row[1] or 0)
+    _, _, _, _, in_head, visible, pending, claim, head = rows[0]
+    return FirstClaim([r[:4] for r in rows if r[0] is not None], in_head, int(visible), int(pending), claim, head)
 
 
 def recount_pending(conn: psycopg.Connection[Any], schema: str, sink: str, counted: int, every: float) -> int:
@@ -114,13 +203,8 @@ def claim_from_head(
     ``FOR UPDATE SKIP LOCKED`` (concurrent receivers never get the same message, nor wait for one
     another), each with a new random nonce below ``nonces``, and the newly pending ones are added
     to the sink's pending counter in the same statement."""
-    s = ident(schema)
-    ready = sql.SQL(
-        "(m.not_visible_until IS NULL OR m.not_visible_until <= now())"
-        " AND (NOT %(only_redeliveries)s OR m.deliver_count > 0) AND {}"
-    ).format(sql.SQL(READS_RELEASED).format(s=s))
     rows = conn.execute(
-        sql.SQL(_RECEIVE).format(s=s, ready=ready),
+        _receive_sql(schema, False),
         {
             "sink": sink,
             "visible": visible,
@@ -134,37 +218,7 @@ def claim_from_head(
     return [r[:4] for r in rows if r[0] is not None], rows[0][4]
 
 
-def _settle(
-    conn: psycopg.Connection[Any],
-    schema: str,
-    sink: str,
-    deliveries: Deliveries,
-    change: sql.Composable,
-    then: sql.Composable | None = None,
-    durable: bool = False,
-) -> int:
-    """Apply ``change`` (a DELETE or UPDATE of the messages matched by ``a``, returning their
-    positions) to the pending messages of ``deliveries``, and take them off the sink's pending
-    counter in the same transaction; ``then`` adds CTEs on ``settled``; ``durable``: the commit is
-    durable when it returns, whatever the server's ``synchronous_commit``."""
-    lsns, idxs, nonces = deliveries
-    s = ident(schema)
-    with conn.transaction():
-        if durable:
-            durable_commit(conn)
-        row = conn.execute(
-            sql.SQL("""
-            WITH settled AS ({change}),{then}
-            n AS (SELECT count(*) AS n FROM settled),
-            counted AS (UPDATE {s}.stream_pending p SET pending = greatest(p.pending - n.n, 0)
-                          FROM n WHERE p.sink = %(sink)s AND n.n > 0)
-            SELECT n FROM n""").format(change=change, then=then or sql.SQL(""), s=s),
-            {"sink": sink, "lsns": lsns, "idxs": idxs, "nonces": nonces},
-        ).fetchone()
-    return int(row[0]) if row else 0
-
-
-_MATCH = sql.SQL(
+_MATCH = (
     " unnest(%(lsns)s::bigint[], %(idxs)s::integer[], %(nonces)s::integer[]) a(lsn, idx, nonce)"
     " WHERE m.sink = %(sink)s AND m.commit_lsn = a.lsn AND m.commit_idx = a.idx AND m.ack_nonce = a.nonce"
     " AND m.state = 'delivered' RETURNING m.commit_lsn, m.commit_idx"
@@ -180,6 +234,56 @@ _LEDGER = """
 """The ack's one entry in the acked ledger: the positions it settled that the slot has not passed
 yet (a replay of their batch must not write them again: ``insert_stream_copy``)."""
 
+_SETTLE = """
+            WITH settled AS ({change}),{then}
+            n AS (SELECT count(*) AS n FROM settled),
+            counted AS (UPDATE {s}.stream_pending p SET pending = greatest(p.pending - n.n, 0)
+                          FROM n WHERE p.sink = %(sink)s AND n.n > 0)
+            SELECT n{durable} FROM n"""
+
+_SETTLEMENTS = {
+    "ack": ("DELETE FROM {s}.stream_messages m USING", _LEDGER, True),
+    "nack": (
+        "UPDATE {s}.stream_messages m SET ack_nonce = NULL, state = 'available', not_visible_until = NULL FROM",
+        "",
+        False,
+    ),
+    "release": (
+        "UPDATE {s}.stream_messages m SET ack_nonce = NULL, state = 'available', not_visible_until = NULL,"
+        " deliver_count = greatest(m.deliver_count - 1, 0) FROM",
+        "",
+        False,
+    ),
+}
+"""Per settlement: the change to the matched messages (a DELETE or an UPDATE returning their
+positions), CTEs on ``settled`` it adds, and whether its commit must be durable when it returns."""
+
+
+@lru_cache(maxsize=None)
+def _settle_sql(schema: str, settlement: str) -> sql.Composed:
+    """The one statement of ``settlement`` on ``schema``: its change, then the sink's pending counter
+    taken down by what it settled, and with ``durable`` the transaction made durable."""
+    change, then, durable = _SETTLEMENTS[settlement]
+    s = ident(schema)
+    return sql.SQL(_SETTLE).format(
+        change=sql.SQL(change + _MATCH).format(s=s),
+        then=sql.SQL(then).format(s=s),
+        s=s,
+        durable=sql.SQL(", " + DURABLE_COMMIT if durable else ""),
+    )
+
+
+def _settle(conn: psycopg.Connection[Any], schema: str, sink: str, deliveries: Deliveries, settlement: str) -> int:
+    """Apply ``settlement`` (``_SETTLEMENTS``) to the pending messages of ``deliveries`` in one
+    statement, which takes them off the sink's pending counter too; returns how many it settled."""
+    lsns, idxs, nonces = deliveries
+    with own_transaction(conn):
+        row = conn.execute(
+            _settle_sql(schema, settlement),
+            {"sink": sink, "lsns": int_array(lsns), "idxs": int_array(idxs), "nonces": int_array(nonces)},
+        ).fetchone()
+    return int(row[0]) if row else 0
+
 
 def ack_messages(conn: psycopg.Connection[Any], schema: str, sink: str, deliveries: Deliveries) -> int:
     """Delete the pending messages of ``deliveries`` (others are ignored) and return how many.
@@ -187,46 +291,18 @@ def ack_messages(conn: psycopg.Connection[Any], schema: str, sink: str, deliveri
     Their positions stay in the acked ledger until the slot has passed them (``prune_acked``), so
     a micro-batch replayed after a crash of the stream app skips them; and the ack is durable when
     it returns (a crash of the store does not undo an ack its consumer was told of)."""
-    s = ident(schema)
-    return _settle(
-        conn,
-        schema,
-        sink,
-        deliveries,
-        sql.SQL("DELETE FROM {}.stream_messages m USING").format(s) + _MATCH,
-        sql.SQL(_LEDGER).format(s=s),
-        durable=True,
-    )
+    return _settle(conn, schema, sink, deliveries, "ack")
 
 
 def nack_messages(conn: psycopg.Connection[Any], schema: str, sink: str, deliveries: Deliveries) -> int:
     """Make the pending messages of ``deliveries`` visible again at once (their ack nonces cleared)."""
-    return _settle(
-        conn,
-        schema,
-        sink,
-        deliveries,
-        sql.SQL(
-            "UPDATE {}.stream_messages m SET ack_nonce = NULL, state = 'available', not_visible_until = NULL FROM"
-        ).format(ident(schema))
-        + _MATCH,
-    )
+    return _settle(conn, schema, sink, deliveries, "nack")
 
 
 def release_messages(conn: psycopg.Connection[Any], schema: str, sink: str, deliveries: Deliveries) -> int:
     """A nack of ``deliveries`` that also takes back their delivery count (nobody received them);
     a message claimed again since, with another nonce, is left alone."""
-    return _settle(
-        conn,
-        schema,
-        sink,
-        deliveries,
-        sql.SQL(
-            "UPDATE {}.stream_messages m SET ack_nonce = NULL, state = 'available', not_visible_until = NULL,"
-            " deliver_count = greatest(m.deliver_count - 1, 0) FROM"
-        ).format(ident(schema))
-        + _MATCH,
-    )
+    return _settle(conn, schema, sink, deliveries, "release")
 
 
 def stream_counts(conn: psycopg.Connection[Any], schema: str, sink: str) -> dict[str, int]:

@@ -11,14 +11,18 @@ import random
 import threading
 import time
 import uuid
+from pathlib import Path
+from typing import Callable, TypeVar
 
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 
 from sequin_provider import store, stream_queue
 from tests.support.postgres import put_stream_messages
 
 SINK = "q"
+T = TypeVar("T")
 
 
 def pending(conn: psycopg.Connection) -> tuple[int, int]:
@@ -96,6 +100,50 @@ def test_a_counter_gone_wrong_is_recounted_when_it_reads_full(dsn: str, conn: ps
     conn.execute("UPDATE sequin.stream_pending SET checked_at = now() - interval '1 hour' WHERE sink = %s", (SINK,))
     assert lsns(stream_queue.receive(conn, "sequin", SINK, 10, 30, 3)) == [3, 4]  # 1 pending (lsn 2) + 2 new
     assert pending(conn) == (3, 3)
+
+
+def round_trips(conn: psycopg.Connection, trace: Path, operation: Callable[[], T]) -> tuple[T, int]:
+    """What ``operation`` returns, and how many round trips to the server it made on ``conn`` (its
+    protocol trace's ReadyForQuery messages: one per statement, BEGIN and COMMIT included)."""
+    with trace.open("w") as out:
+        conn.pgconn.trace(out.fileno())
+        conn.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
+        try:
+            result = operation()
+        finally:
+            conn.pgconn.untrace()  # flushes the trace
+    return result, trace.read_text().count("\tReadyForQuery")
+
+
+def test_a_receive_and_an_ack_are_one_round_trip_each_on_an_autocommit_connection(
+    dsn: str, conn: psycopg.Connection, tmp_path: Path
+) -> None:
+    """What the API's connections do (autocommit): a receive that finds its batch in the head and an
+    ack are one statement each, committed with their answer, no BEGIN or COMMIT of their own (the
+    pull API's round trips: docs/performance.md, "Pull API")."""
+    put_stream_messages(dsn, SINK, [(i, 0, f"g{i % 7}") for i in range(1, 41)])
+    trace = tmp_path / "trace"
+    with psycopg.connect(dsn, autocommit=True) as c:
+        got, trips = round_trips(c, trace, lambda: stream_queue.receive(c, "sequin", SINK, 5, 30, 1000))
+        assert lsns(got) == [1, 2, 3, 4, 5] and trips == 1
+        ids = [d.ack_id for d in got]
+        assert round_trips(c, trace, lambda: stream_queue.ack(c, "sequin", SINK, ids)) == (5, 1)
+        assert round_trips(c, trace, lambda: stream_queue.nack(c, "sequin", SINK, ids)) == (0, 1)
+    assert pending(conn) == (0, 0)
+
+
+def test_an_ack_is_durable_when_it_returns_whatever_the_session_commits(dsn: str, conn: psycopg.Connection) -> None:
+    """An ack is one autocommit statement, and still durable when it returns on a session with
+    ``synchronous_commit = off`` (``store.DURABLE_COMMIT`` inside it): the WAL is flushed past
+    where it began. Without it the flush lags its commit (the WAL writer flushes every 200 ms)."""
+    put_stream_messages(dsn, SINK, [(i, 0, f"g{i}") for i in range(1, 11)])
+    with psycopg.connect(make_conninfo(dsn, options="-c synchronous_commit=off"), autocommit=True) as c:
+        for _ in range(10):
+            got = stream_queue.receive(c, "sequin", SINK, 1, 30, 1000)
+            began = c.execute("SELECT pg_current_wal_insert_lsn()").fetchone()[0]
+            assert stream_queue.ack(c, "sequin", SINK, [got[0].ack_id]) == 1
+            flushed = c.execute("SELECT pg_current_wal_flush_lsn(), pg_current_wal_flush_lsn() > %s::pg_lsn", (began,))
+            assert flushed.fetchone()[1], (began, "not flushed")
 
 
 def test_receiving_writes_no_index_entry(dsn: str, conn: psycopg.Connection) -> None:

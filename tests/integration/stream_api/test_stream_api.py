@@ -22,6 +22,7 @@ import pytest
 from devtools.stream_process import wait_for
 from sequin_provider import store, stream_queue
 from sequin_provider.config import load_config
+from sequin_provider.stream_api import StreamService
 from tests.support.config import write_config
 from tests.support.postgres import execute
 from tests.support.postgres import put_stream_messages as put
@@ -75,6 +76,23 @@ def positions(received: list[dict[str, Any]]) -> list[tuple[int, int]]:
 def settle(client: httpx.Client, sink: str, op: str, received: list[dict[str, Any]]) -> None:
     response = client.post(f"/api/sequin_streams/{sink}/{op}", json={"ack_ids": [m["ack_id"] for m in received]})
     assert response.status_code == 200 and response.json() == {"success": True}, response.text
+
+
+def test_the_apis_store_sessions_commit_each_statement_and_never_jit(dsn: str, dbname: str, tmp_path: Path) -> None:
+    """A receive and an ack are one round trip each on an autocommit session
+    (test_stream_queue.py); and a receive's statement reads its head's size from the store, so the
+    planner guesses a tenth of the stream and would JIT-compile it on a big stream (58 ms per
+    receive, against 2-3 ms to run it)."""
+    config_path = write_config(tmp_path / "sequin.yaml", CONFIG.format(dsn=dsn, db=dbname, ckpt=tmp_path / "ckpt"))
+    service = StreamService(load_config(config_path))
+    pool = service.pools[service.streams["kv"].store_dsn]
+    pool.open(wait=True)
+    try:
+        with pool.connection() as conn:
+            assert conn.autocommit
+            assert conn.execute("SHOW jit").fetchone() == ("off",)
+    finally:
+        pool.close()
 
 
 def test_receive_gives_one_message_per_group_in_order_and_ack_releases_the_next(
