@@ -87,13 +87,14 @@ def _ready(s: sql.Composable) -> sql.Composable:
 
 
 @lru_cache(maxsize=None)
-def _receive_sql(schema: str, first: bool) -> sql.Composed:
-    """The claim statement of ``schema`` (composed once: composing it took 24 µs per receive):
+def _receive_sql(schema: str, first: bool, encoding: str) -> bytes:
+    """The claim statement of ``schema`` as a connection of ``encoding`` sends it (composed once:
+    composing it and rendering it to bytes took 65 µs of a receive's 300 µs in the API):
     ``first`` reads the receive's start in the same statement (``_START``), else the caller
     passes the visibility watermark, the head and the claim."""
     s = ident(schema)
     if first:
-        return sql.SQL(_RECEIVE).format(
+        composed = sql.SQL(_RECEIVE).format(
             s=s,
             ready=_ready(s),
             start=sql.SQL(_START).format(s=s),
@@ -103,16 +104,18 @@ def _receive_sql(schema: str, first: bool) -> sql.Composed:
             started=sql.SQL(", s.visible, s.pending, s.claim, s.head"),
             start_row=sql.SQL("start s CROSS JOIN "),
         )
-    return sql.SQL(_RECEIVE).format(
-        s=s,
-        ready=_ready(s),
-        start=sql.SQL(""),
-        visible=sql.SQL("%(visible)s"),
-        head=sql.SQL("%(head)s"),
-        limit=sql.SQL("%(limit)s"),
-        started=sql.SQL(""),
-        start_row=sql.SQL(""),
-    )
+    else:
+        composed = sql.SQL(_RECEIVE).format(
+            s=s,
+            ready=_ready(s),
+            start=sql.SQL(""),
+            visible=sql.SQL("%(visible)s"),
+            head=sql.SQL("%(head)s"),
+            limit=sql.SQL("%(limit)s"),
+            started=sql.SQL(""),
+            start_row=sql.SQL(""),
+        )
+    return composed.as_string(None).encode(encoding)
 
 
 @dataclass(frozen=True)
@@ -149,7 +152,7 @@ def claim_first(
     statement commits by itself (``own_transaction``): one round trip for a whole receive."""
     with own_transaction(conn):
         rows = conn.execute(
-            _receive_sql(schema, True),
+            _receive_sql(schema, True, conn.info.encoding),
             {
                 "sink": sink,
                 "batch": batch_size,
@@ -204,7 +207,7 @@ def claim_from_head(
     another), each with a new random nonce below ``nonces``, and the newly pending ones are added
     to the sink's pending counter in the same statement."""
     rows = conn.execute(
-        _receive_sql(schema, False),
+        _receive_sql(schema, False, conn.info.encoding),
         {
             "sink": sink,
             "visible": visible,
@@ -260,17 +263,19 @@ positions), CTEs on ``settled`` it adds, and whether its commit must be durable 
 
 
 @lru_cache(maxsize=None)
-def _settle_sql(schema: str, settlement: str) -> sql.Composed:
-    """The one statement of ``settlement`` on ``schema``: its change, then the sink's pending counter
-    taken down by what it settled, and with ``durable`` the transaction made durable."""
+def _settle_sql(schema: str, settlement: str, encoding: str) -> bytes:
+    """The one statement of ``settlement`` on ``schema``, as a connection of ``encoding`` sends it:
+    its change, then the sink's pending counter taken down by what it settled, and with
+    ``durable`` the transaction made durable."""
     change, then, durable = _SETTLEMENTS[settlement]
     s = ident(schema)
-    return sql.SQL(_SETTLE).format(
+    composed = sql.SQL(_SETTLE).format(
         change=sql.SQL(change + _MATCH).format(s=s),
         then=sql.SQL(then).format(s=s),
         s=s,
         durable=sql.SQL(", " + DURABLE_COMMIT if durable else ""),
     )
+    return composed.as_string(None).encode(encoding)
 
 
 def _settle(conn: psycopg.Connection[Any], schema: str, sink: str, deliveries: Deliveries, settlement: str) -> int:
@@ -279,7 +284,7 @@ def _settle(conn: psycopg.Connection[Any], schema: str, sink: str, deliveries: D
     lsns, idxs, nonces = deliveries
     with own_transaction(conn):
         row = conn.execute(
-            _settle_sql(schema, settlement),
+            _settle_sql(schema, settlement, conn.info.encoding),
             {"sink": sink, "lsns": int_array(lsns), "idxs": int_array(idxs), "nonces": int_array(nonces)},
         ).fetchone()
     return int(row[0]) if row else 0
