@@ -37,7 +37,7 @@ import threading
 import time
 from contextlib import nullcontext
 from datetime import datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, Callable
 
@@ -55,7 +55,7 @@ from bench.backfill_throughput import (  # noqa: E402
     running_seconds,
     seed_events,
 )
-from bench.delivery_throughput import answers, fill, http_consumer, run_consumers  # noqa: E402
+from bench.delivery_throughput import BackloggedServer, answers, fill, http_consumer, run_consumers  # noqa: E402
 from bench.machine_memory import add_touch_memory_argument, touch_memory_for  # noqa: E402
 from bench.stream_throughput import (  # noqa: E402
     SETTLE_SECONDS,
@@ -133,13 +133,6 @@ class LatencyServer(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
-
-
-class BackloggedServer(ThreadingHTTPServer):
-    """A listen backlog for every lane of every partition (the default, 5, refuses connections
-    under the sink's 16 concurrent requests, and a refused request parks its batch)."""
-
-    request_queue_size = 256
 
 
 def serve_latency(port: int, log_path: str) -> None:

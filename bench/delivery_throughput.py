@@ -180,8 +180,16 @@ class CountingHandler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
+class BackloggedServer(ThreadingHTTPServer):
+    """A listen backlog for every lane of every partition (the default, 5, refuses connections
+    under the sink's 16 concurrent requests, and a refused request parks its batch: a run of this
+    benchmark then waited 15 minutes for 100 messages only a buffer retry would deliver)."""
+
+    request_queue_size = 256
+
+
 def serve_counter(port: int) -> None:
-    server = ThreadingHTTPServer(("127.0.0.1", port), CountingHandler)
+    server = BackloggedServer(("127.0.0.1", port), CountingHandler)
     server.daemon_threads = True
     server.serve_forever()
 
