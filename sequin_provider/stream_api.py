@@ -476,15 +476,18 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
-def _path_name_endpoint(
-    endpoint: Callable[[str, Request], Awaitable[Response]],
-) -> Callable[[Request], Awaitable[Response]]:
-    """``endpoint`` (the stream's name, the request) as a Starlette endpoint (the request)."""
+def _starlette_route(route: APIRoute) -> Route:
+    """A plain Starlette route serving what ``route`` serves: its path, exactly its methods (Starlette
+    adds HEAD to a GET route, and a HEAD receive would claim messages nobody gets), and its endpoint
+    (the stream's name, the request) called with the path's name."""
+    endpoint: Callable[[str, Request], Awaitable[Response]] = route.endpoint
 
     async def starlette_endpoint(request: Request) -> Response:
         return await endpoint(request.path_params["name"], request)
 
-    return starlette_endpoint
+    served = Route(route.path, starlette_endpoint, methods=list(route.methods))
+    served.methods = set(route.methods)
+    return served
 
 
 def _validation_summary(exc: RequestValidationError | Exception) -> str:
@@ -643,7 +646,7 @@ def create_app(config: SequinConfig, service: StreamService | None = None) -> Fa
     # handling (dependency solving, its request wrapper) cost the API a fifth of its CPU; its routes
     # above stay for the OpenAPI document and never match first.
     app.router.routes[:0] = [
-        Route(route.path, _path_name_endpoint(route.endpoint), methods=sorted(route.methods - {"HEAD"}))
+        _starlette_route(route)
         for route in app.router.routes
         if isinstance(route, APIRoute) and route.path.startswith(PREFIXES)
     ]

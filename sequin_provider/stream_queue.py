@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import uuid
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -113,8 +114,8 @@ def receive(
     Most receives are one statement (``store.claim_first``): on an autocommit connection, one
     round trip. When it claimed too few from a full head, or the counter read full, the rest runs
     in a transaction of its own; on an autocommit connection the first claim is committed by then,
-    so a store failing in between leaves those messages received by nobody until their visibility
-    times out (as for a consumer that died holding them).
+    and if the rest fails its messages are released (with the store gone in between they stay
+    received by nobody until their visibility times out, as for a consumer that died holding them).
     """
     first = store.claim_first(
         conn, schema, sink, batch_size, max_ack_pending, HEAD_GROWTH, visibility_timeout, _NONCE_LIMIT
@@ -124,6 +125,28 @@ def receive(
     claimed = first.claimed
     if first.pending < max_ack_pending and (len(claimed) >= first.claim or first.in_head < first.head):
         return _deliveries(claimed)  # the common case: one statement
+    try:
+        claimed = _claim_more(conn, schema, sink, batch_size, visibility_timeout, max_ack_pending, first)
+    except psycopg.Error:
+        if first.claimed and conn.autocommit:  # committed already: give them back if the store lets us
+            with suppress(psycopg.Error):
+                store.release_messages(conn, schema, sink, _positions(first.claimed))
+        raise
+    return _deliveries(claimed)
+
+
+def _claim_more(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    sink: str,
+    batch_size: int,
+    visibility_timeout: float,
+    max_ack_pending: int,
+    first: store.FirstClaim,
+) -> list[store.Claimed]:
+    """The rest of a receive whose first statement (``first``) claimed too few from a full head, or
+    found its sink full, in a transaction: ``first``'s messages and those claimed now."""
+    claimed = first.claimed
     with conn.transaction():
         if first.pending < max_ack_pending:  # its head was too short for the claim: read on
             only_redeliveries, limit, head = False, first.claim, first.head * HEAD_GROWTH
@@ -151,7 +174,12 @@ def receive(
             if in_head < head:
                 break
             head *= HEAD_GROWTH
-    return _deliveries(claimed)
+    return claimed
+
+
+def _positions(claimed: list[store.Claimed]) -> store.Deliveries:
+    """Claimed messages as ``store.Deliveries`` (positions and nonces)."""
+    return [c[0] for c in claimed], [c[1] for c in claimed], [c[2] for c in claimed]
 
 
 def _deliveries(claimed: list[store.Claimed]) -> list[Delivery]:

@@ -67,8 +67,8 @@ _START = """start AS (
         SELECT v.visible_lsn AS visible, p.pending, l.claim,
                CASE WHEN l.claim > 0 THEN p.pending + %(growth)s * l.claim ELSE 0 END AS head
         FROM {s}.stream_visibility v
-        CROSS JOIN LATERAL (SELECT coalesce((SELECT pending FROM {s}.stream_pending WHERE sink = %(sink)s), 0)
-                            AS pending) p
+        CROSS JOIN LATERAL (SELECT greatest(coalesce((SELECT pending FROM {s}.stream_pending
+                                                      WHERE sink = %(sink)s), 0), 0) AS pending) p
         CROSS JOIN LATERAL (SELECT CASE WHEN p.pending < %(max_pending)s
                                    THEN least(%(batch)s, %(max_pending)s - p.pending) ELSE 0 END AS claim) l
         WHERE v.sink = %(sink)s AND v.visible_lsn IS NOT NULL),

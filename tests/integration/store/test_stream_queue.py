@@ -12,7 +12,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import psycopg
 import pytest
@@ -146,6 +146,14 @@ def test_an_ack_is_durable_when_it_returns_whatever_the_session_commits(dsn: str
             assert flushed.fetchone()[1], (began, "not flushed")
 
 
+def test_a_counter_below_zero_reads_as_zero(dsn: str, conn: psycopg.Connection) -> None:
+    """Every change to the counter is clamped at zero, but one set below by hand must not make the
+    head's size negative (every receive failing, and no recount, since it never reads full)."""
+    put_stream_messages(dsn, SINK, [(1, 0, "a"), (2, 0, "b")])
+    conn.execute("INSERT INTO sequin.stream_pending (sink, pending) VALUES (%s, -5000)", (SINK,))
+    assert lsns(stream_queue.receive(conn, "sequin", SINK, 10, 30, 1000)) == [1, 2]
+
+
 def test_receiving_writes_no_index_entry(dsn: str, conn: psycopg.Connection) -> None:
     """A receive updates only unindexed columns, so its updates are HOT (the table's fillfactor leaves
     room on the page for nearly all of them): this is what lets the pull API keep up
@@ -173,6 +181,29 @@ def test_a_receive_reads_past_a_long_head_of_waiting_messages(dsn: str, conn: ps
     # with max_ack_pending reached, redeliveries are found past the backlog too
     conn.execute("UPDATE sequin.stream_messages SET not_visible_until = now() WHERE sink = %s", (SINK,))
     assert lsns(stream_queue.receive(conn, "sequin", SINK, 10, 30, 3)) == [1, 400, 402]
+
+
+def test_a_receive_failing_after_its_first_statement_gives_back_what_that_claimed(
+    dsn: str, conn: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On an autocommit session a receive's first statement commits its claim; when reading on fails
+    (the store failing between two statements: simulated, it cannot be timed here), those messages
+    are released, not left received by nobody until their visibility timeout."""
+    put_stream_messages(dsn, SINK, [(i, 0, "a") for i in range(1, 21)] + [(30, 0, "b")])
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise psycopg.OperationalError("the store went away")
+
+    monkeypatch.setattr(store, "claim_from_head", failing)
+    with pytest.raises(psycopg.OperationalError):
+        stream_queue.receive(conn, "sequin", SINK, 2, 30, 1000)  # its first head: eight of group a
+    assert pending(conn) == (0, 0)
+    assert conn.execute(
+        "SELECT deliver_count, not_visible_until FROM sequin.stream_messages WHERE sink = %s AND commit_lsn = 1",
+        (SINK,),
+    ).fetchone() == (0, None)
+    monkeypatch.undo()
+    assert lsns(stream_queue.receive(conn, "sequin", SINK, 2, 30, 1000)) == [1, 30]
 
 
 def test_a_message_row_writes_one_index_entry(conn: psycopg.Connection) -> None:

@@ -137,6 +137,12 @@ def test_receive_ack_and_nack_skip_fastapis_request_handling(
     legacy = client.get("/api/http_pull_consumers/kv/receive", params={"batch_size": 5})
     assert legacy.status_code == 200 and legacy.json() == {"data": []}
     assert solved == []
+    # their methods are FastAPI's: no HEAD, which Starlette would add to a GET route (and which
+    # would claim messages nobody gets)
+    put(dsn, "kv", [(30, 0, "c")])
+    head = client.head("/api/sequin_streams/kv/receive", params={"batch_size": 5})
+    assert head.status_code == 405
+    assert positions(receive(client, "kv", batch_size=5)) == [(30, 0)]
     health = client.get("/health")  # a FastAPI route, for contrast
     assert health.status_code == 200 and solved == ["/health"]
 
