@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from devtools.embedded_postgres import EmbeddedPostgres, find_server_bindir  # noqa: E402
 from devtools.stream_process import StreamAppProcess, wait_for  # noqa: E402
-from sequin_provider.config import load_config  # noqa: E402
+from sequin_provider.config import StreamConfig, load_config  # noqa: E402
 from sequin_provider.pgoutput import int_to_lsn, lsn_to_int  # noqa: E402
 from sequin_provider.provisioning import initialize  # noqa: E402
 from sequin_provider.replication import ChangeReader, create_slot  # noqa: E402
@@ -319,6 +319,12 @@ def main() -> int:
     )
     parser.add_argument("--runs", type=int, default=3, help="repetitions of (b); the median is reported")
     parser.add_argument("--warmup", type=int, default=100_000, help="changes streamed before measuring (JIT warm-up)")
+    parser.add_argument(
+        "--driver-batch-rows",
+        type=int,
+        default=StreamConfig().driver_batch_rows,
+        help="the app's stream.driver_batch_rows (0: every micro-batch runs its Spark job)",
+    )
     add_pg_setting_argument(parser)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="sequin-bench-"))
@@ -339,7 +345,7 @@ sinks:
   - name: events
     tables: [events]
     destination: {{type: sequin_stream}}
-stream: {{checkpoint_location: {work / "ckpt"}}}
+stream: {{checkpoint_location: {work / "ckpt"}, driver_batch_rows: {args.driver_batch_rows}}}
 """)
         initialize(load_config(config_path))
         app = StreamAppProcess(config_path, work / "app.log").start()

@@ -149,6 +149,7 @@ class StreamConfig:
     max_batch_bytes: int = 256 * 1024 * 1024
     max_batch_wait: float = 0.25
     store_retry_timeout: float = 300.0
+    driver_batch_rows: int = 20_000  # batches up to this many changes are written by the driver (0: none)
 
 
 @dataclass(frozen=True)
@@ -583,6 +584,7 @@ def parse_config(
             "max_batch_bytes",
             "max_batch_wait",
             "store_retry_timeout",
+            "driver_batch_rows",
         },
     )
     defaults = StreamConfig()
@@ -602,6 +604,9 @@ def parse_config(
         max_batch_wait=r.duration(stream_raw.get("max_batch_wait", defaults.max_batch_wait), "stream.max_batch_wait"),
         store_retry_timeout=r.duration(
             stream_raw.get("store_retry_timeout", defaults.store_retry_timeout), "stream.store_retry_timeout"
+        ),
+        driver_batch_rows=r.integer(
+            stream_raw.get("driver_batch_rows", defaults.driver_batch_rows), "stream.driver_batch_rows", 0
         ),
     )
     return SequinConfig(

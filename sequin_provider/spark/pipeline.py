@@ -53,6 +53,7 @@ from sequin_provider.metrics.stream import COMMIT_TIMESTAMP_PRECISION_MS, BatchR
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
 from sequin_provider.sinks.stored import StoredSinkWriter, StreamTableWriter
 from sequin_provider.spark.arrow_map import ArrowMap
+from sequin_provider.spark.driver_batch import batch_spool_file
 from sequin_provider.spark.poison import (
     JSON_COLUMNS,
     engine_error,
@@ -62,7 +63,7 @@ from sequin_provider.spark.poison import (
     position_key,
     without_failed,
 )
-from sequin_provider.spark.source import SPOOL_SLICE_DDL, spool_slice_rows
+from sequin_provider.spark.source import SPOOL_SLICE_DDL, spool_slice, spool_slice_rows
 from sequin_provider.spark.spool import spool_table
 from sequin_provider.spark.worker_heap import freeze_long_lived
 from sequin_provider.store import ParkRow, park_messages
@@ -565,6 +566,18 @@ class Pipeline:
         self.metrics = StreamMetrics(config, self.database.name)
         """Fed by every finished micro-batch (``record_metrics``); ``run_stream_app`` serves it."""
         self._test_stall = os.environ.get(TEST_STALL_AFTER_STORE_ENV) or None  # read once: free when unset
+        self._batch_files: tuple[str, str] | None = None
+        """(checkpoint, spool) once ``write_small_batches`` is called: the driver writes small batches."""
+        self._driver_writer: StreamWriter | None = None
+
+    def write_small_batches(self, checkpoint: str, spool: str) -> None:
+        """Have the driver write a ``payload=spool`` batch of at most ``stream.driver_batch_rows``
+        changes itself, from its spool file (``driver_batch.batch_spool_file``), instead of running a
+        Spark job for it: the same writer as a task's (``StreamWriter``), without the job's scheduling,
+        Python workers and report, which cost a small batch most of its time. Not for sinks whose
+        kind commits a batch on the driver from Spark (``batch_sinks``)."""
+        if self.payload == "spool" and not self.batch_sinks and self.config.stream.driver_batch_rows > 0:
+            self._batch_files = (checkpoint, spool)
 
     def validate(self, spark: Any) -> None:
         """Analyse every sink's SQL on an empty batch, so a bad filter fails at start with its sink named."""
@@ -579,10 +592,14 @@ class Pipeline:
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         """``foreachBatch`` entry point."""
         started = time.monotonic()
-        try:
-            results, pushed = self._deliver(project_batch(df, self.sinks))
-        except Exception as exc:  # noqa: BLE001 - a filter failing on some rows, or a failure of the batch
-            results, pushed = self._deliver_around_poison(df, batch_id, exc)
+        on_driver = self.deliver_on_driver(batch_id)
+        if on_driver is not None:
+            results, pushed = on_driver, []
+        else:
+            try:
+                results, pushed = self._deliver(project_batch(df, self.sinks))
+            except Exception as exc:  # noqa: BLE001 - a filter failing on some rows, or a failure of the batch
+                results, pushed = self._deliver_around_poison(df, batch_id, exc)
         rows_in = pc.sum(results.column("rows")).as_py() or 0
         written = pc.sum(results.column("written")).as_py() or 0
         end_lsn = pc.max(results.column("max_lsn")).as_py()
@@ -614,7 +631,16 @@ class Pipeline:
         elapsed = time.monotonic() - started
         self._record_status(batch_id, rows_in, elapsed, end_lsn)
         self.record_metrics([results, *pushed], rows_in, elapsed)
-        if rows_in:
+        if rows_in and on_driver is not None:
+            log.info(
+                "batch %d: %d changes -> %d new messages in %.3fs, written by the driver (store COPY %.3fs)",
+                batch_id,
+                rows_in,
+                written,
+                elapsed,
+                store_seconds,
+            )
+        elif rows_in:
             log.info(
                 "batch %d: %d changes -> %d new messages in %.3fs (store COPY %.3fs summed over %d partitions,"
                 " streamed while rendering)",
@@ -656,6 +682,26 @@ class Pipeline:
         log.warning("test stall: batch stored and visible, its offset not committed; waiting to be killed")
         os.replace(trigger, f"{trigger}.stalled")
         threading.Event().wait()
+
+    def deliver_on_driver(self, batch_id: int) -> pa.Table | None:
+        """Write a small spooled batch here (``write_small_batches``): the report a task would make,
+        or None to run the batch's Spark job (no spool file found, too many rows, or a failure here:
+        the job writes the batch again, at the same positions, so nothing is lost or doubled)."""
+        path = batch_spool_file(*self._batch_files, batch_id) if self._batch_files is not None else None
+        if path is None:
+            return None
+        try:
+            rows = spool_table(path).num_rows
+            if rows > self.config.stream.driver_batch_rows:
+                return None
+            if self._driver_writer is None:
+                self._driver_writer = StreamWriter(self.config.source, self.database.name)
+            return pa.Table.from_batches(
+                list(self._driver_writer.write(spool_slice(path, 0, rows))), WRITE_RESULT_SCHEMA
+            )
+        except Exception as exc:  # noqa: BLE001 - the Spark job is the way every batch can take
+            log.warning("batch %d: the driver could not write it (%s); running its Spark job", batch_id, exc)
+            return None
 
     def _deliver(self, projected: DataFrame) -> tuple[pa.Table, list[pa.Table]]:
         """Write and push a projected batch (``project_batch``); the tasks' reports of the stream

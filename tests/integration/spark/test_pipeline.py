@@ -219,3 +219,72 @@ def test_the_push_shares_of_a_spooled_batch_send_each_group_once_in_order_from_i
         owner = 0 if ns[0] < 12 else 1
         assert [m["record"]["n"] for m in shares[owner] if m["record"]["id"] == k] == ns  # whole group, in order
         assert not [m for m in shares[1 - owner] if m["record"]["id"] == k]
+
+
+def logged_batch(checkpoint: Path, batch_id: int, offset: dict[str, int]) -> None:
+    """An entry of Spark's offset log as Spark 4 writes it: version, the batch's metadata, the source's offset."""
+    import json
+
+    (checkpoint / "offsets").mkdir(parents=True, exist_ok=True)
+    metadata = {"batchWatermarkMs": 0, "batchTimestampMs": 1795785599749, "conf": {}}
+    (checkpoint / "offsets" / str(batch_id)).write_text(f"v1\n{json.dumps(metadata)}\n{json.dumps(offset)}")
+
+
+def test_the_driver_writes_a_small_spooled_batch_and_hands_a_broken_one_to_spark(dsn: str, tmp_path: Path) -> None:
+    """``Pipeline.deliver_on_driver``: the batch's spool file is named by the offsets Spark logged for
+    it and the batch before; up to ``stream.driver_batch_rows`` changes are written here, exactly, and
+    a larger batch, a batch with no batch before it in the log, or a spool file the driver cannot read
+    is left to the Spark job (None), with nothing written."""
+    import psycopg
+
+    from sequin_provider import store
+    from sequin_provider.spark.pipeline import Pipeline
+    from sequin_provider.spark.spool import spool_path, write_spool
+
+    with psycopg.connect(dsn) as conn:
+        store.migrate(conn, "sequin")
+        conn.commit()
+    config = load_config(
+        write_config(
+            tmp_path / "sequin.yaml",
+            f"""
+        databases: [{{name: app, dsn: "{dsn}"}}]
+        sinks: [{{name: changes, tables: [public.t], destination: {{type: sequin_stream}}}}]
+        stream: {{driver_batch_rows: 30}}
+        """,
+        )
+    )
+    checkpoint, spool = tmp_path / "ckpt", tmp_path / "ckpt" / "spool"
+    spool.mkdir(parents=True)
+    logged_batch(checkpoint, 4, {"lsn": 1000})
+    logged_batch(checkpoint, 5, {"lsn": 2000, "idx": 3})
+    logged_batch(checkpoint, 6, {"lsn": 3000})
+    changes = [r for r in rows() if r[4:6] == ("public", "t")]  # the sink's table: all actions, reads, messages
+    flags = selection(rows_to_arrow(changes), SinkRendering.of(config.sinks[0], "app")).to_pylist()
+    taken = [r for r, wanted in zip(changes, flags) if wanted]
+    assert 0 < len(taken) < len(changes)
+    write_spool(spool_path(str(spool), (1000, 0), (2000, 3)), rows_to_arrow(changes))
+    write_spool(spool_path(str(spool), (2000, 3), (3000, 0)), rows_to_arrow(rows()))  # 100 rows: too many
+    pipeline = Pipeline(config, "app")
+    assert pipeline.deliver_on_driver(5) is None  # not asked to (write_small_batches): Spark's job
+    pipeline.write_small_batches(str(checkpoint), str(spool))
+    assert pipeline.deliver_on_driver(4) is None  # no batch 3 in the log: where batch 4 starts is unknown
+    assert pipeline.deliver_on_driver(6) is None  # 100 changes > driver_batch_rows
+    with psycopg.connect(dsn) as conn:
+        assert store.stream_messages(conn, "sequin", "changes", visible_only=False) == []
+
+    report = pipeline.deliver_on_driver(5)
+    assert report is not None
+    assert report.column("rows").to_pylist() == [len(changes)]
+    assert report.column("written").to_pylist() == [len(taken)]
+    with psycopg.connect(dsn) as conn:
+        stored = store.stream_messages(conn, "sequin", "changes", visible_only=False)
+    assert [(m.commit_lsn, m.commit_idx) for m in stored] == [(r[0], r[1]) for r in taken]
+
+    broken = spool_path(str(spool), (2000, 3), (3000, 0))
+    with open(broken, "wb") as f:
+        f.write(b"ARROW1 cut short")
+    logged_batch(checkpoint, 6, {"lsn": 3000})
+    assert pipeline.deliver_on_driver(6) is None  # unreadable here: the job re-reads the range from the slot
+    with psycopg.connect(dsn) as conn:
+        assert len(store.stream_messages(conn, "sequin", "changes", visible_only=False)) == len(taken)

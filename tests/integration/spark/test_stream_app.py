@@ -339,8 +339,16 @@ def test_the_jvm_maps_the_class_archive_make_wrote(shop: tuple[str, StreamApp, P
 # Faults
 
 
-def simple_config(tmp_path: Path, dsn: str, db: str, store_dsn: str | None = None, heartbeat: str = "1s") -> Path:
+def simple_config(
+    tmp_path: Path,
+    dsn: str,
+    db: str,
+    store_dsn: str | None = None,
+    heartbeat: str = "1s",
+    driver_batch_rows: int | None = None,
+) -> Path:
     store = f"store: {{dsn: {store_dsn}}}\n        " if store_dsn else ""
+    driver = "" if driver_batch_rows is None else f"\n          driver_batch_rows: {driver_batch_rows}"
     return write_config(
         tmp_path / "sequin.yaml",
         f"""
@@ -356,9 +364,44 @@ def simple_config(tmp_path: Path, dsn: str, db: str, store_dsn: str | None = Non
             destination: {{type: sequin_stream}}
         stream:
           checkpoint_location: {tmp_path / "ckpt"}
-          max_batch_wait: 100ms
+          max_batch_wait: 100ms{driver}
         """,
     )
+
+
+@pytest.mark.parametrize("driver_batch_rows", [100, 0])
+def test_small_batches_are_written_by_the_driver_and_large_ones_by_spark_in_one_order(
+    tmp_path: Path, dsn: str, dbname: str, stream_app: Any, driver_batch_rows: int
+) -> None:
+    """Batches of up to ``stream.driver_batch_rows`` changes are written by the driver from their
+    spool files (named by Spark's offset log), larger ones by the Spark job, and 0 sends every batch
+    through the job: the same messages, in the same order, either way."""
+    execute(dsn, "CREATE TABLE kv (id int PRIMARY KEY, v int)")
+    app = stream_app(simple_config(tmp_path, dsn, dbname, driver_batch_rows=driver_batch_rows))
+    app.wait_streaming(dsn)
+    for n in range(1, 6):
+        execute(dsn, f"INSERT INTO kv VALUES ({n}, 0)")
+        time.sleep(0.3)
+    execute(dsn, "INSERT INTO kv SELECT g, 0 FROM generate_series(6, 505) g")  # one batch of 500 changes
+    for n in range(1, 6):
+        execute(dsn, f"UPDATE kv SET v = {n} WHERE id = {n}")
+        time.sleep(0.3)
+    wait_for(lambda: len(sink_messages(dsn, "kv")) >= 510, 120, what="every change in the sink")
+    time.sleep(1)  # anything extra (a duplicate) would show up now
+    messages = sink_messages(dsn, "kv")
+    assert [(m["action"], m["record"]["id"], m["record"]["v"]) for m in messages] == [
+        ("insert", n, 0) for n in range(1, 506)
+    ] + [("update", n, n) for n in range(1, 6)]
+    log = app.log_path.read_text(errors="replace")
+    by_driver = [
+        int(n) for n in re.findall(r"batch \d+: (\d+) changes -> \d+ new messages in \S+ written by the driver", log)
+    ]
+    by_spark = [int(n) for n in re.findall(r"batch \d+: (\d+) changes -> \d+ new messages in \S+ \(store COPY", log)]
+    assert any(n >= 500 for n in by_spark), log[-3000:]
+    if driver_batch_rows:
+        assert len(by_driver) >= 5 and max(by_driver) <= driver_batch_rows, log[-3000:]
+    else:
+        assert not by_driver
 
 
 def test_sigkill_mid_workload_loses_and_duplicates_nothing(
