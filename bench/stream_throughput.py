@@ -33,10 +33,11 @@ sys.path.insert(0, str(ROOT))
 
 from devtools.embedded_postgres import EmbeddedPostgres, find_server_bindir  # noqa: E402
 from devtools.stream_process import StreamAppProcess, wait_for  # noqa: E402
-from sequin_provider.config import StreamConfig, load_config  # noqa: E402
+from sequin_provider.config import load_config  # noqa: E402
 from sequin_provider.pgoutput import int_to_lsn, lsn_to_int  # noqa: E402
 from sequin_provider.provisioning import initialize  # noqa: E402
 from sequin_provider.replication import ChangeReader, create_slot  # noqa: E402
+from sequin_provider.spark.driver_batch import DEFAULT_DRIVER_BATCH_ROWS  # noqa: E402
 
 TABLE = (
     "CREATE TABLE events (id bigint PRIMARY KEY, account int NOT NULL, amount numeric(12,2), kind text,"
@@ -322,7 +323,7 @@ def main() -> int:
     parser.add_argument(
         "--driver-batch-rows",
         type=int,
-        default=StreamConfig().driver_batch_rows,
+        default=DEFAULT_DRIVER_BATCH_ROWS,
         help="the app's stream.driver_batch_rows (0: every micro-batch runs its Spark job)",
     )
     add_pg_setting_argument(parser)

@@ -149,7 +149,9 @@ class StreamConfig:
     max_batch_bytes: int = 256 * 1024 * 1024
     max_batch_wait: float = 0.25
     store_retry_timeout: float = 300.0
-    driver_batch_rows: int = 20_000  # batches up to this many changes are written by the driver (0: none)
+    driver_batch_rows: int | None = (
+        None  # batches up to this many changes written by the driver (None: 20,000 on a local master, 0 on a cluster)
+    )
 
 
 @dataclass(frozen=True)
@@ -605,8 +607,10 @@ def parse_config(
         store_retry_timeout=r.duration(
             stream_raw.get("store_retry_timeout", defaults.store_retry_timeout), "stream.store_retry_timeout"
         ),
-        driver_batch_rows=r.integer(
-            stream_raw.get("driver_batch_rows", defaults.driver_batch_rows), "stream.driver_batch_rows", 0
+        driver_batch_rows=(
+            r.integer(stream_raw["driver_batch_rows"], "stream.driver_batch_rows", 0)
+            if stream_raw.get("driver_batch_rows") is not None
+            else defaults.driver_batch_rows
         ),
     )
     return SequinConfig(

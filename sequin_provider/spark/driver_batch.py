@@ -6,43 +6,82 @@ and end positions. Spark logs a batch's end offset in the checkpoint before it r
 stream app has one source), and a batch starts where the one before it ended. From these two lines
 the driver names the batch's spool file; ``Pipeline`` writes a small batch from there itself
 (docs/architecture.md, "Small micro-batches are written by the driver"). Anything it cannot read
-(a checkpoint on another file system, a batch with no batch before it in the log, a file missing)
-answers None, and the batch goes through Spark's job as every batch did before.
+(a checkpoint or spool on another file system, a batch with no batch before it in the log, a log
+format this does not know, a file missing) answers None, and the batch goes through Spark's job as
+every batch did before.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
 
 from sequin_provider.spark.source import offset_position
 from sequin_provider.spark.spool import is_uri, spool_path
 
+log = logging.getLogger(__name__)
+
+DEFAULT_DRIVER_BATCH_ROWS = 20_000
+"""``stream.driver_batch_rows`` when unset, on a local master: below twice ``source.MIN_ROWS_PER_SLICE``
+Spark runs a batch as one task anyway, so the driver does what one Python worker would have done."""
+
+_unreadable_warned = False
+
+
+def local_path(location: str) -> str | None:
+    """``location`` as a path of this machine's file system (a plain path or ``file://``), else None."""
+    if location.startswith("file://"):
+        return location[len("file://") :] or None
+    return None if is_uri(location) else location
+
 
 def logged_offset(checkpoint: str, batch_id: int) -> dict[str, Any] | None:
     """The source offset Spark logged for micro-batch ``batch_id`` in a local checkpoint, or None
-    (no such entry, another file system, a format this does not know)."""
-    if batch_id < 0 or is_uri(checkpoint):
+    (no such entry, another file system, a format this does not know: said once in the log)."""
+    folder = local_path(checkpoint)
+    if batch_id < 0 or folder is None:
         return None
     try:
-        with open(os.path.join(checkpoint, "offsets", str(batch_id)), encoding="utf-8") as log_file:
+        with open(os.path.join(folder, "offsets", str(batch_id)), encoding="utf-8") as log_file:
             lines = log_file.read().splitlines()
-    except OSError:
+    except FileNotFoundError:
         return None
+    except (OSError, ValueError) as exc:
+        return _unreadable(checkpoint, batch_id, str(exc))
     if len(lines) != 3 or lines[0] != "v1":  # one source: version, metadata, its offset
-        return None
+        return _unreadable(checkpoint, batch_id, f"{len(lines)} lines, version {lines[0] if lines else None!r}")
     try:
         offset = json.loads(lines[2])
-    except ValueError:
-        return None
-    return offset if isinstance(offset, dict) and "lsn" in offset else None
+        offset_position(offset)
+    except (ValueError, TypeError, KeyError) as exc:
+        return _unreadable(checkpoint, batch_id, f"source offset {lines[2][:80]!r}: {exc}")
+    return offset
+
+
+def _unreadable(checkpoint: str, batch_id: int, why: str) -> None:
+    """Say once per process that Spark's offset log is not what the driver reads (every batch then runs its job)."""
+    global _unreadable_warned
+    if not _unreadable_warned:
+        _unreadable_warned = True
+        log.warning(
+            "cannot read Spark's offset log entry %s/offsets/%d (%s): micro-batches run their Spark jobs,"
+            " none is written by the driver",
+            checkpoint,
+            batch_id,
+            why,
+        )
+    return None
 
 
 def batch_spool_file(checkpoint: str, spool: str, batch_id: int) -> str | None:
-    """The spool file of micro-batch ``batch_id`` when it exists locally, else None."""
-    start, end = logged_offset(checkpoint, batch_id - 1), logged_offset(checkpoint, batch_id)
-    if start is None or end is None or is_uri(spool):
+    """The spool file of micro-batch ``batch_id`` when it exists on this machine, else None."""
+    folder = local_path(spool)
+    if folder is None:
         return None
-    path = spool_path(spool, offset_position(start), offset_position(end))
+    start, end = logged_offset(checkpoint, batch_id - 1), logged_offset(checkpoint, batch_id)
+    if start is None or end is None:
+        return None
+    path = spool_path(folder, offset_position(start), offset_position(end))
     return path if os.path.isfile(path) else None

@@ -46,6 +46,7 @@ from sequin_provider.delivery import (
     selected_actions,
     selection_predicate,
 )
+from sequin_provider.exceptions import StoreUnavailableError
 from sequin_provider.logs import configure_logging
 from sequin_provider.message_render import RenderedRows, SinkRendering, outgoing, render, selection
 from sequin_provider.messages import CHANGE_FIELD_NAMES, CHANGE_SCHEMA_DDL, open_transaction_lsn
@@ -53,7 +54,7 @@ from sequin_provider.metrics.stream import COMMIT_TIMESTAMP_PRECISION_MS, BatchR
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
 from sequin_provider.sinks.stored import StoredSinkWriter, StreamTableWriter
 from sequin_provider.spark.arrow_map import ArrowMap
-from sequin_provider.spark.driver_batch import batch_spool_file
+from sequin_provider.spark.driver_batch import DEFAULT_DRIVER_BATCH_ROWS, batch_spool_file
 from sequin_provider.spark.poison import (
     JSON_COLUMNS,
     engine_error,
@@ -202,6 +203,11 @@ class StreamWriter:
             if s.destination.kind.stored
         ]
         """Per stored sink: its index in the projected batch (``_select_i``), rendering and writer."""
+
+    def close(self) -> None:
+        """Release the store connections (a worker's writer lives as long as its process; the driver's, its app)."""
+        self.table.store.close()
+        self.table.buffer.close()
 
     def payload(self, batch: pa.RecordBatch) -> Iterator[bytes | memoryview]:
         """Every stored sink's COPY binary tuples of the rows in ``batch`` (``StoredSinkWriter.tuples``:
@@ -568,16 +574,23 @@ class Pipeline:
         self._test_stall = os.environ.get(TEST_STALL_AFTER_STORE_ENV) or None  # read once: free when unset
         self._batch_files: tuple[str, str] | None = None
         """(checkpoint, spool) once ``write_small_batches`` is called: the driver writes small batches."""
+        self.driver_batch_rows = 0
+        """The most changes of a batch the driver writes (``write_small_batches``); 0: none."""
         self._driver_writer: StreamWriter | None = None
 
-    def write_small_batches(self, checkpoint: str, spool: str) -> None:
+    def write_small_batches(self, checkpoint: str, spool: str, local_master: bool) -> None:
         """Have the driver write a ``payload=spool`` batch of at most ``stream.driver_batch_rows``
         changes itself, from its spool file (``driver_batch.batch_spool_file``), instead of running a
         Spark job for it: the same writer as a task's (``StreamWriter``), without the job's scheduling,
-        Python workers and report, which cost a small batch most of its time. Not for sinks whose
-        kind commits a batch on the driver from Spark (``batch_sinks``)."""
-        if self.payload == "spool" and not self.batch_sinks and self.config.stream.driver_batch_rows > 0:
+        Python workers and report, which cost a small batch most of its time. Unset, the limit is
+        ``DEFAULT_DRIVER_BATCH_ROWS`` on a local master and 0 on a cluster (whose driver may not
+        reach the sinks the executors do). Not for sinks whose kind commits a batch on the driver
+        from Spark (``batch_sinks``)."""
+        configured = self.config.stream.driver_batch_rows
+        limit = configured if configured is not None else DEFAULT_DRIVER_BATCH_ROWS if local_master else 0
+        if self.payload == "spool" and not self.batch_sinks and limit > 0:
             self._batch_files = (checkpoint, spool)
+            self.driver_batch_rows = limit
 
     def validate(self, spark: Any) -> None:
         """Analyse every sink's SQL on an empty batch, so a bad filter fails at start with its sink named."""
@@ -685,20 +698,26 @@ class Pipeline:
 
     def deliver_on_driver(self, batch_id: int) -> pa.Table | None:
         """Write a small spooled batch here (``write_small_batches``): the report a task would make,
-        or None to run the batch's Spark job (no spool file found, too many rows, or a failure here:
-        the job writes the batch again, at the same positions, so nothing is lost or doubled)."""
-        path = batch_spool_file(*self._batch_files, batch_id) if self._batch_files is not None else None
-        if path is None:
-            return None
+        or None to run the batch's Spark job instead (no spool file found or readable, too many rows,
+        or a failure while writing other than the store's outage, which fails the batch as the job's
+        would). The job writes the batch again at the same positions, so the store ignores what the
+        driver wrote before it failed; a push sink may get some messages twice (at least once)."""
         try:
-            rows = spool_table(path).num_rows
-            if rows > self.config.stream.driver_batch_rows:
-                return None
-            if self._driver_writer is None:
-                self._driver_writer = StreamWriter(self.config.source, self.database.name)
+            path = batch_spool_file(*self._batch_files, batch_id) if self._batch_files is not None else None
+            rows = spool_table(path).num_rows if path is not None else None
+        except Exception as exc:  # noqa: BLE001 - nothing written yet: the job reads the batch, or the slot
+            log.warning("batch %d: the driver cannot read its spool file (%s); running its Spark job", batch_id, exc)
+            return None
+        if path is None or rows is None or rows > self.driver_batch_rows:
+            return None
+        if self._driver_writer is None:
+            self._driver_writer = StreamWriter(self.config.source, self.database.name)
+        try:
             return pa.Table.from_batches(
                 list(self._driver_writer.write(spool_slice(path, 0, rows))), WRITE_RESULT_SCHEMA
             )
+        except StoreUnavailableError:
+            raise  # the job would wait out the same outage again before failing
         except Exception as exc:  # noqa: BLE001 - the Spark job is the way every batch can take
             log.warning("batch %d: the driver could not write it (%s); running its Spark job", batch_id, exc)
             return None
@@ -899,3 +918,5 @@ class Pipeline:
         self._visibility.close()
         if self._status_conn is not None:
             self._status_conn.close()
+        if self._driver_writer is not None:
+            self._driver_writer.close()

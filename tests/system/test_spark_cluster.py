@@ -58,9 +58,9 @@ def test_backfill_operator_runs_on_a_spark_standalone_master(
         databases: [{{name: app, dsn: "{dsn}", slot: {{name: slot_{dbname}}}, publication: {{name: pub_{dbname}}},
                      heartbeat_interval: 1s}}]
         sinks: [{{name: items_sink, tables: [items], destination: {{type: sequin_stream}}}}]
-        stream: {{checkpoint_location: "{tmp_path / "ckpt"}", driver_batch_rows: 0}}
+        stream: {{checkpoint_location: "{tmp_path / "ckpt"}"}}
         """,
-    )  # driver_batch_rows 0: every batch, however small, goes to the executors (or the driver would write these)
+    )
     monkeypatch.setenv("AIRFLOW_CONN_SEQUIN_DEFAULT", sequin_connection(dsn, config_path=str(config)))
     monkeypatch.setenv(
         "AIRFLOW_CONN_SPARK_DEFAULT",
@@ -182,9 +182,9 @@ def test_the_replication_operator_supervises_the_stream_app_on_the_cluster_in_cl
         databases: [{{name: app, dsn: "{dsn}", slot: {{name: slot_{dbname}}}, publication: {{name: pub_{dbname}}},
                      heartbeat_interval: 1s}}]
         sinks: [{{name: kv_sink, tables: [kv], destination: {{type: sequin_stream}}}}]
-        stream: {{checkpoint_location: "{tmp_path / "ckpt"}", driver_batch_rows: 0}}
+        stream: {{checkpoint_location: "{tmp_path / "ckpt"}"}}
         """,
-    )  # driver_batch_rows 0: every batch, however small, goes to the executors (or the driver would write these)
+    )
     monkeypatch.setenv("AIRFLOW_CONN_SEQUIN_DEFAULT", sequin_connection(dsn, config_path=str(config)))
     monkeypatch.setenv(
         "AIRFLOW_CONN_SPARK_DEFAULT",

@@ -267,7 +267,7 @@ def test_the_driver_writes_a_small_spooled_batch_and_hands_a_broken_one_to_spark
     write_spool(spool_path(str(spool), (2000, 3), (3000, 0)), rows_to_arrow(rows()))  # 100 rows: too many
     pipeline = Pipeline(config, "app")
     assert pipeline.deliver_on_driver(5) is None  # not asked to (write_small_batches): Spark's job
-    pipeline.write_small_batches(str(checkpoint), str(spool))
+    pipeline.write_small_batches(str(checkpoint), f"file://{spool}", local_master=True)
     assert pipeline.deliver_on_driver(4) is None  # no batch 3 in the log: where batch 4 starts is unknown
     assert pipeline.deliver_on_driver(6) is None  # 100 changes > driver_batch_rows
     with psycopg.connect(dsn) as conn:
@@ -288,3 +288,30 @@ def test_the_driver_writes_a_small_spooled_batch_and_hands_a_broken_one_to_spark
     assert pipeline.deliver_on_driver(6) is None  # unreadable here: the job re-reads the range from the slot
     with psycopg.connect(dsn) as conn:
         assert len(store.stream_messages(conn, "sequin", "changes", visible_only=False)) == len(taken)
+
+
+def test_on_a_cluster_the_driver_writes_nothing_unless_told_to(tmp_path: Path) -> None:
+    """Unset, ``stream.driver_batch_rows`` is 20,000 on a local master and 0 on a cluster, whose
+    driver may not reach what the executors do; set, it holds on a cluster too."""
+    from sequin_provider.spark.driver_batch import DEFAULT_DRIVER_BATCH_ROWS
+    from sequin_provider.spark.pipeline import Pipeline
+
+    def limit(stream: str, local_master: bool) -> int:
+        config = load_config(
+            write_config(
+                tmp_path / "sequin.yaml",
+                f"""
+            databases: [{{name: app, dsn: "postgresql://u@localhost/app"}}]
+            sinks: [{{name: changes, tables: [public.t], destination: {{type: sequin_stream}}}}]
+            {stream}
+            """,
+            )
+        )
+        pipeline = Pipeline(config, "app")
+        pipeline.write_small_batches(str(tmp_path / "ckpt"), str(tmp_path / "spool"), local_master)
+        return pipeline.driver_batch_rows
+
+    assert limit("", local_master=True) == DEFAULT_DRIVER_BATCH_ROWS
+    assert limit("", local_master=False) == 0
+    assert limit("stream: {driver_batch_rows: 500}", local_master=False) == 500
+    assert limit("stream: {driver_batch_rows: 0}", local_master=True) == 0
