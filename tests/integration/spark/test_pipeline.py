@@ -290,6 +290,67 @@ def test_the_driver_writes_a_small_spooled_batch_and_hands_a_broken_one_to_spark
         assert len(store.stream_messages(conn, "sequin", "changes", visible_only=False)) == len(taken)
 
 
+def test_a_batch_the_driver_fails_after_its_copy_is_left_to_the_job_whose_rewrite_adds_nothing(
+    dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The driver's COPY committed, then its push share failed (a failure injected into the push
+    writer, which a real endpoint would not raise: it parks): ``deliver_on_driver`` leaves the batch
+    to the Spark job (None), and the job's task, writing the same spool rows at the same positions,
+    stores nothing twice."""
+    import psycopg
+
+    from sequin_provider import store
+    from sequin_provider.spark import pipeline as pipeline_module
+    from sequin_provider.spark.pipeline import Pipeline
+    from sequin_provider.spark.source import spool_slice
+    from sequin_provider.spark.spool import spool_path, write_spool
+
+    with psycopg.connect(dsn) as conn:
+        store.migrate(conn, "sequin")
+        conn.commit()
+    config_path = write_config(
+        tmp_path / "sequin.yaml",
+        f"""
+        databases: [{{name: app, dsn: "{dsn}"}}]
+        sinks:
+          - {{name: changes, tables: [public.t], destination: {{type: sequin_stream}}}}
+          - {{name: hook, tables: [public.t], destination: {{type: webhook, url: "http://127.0.0.1:9/hook"}}}}
+        """,
+    )
+    config = load_config(config_path)
+    checkpoint, spool = tmp_path / "ckpt", tmp_path / "ckpt" / "spool"
+    spool.mkdir(parents=True)
+    logged_batch(checkpoint, 1, {"lsn": 1000})
+    logged_batch(checkpoint, 2, {"lsn": 2000})
+    changes = [r for r in rows() if r[4:6] == ("public", "t")]
+    path = spool_path(str(spool), (1000, 0), (2000, 0))
+    write_spool(path, rows_to_arrow(changes))
+    expected = sum(selection(rows_to_arrow(changes), SinkRendering.of(config.sinks[0], "app")).to_pylist())
+
+    def unreachable(*_args: object) -> None:
+        raise ConnectionError("injected: the push share failed after the COPY")
+
+    monkeypatch.setattr(pipeline_module, "push_writer", unreachable)
+    pipeline = Pipeline(config, "app")
+    pipeline.write_small_batches(str(checkpoint), str(spool), local_master=True)
+    assert pipeline.deliver_on_driver(2) is None  # left to the job
+    with psycopg.connect(dsn) as conn:
+        written = store.stream_messages(conn, "sequin", "changes", visible_only=False)
+    assert len(written) == expected > 0  # the driver's COPY had committed
+
+    monkeypatch.undo()  # the job's task: the same writer over the same spool rows
+    task = pipeline_module.StreamWriter(str(config_path), "app")
+    try:
+        [report] = list(task.write(spool_slice(path, 0, len(changes))))
+    finally:
+        task.close()
+    assert report.column("rows").to_pylist() == [len(changes)]
+    with psycopg.connect(dsn) as conn:
+        again = store.stream_messages(conn, "sequin", "changes", visible_only=False)
+    assert [(m.commit_lsn, m.commit_idx) for m in again] == [(m.commit_lsn, m.commit_idx) for m in written]
+    pipeline.close()
+
+
 def test_on_a_cluster_the_driver_writes_nothing_unless_told_to(tmp_path: Path) -> None:
     """Unset, ``stream.driver_batch_rows`` is 20,000 on a local master and 0 on a cluster, whose
     driver may not reach what the executors do; set, it holds on a cluster too."""
