@@ -137,11 +137,17 @@ def spark_session(app_name: str, master: str | None = None, java_options: str = 
 PROGRESS_POLL_INTERVAL = 1.0
 
 
-def log_progress(query: Any, done: threading.Event, interval: float = PROGRESS_POLL_INTERVAL) -> threading.Thread:
+def log_progress(
+    query: Any,
+    done: threading.Event,
+    interval: float = PROGRESS_POLL_INTERVAL,
+    driver_changes: Callable[[int], int] = lambda _batch_id: 0,
+) -> threading.Thread:
     """Log Spark's own phase timings per micro-batch with input (latestOffset = our read), polled
-    from the query until ``done``. Polled as JSON, not through a ``StreamingQueryListener``: PySpark
-    hands a Python listener each event converted field by field over py4j, whose class lookups
-    scan the JVM's classpath; measured under load, that was 38 % of the stream app's JVM CPU."""
+    from the query until ``done``; a batch the driver wrote (``Pipeline.driver_changes``: Spark
+    counts no input rows for it) says so. Polled as JSON, not through a ``StreamingQueryListener``:
+    PySpark hands a Python listener each event converted field by field over py4j, whose class
+    lookups scan the JVM's classpath; measured under load, that was 38 % of the stream app's JVM CPU."""
 
     def poll() -> None:
         last: int | None = None
@@ -155,9 +161,17 @@ def log_progress(query: Any, done: threading.Event, interval: float = PROGRESS_P
             except Exception:  # noqa: BLE001 - the query is gone; the app is stopping
                 return
             for progress in batches:
-                if progress.numInputRows:
+                by_driver = driver_changes(progress.batchId)
+                if progress.numInputRows or by_driver:
                     durations = " ".join(f"{k}={v}" for k, v in sorted(progress.durationMs.items()))
-                    log.info("progress batch %d: %d input rows, %s", progress.batchId, progress.numInputRows, durations)
+                    written = f" (written by the driver: {by_driver} changes)" if by_driver else ""
+                    log.info(
+                        "progress batch %d: %d input rows, %s%s",
+                        progress.batchId,
+                        progress.numInputRows,
+                        durations,
+                        written,
+                    )
             last = latest.batchId
 
     thread = threading.Thread(target=poll, name="progress-log", daemon=True)
@@ -247,7 +261,7 @@ def run_stream_app(
         .start()
     )
     stopping, finished = threading.Event(), threading.Event()
-    log_progress(query, finished)
+    log_progress(query, finished, driver_changes=pipeline.driver_changes)
 
     def stop(signum: int, _frame: Any) -> None:
         log.info("signal %d: stopping the stream query", signum)

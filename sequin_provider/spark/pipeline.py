@@ -74,6 +74,9 @@ log = logging.getLogger(__name__)
 RENDER_COLUMNS = tuple(c for c in CHANGE_FIELD_NAMES if c not in ("xid", "backfill_sink"))
 """The change row's columns the executors render messages from (``record``/``changes`` as JSON text)."""
 SUBEXPRESSION_ELIMINATION = "spark.sql.subexpressionElimination.enabled"
+DRIVER_BATCHES_REMEMBERED = 1_000
+"""Batches the driver wrote whose change counts ``Pipeline.driver_changes`` answers (Spark keeps the
+progress of its last 100)."""
 TEST_STALL_AFTER_STORE_ENV = "SEQUIN_TEST_STALL_AFTER_STORE"
 """Tests only: a file path, the trigger. While that file exists, the next micro-batch that writes
 messages, once they are in the store and visible, renames it to ``<path>.stalled`` and freezes the
@@ -577,6 +580,8 @@ class Pipeline:
         self.driver_batch_rows = 0
         """The most changes of a batch the driver writes (``write_small_batches``); 0: none."""
         self._driver_writer: StreamWriter | None = None
+        self._driver_written: dict[int, int] = {}
+        """Changes of the recent batches the driver wrote, by batch id (``driver_changes``)."""
 
     def write_small_batches(self, checkpoint: str, spool: str, local_master: bool) -> None:
         """Have the driver write a ``payload=spool`` batch of at most ``stream.driver_batch_rows``
@@ -645,6 +650,9 @@ class Pipeline:
         self._record_status(batch_id, rows_in, elapsed, end_lsn)
         self.record_metrics([results, *pushed], rows_in, elapsed)
         if rows_in and on_driver is not None:
+            self._driver_written[batch_id] = rows_in
+            while len(self._driver_written) > DRIVER_BATCHES_REMEMBERED:
+                del self._driver_written[next(iter(self._driver_written))]
             log.info(
                 "batch %d: %d changes -> %d new messages in %.3fs, written by the driver (store COPY %.3fs)",
                 batch_id,
@@ -695,6 +703,11 @@ class Pipeline:
         log.warning("test stall: batch stored and visible, its offset not committed; waiting to be killed")
         os.replace(trigger, f"{trigger}.stalled")
         threading.Event().wait()
+
+    def driver_changes(self, batch_id: int) -> int:
+        """How many changes the driver wrote in micro-batch ``batch_id`` (0: none, or the job wrote
+        them, or too long ago): Spark's progress counts no input rows for such a batch."""
+        return self._driver_written.get(batch_id, 0)
 
     def deliver_on_driver(self, batch_id: int) -> pa.Table | None:
         """Write a small spooled batch here (``write_small_batches``): the report a task would make,
