@@ -149,9 +149,8 @@ class StreamConfig:
     max_batch_bytes: int = 256 * 1024 * 1024
     max_batch_wait: float = 0.25
     store_retry_timeout: float = 300.0
-    driver_batch_rows: int | None = (
-        None  # batches up to this many changes written by the driver (None: 20,000 on a local master, 0 on a cluster)
-    )
+    # batches of up to this many changes are written by the driver (None: 20,000 on a local master, 0 on a cluster)
+    driver_batch_rows: int | None = None
 
 
 @dataclass(frozen=True)

@@ -18,23 +18,16 @@ import logging
 import os
 from typing import Any
 
-from sequin_provider.spark.source import offset_position
-from sequin_provider.spark.spool import is_uri, spool_path
+from sequin_provider.spark.source import MIN_ROWS_PER_SLICE, offset_position
+from sequin_provider.spark.spool import local_path, spool_path
 
 log = logging.getLogger(__name__)
 
-DEFAULT_DRIVER_BATCH_ROWS = 20_000
+DEFAULT_DRIVER_BATCH_ROWS = 2 * MIN_ROWS_PER_SLICE
 """``stream.driver_batch_rows`` when unset, on a local master: below twice ``source.MIN_ROWS_PER_SLICE``
 Spark runs a batch as one task anyway, so the driver does what one Python worker would have done."""
 
 _unreadable_warned = False
-
-
-def local_path(location: str) -> str | None:
-    """``location`` as a path of this machine's file system (a plain path or ``file://``), else None."""
-    if location.startswith("file://"):
-        return location[len("file://") :] or None
-    return None if is_uri(location) else location
 
 
 def logged_offset(checkpoint: str, batch_id: int) -> dict[str, Any] | None:

@@ -40,6 +40,13 @@ def is_uri(location: str) -> bool:
     return "://" in location
 
 
+def local_path(location: str) -> str | None:
+    """``location`` as a path of this machine's file system (a plain path or ``file://``), else None."""
+    if location.startswith("file://"):
+        return location[len("file://") :] or None
+    return None if is_uri(location) else location
+
+
 def pyarrow_uri(location: str) -> str:
     """``location`` with Hadoop's scheme names replaced by pyarrow's (``s3a://b/k`` -> ``s3://b/k``)."""
     scheme, sep, rest = location.partition("://")

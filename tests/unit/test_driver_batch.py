@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sequin_provider.spark import driver_batch
-from sequin_provider.spark.driver_batch import batch_spool_file, local_path, logged_offset
+from sequin_provider.spark.driver_batch import batch_spool_file, logged_offset
 from sequin_provider.spark.spool import spool_path
 
 METADATA = json.dumps({"batchWatermarkMs": 0, "batchTimestampMs": 1795785599749, "conf": {}})
@@ -51,9 +51,3 @@ def test_a_log_entry_the_driver_cannot_read_is_said_once_and_leaves_the_batch_to
         assert [logged_offset(str(tmp_path), n) for n in (1, 2, 3, 4)] == [None] * 4
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "offsets/1" in warnings[0] and "none is written by the driver" in warnings[0]
-
-
-def test_only_paths_of_this_machine_are_local() -> None:
-    assert local_path("/var/ckpt") == "/var/ckpt"
-    assert local_path("file:///var/ckpt") == "/var/ckpt"
-    assert local_path("hdfs://nn/ckpt") is None and local_path("s3a://b/k") is None

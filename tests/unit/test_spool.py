@@ -13,6 +13,7 @@ from sequin_provider.messages import CHANGE_ARROW_SCHEMA, rows_to_arrow
 from sequin_provider.spark.spool import (
     SpoolUnreachableError,
     check_reachable,
+    local_path,
     make_folder,
     pyarrow_uri,
     remove_spooled,
@@ -78,3 +79,9 @@ def test_a_spool_that_cannot_be_written_is_a_clear_error_before_any_job(tmp_path
     blocker.write_text("")
     with pytest.raises(SpoolUnreachableError, match=r"cannot write the spool at .*a-file/spool"):
         check_reachable(None, str(blocker / "spool"))  # no Spark needed: it fails before the job
+
+
+def test_only_paths_of_this_machine_are_local() -> None:
+    assert local_path("/var/ckpt") == "/var/ckpt"
+    assert local_path("file:///var/ckpt") == "/var/ckpt"
+    assert local_path("hdfs://nn/ckpt") is None and local_path("s3a://b/k") is None
