@@ -52,7 +52,8 @@ def slot(dsn: str, dbname: str) -> Iterator[str]:
     name = f"slot_{dbname}"[:63]
     with psycopg.connect(dsn, autocommit=True) as conn:
         replication.create_slot(conn, name)
-        conn.execute("SET synchronous_commit = on")  # WAL written when the commit returns (see write_wal in test_hooks.py)
+        # WAL written when the commit returns (see write_wal in test_hooks.py)
+        conn.execute("SET synchronous_commit = on")
         conn.execute("CREATE TABLE filler (body text)")
         conn.execute("INSERT INTO filler SELECT repeat('x', 200) FROM generate_series(1, 1000)")
     yield name
