@@ -401,10 +401,13 @@ stream: {{checkpoint_location: {work / "ckpt"}, driver_batch_rows: {args.driver_
             e2e = statistics.median(rates)
             results.update(e2e_rates=rates, e2e_rate=e2e, e2e_seconds=busy_seconds)
             throughput_log = app.log_path.read_bytes()[log_mark:].decode(errors="replace")
+            (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
+            (ROOT / "bench" / "results" / "throughput_batches.log").write_text(
+                "\n".join(line for line in throughput_log.splitlines() if "batch" in line)
+            )
             log_mark = app.log_path.stat().st_size
             latency = latency_run(dsn, store_dsn, args.rate, args.seconds, args.runs * args.changes + 1, args.settle)
             latency_log = app.log_path.read_bytes()[log_mark:].decode(errors="replace")
-            (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
             (ROOT / "bench" / "results" / "latency_batches.log").write_text(
                 "\n".join(line for line in latency_log.splitlines() if "batch" in line)
             )
