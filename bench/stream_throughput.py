@@ -289,6 +289,14 @@ def batch_breakdown(log_text: str) -> dict[str, float]:
     return totals
 
 
+def keep_batch_lines(name: str, log_text: str) -> None:
+    """Write the app log's batch lines of one part of the run (sizes, paths, Spark phases) to
+    ``bench/results/<name>`` (gitignored), to read after the run."""
+    out = ROOT / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text("\n".join(line for line in log_text.splitlines() if "batch" in line))
+
+
 def add_pg_setting_argument(parser: argparse.ArgumentParser) -> None:
     """``--pg-setting NAME=VALUE`` (repeatable): a server setting of the benchmark's embedded cluster,
     over its defaults (``EmbeddedPostgres``), to measure how the figures depend on the server's tuning."""
@@ -401,16 +409,11 @@ stream: {{checkpoint_location: {work / "ckpt"}, driver_batch_rows: {args.driver_
             e2e = statistics.median(rates)
             results.update(e2e_rates=rates, e2e_rate=e2e, e2e_seconds=busy_seconds)
             throughput_log = app.log_path.read_bytes()[log_mark:].decode(errors="replace")
-            (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
-            (ROOT / "bench" / "results" / "throughput_batches.log").write_text(
-                "\n".join(line for line in throughput_log.splitlines() if "batch" in line)
-            )
+            keep_batch_lines("throughput_batches.log", throughput_log)
             log_mark = app.log_path.stat().st_size
             latency = latency_run(dsn, store_dsn, args.rate, args.seconds, args.runs * args.changes + 1, args.settle)
             latency_log = app.log_path.read_bytes()[log_mark:].decode(errors="replace")
-            (ROOT / "bench" / "results" / "latency_batches.log").write_text(
-                "\n".join(line for line in latency_log.splitlines() if "batch" in line)
-            )
+            keep_batch_lines("latency_batches.log", latency_log)
             results["latency"] = latency
             print(
                 f"bench: latency at {latency['rate']:,.0f}/s: p50 {latency['p50_ms']:.0f} ms, p99 {latency['p99_ms']:.0f} ms",

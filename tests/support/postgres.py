@@ -1,4 +1,4 @@
-"""Postgres helpers of the tests: run statements, read and write a sink's stream messages."""
+"""Postgres helpers of the tests: run statements, write WAL past a slot, read and write a sink's stream messages."""
 
 from __future__ import annotations
 
@@ -16,6 +16,19 @@ def execute(dsn: str, *statements: str, params: Any = None) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         for statement in statements:
             conn.execute(statement, params)
+
+
+def write_wal(dsn: str, rows: int = 2000) -> None:
+    """Commit ``rows`` rows of 200 bytes so the server's WAL position moves past a slot's.
+
+    The commit is synchronous: the harness's cluster runs ``synchronous_commit=off``, and there the WAL
+    writer may not have written the rows yet when the commit returns, so ``pg_current_wal_lsn()`` (the
+    written position slot lag is measured from) could still stand short of them (CI once saw 138 kB of
+    0.5 MB)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SET synchronous_commit = on")
+        conn.execute("CREATE TABLE IF NOT EXISTS filler (id serial PRIMARY KEY, body text)")
+        conn.execute("INSERT INTO filler (body) SELECT repeat('x', 200) FROM generate_series(1, %s)", (rows,))
 
 
 def sink_messages(dsn: str, sink: str, schema: str = "sequin") -> list[dict[str, Any]]:

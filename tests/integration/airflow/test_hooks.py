@@ -15,6 +15,7 @@ from devtools.embedded_postgres import EmbeddedPostgres
 from sequin_provider import replication, store
 from sequin_provider.hooks.sequin import SequinHook
 from tests.support.airflow import sequin_connection
+from tests.support.postgres import write_wal
 
 
 def park(dsn: str, sink: str, n: int, schema: str = "sequin", start: int = 0) -> None:
@@ -37,18 +38,6 @@ def slot(dsn: str, dbname: str) -> Iterator[str]:
         conn.execute(
             "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s", (name,)
         )
-
-
-def write_wal(dsn: str, rows: int = 2000) -> None:
-    """Commit some writes so the server's WAL position moves past the slot's.
-
-    The commit is synchronous: the harness's cluster runs ``synchronous_commit=off``, and there the WAL
-    writer may not have written the rows yet when the commit returns, so ``pg_current_wal_lsn()`` (the
-    write position lag is measured from) could still stand short of them (CI once saw 138 kB of 0.5 MB)."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("SET synchronous_commit = on")
-        conn.execute("CREATE TABLE IF NOT EXISTS filler (id serial PRIMARY KEY, body text)")
-        conn.execute("INSERT INTO filler (body) SELECT repeat('x', 200) FROM generate_series(1, %s)", (rows,))
 
 
 @pytest.fixture

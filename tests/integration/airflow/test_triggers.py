@@ -22,6 +22,7 @@ from sequin_provider.triggers.sequin import (
     SlotLagTrigger,
 )
 from tests.support.airflow import FAST_TRIGGER as FAST
+from tests.support.postgres import write_wal
 
 
 @pytest.fixture
@@ -52,10 +53,7 @@ def slot(dsn: str, dbname: str) -> Iterator[str]:
     name = f"slot_{dbname}"[:63]
     with psycopg.connect(dsn, autocommit=True) as conn:
         replication.create_slot(conn, name)
-        # WAL written when the commit returns (see write_wal in test_hooks.py)
-        conn.execute("SET synchronous_commit = on")
-        conn.execute("CREATE TABLE filler (body text)")
-        conn.execute("INSERT INTO filler SELECT repeat('x', 200) FROM generate_series(1, 1000)")
+    write_wal(dsn, 1000)
     yield name
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(
