@@ -1,19 +1,23 @@
 /*
  * Compiled hot path of the pgoutput decoder (sequin_provider/pgoutput.py).
  *
- * Five functions, each the exact counterpart of a pure-Python reference in pgoutput.py (or
- * message_render.py), which stays the definition (tests/test_pgoutput_c.py and
+ * Seven functions, each the exact counterpart of a pure-Python reference in pgoutput.py (or
+ * messages.py, message_render.py), which stays the definition (tests/test_pgoutput_c.py and
  * tests/test_message_render.py hold both equal on the same inputs, hostile ones included):
  *
  *   parse_tuple(buf, pos)  ~ pgoutput.parse_tuple: TupleData -> ([str | None | TOAST marker], pos)
  *   render(values, kinds, prefixes, converters, columns, only, fill)
  *                          ~ pgoutput.render_record: a row's record JSON and its unchanged-TOAST columns
- *   render_tuple(buf, pos, kinds, prefixes, converters, columns, pk_positions)
- *                          ~ pgoutput.render_tuple: a whole tuple straight to (record, pks, missing),
- *                            the path of inserts, most updates and full-row deletes
+ *   change_row(specs, head, buf)
+ *                          ~ pgoutput.change_row: an insert, an update without old values or a
+ *                            full-row delete straight to its change row (pgoutput.render_tuple's
+ *                            record, pks and missing, and the row's tuple), with no Python frame
  *   render_copy(data, kinds, prefixes, converters, columns, pk_positions)
  *                          ~ pgoutput.render_copy: a backfill page's COPY text lines straight to the
  *                            rows' record JSON and record_pks JSON, as Arrow string buffers
+ *   column_sizes(rows, kinds), fill_columns(rows, kinds, buffers)
+ *                          ~ messages.rows_to_arrow's reference (Arrow reading the tuples): change rows
+ *                            written into each column's Arrow buffers
  *   copy_binary_rows(n, fields)
  *                          ~ message_render.copy_binary_rows' Arrow path: rows of Arrow columns as
  *                            COPY binary tuples, in one pass
@@ -25,9 +29,12 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 #include <string.h>
 
 static PyObject *toast_marker = NULL;   /* pgoutput.UNCHANGED_TOAST */
+static PyObject *one = NULL;            /* 1, to move a transaction's idx on */
+static PyObject *empty_changes = NULL;  /* "{}", an update's changes without old values */
 static PyObject *decode_error = NULL;   /* pgoutput.DecodeError */
 
 enum {
@@ -272,7 +279,7 @@ static int check_utf8(const char *s, Py_ssize_t n) {
     return 0;
 }
 
-/* What render() and render_tuple() need of a relation (pgoutput.Relation's lists). */
+/* What render() and change_row() need of a relation (pgoutput.Relation's lists). */
 typedef struct {
     const char *kinds;
     Py_ssize_t nkinds;
@@ -390,22 +397,17 @@ fail:
     return NULL;
 }
 
-static PyObject *render_tuple(PyObject *self, PyObject *args) {
-    Py_buffer view;
-    Py_ssize_t pos;
-    PyObject *kinds_obj, *prefixes, *converters, *columns, *pk_positions;
-    if (!PyArg_ParseTuple(args, "y*nSO!O!O!O!", &view, &pos, &kinds_obj, &PyList_Type, &prefixes, &PyList_Type,
-                          &converters, &PyList_Type, &columns, &PyList_Type, &pk_positions))
-        return NULL;
-    const unsigned char *buf = view.buf;
-    Py_ssize_t size = view.len;
-    Columns rel = {PyBytes_AS_STRING(kinds_obj), PyBytes_GET_SIZE(kinds_obj), prefixes, converters, columns};
+/* The TupleData at pos of buf rendered as pgoutput.render_tuple renders it into new references *record_out,
+ * *pks_out and *missing_out: 0, or -1 with an exception set. The core of change_row(). */
+static int render_tuple_at(const unsigned char *buf, Py_ssize_t size, Py_ssize_t pos, const Columns *rel,
+                           PyObject *pk_positions, PyObject **record_out, PyObject **pks_out, PyObject **missing_out) {
     Py_ssize_t npk = PyList_GET_SIZE(pk_positions);
     PyObject *missing = NULL, *pks = NULL, *record = NULL;
     Buf out = {NULL, 0, 0};
     /* per primary-key position: its column, and its value's offset and length in buf (offset -1:
      * null or unchanged TOAST; -2: not seen, the tuple is shorter than the position) */
-    Py_ssize_t *pk_col = PyMem_Malloc(sizeof(Py_ssize_t) * 3 * (size_t)(npk ? npk : 1));
+    Py_ssize_t pk_small[3 * 4];
+    Py_ssize_t *pk_col = npk <= 4 ? pk_small : PyMem_Malloc(sizeof(Py_ssize_t) * 3 * (size_t)npk);
     if (pk_col == NULL) {
         PyErr_NoMemory();
         goto fail;
@@ -433,7 +435,7 @@ static PyObject *render_tuple(PyObject *self, PyObject *args) {
                 lens[j] = len;
             }
         }
-        if (kind == 'u' ? append_missing(missing, &rel, i) < 0 : append_column(&out, &first, &rel, i, NULL, s, len) < 0)
+        if (kind == 'u' ? append_missing(missing, rel, i) < 0 : append_column(&out, &first, rel, i, NULL, s, len) < 0)
             goto fail;
     }
     if (buf_putc(&out, '}') < 0)
@@ -459,18 +461,120 @@ static PyObject *render_tuple(PyObject *self, PyObject *args) {
         if (rc < 0)
             goto fail;
     }
-    PyMem_Free(pk_col);
+    if (pk_col != pk_small)
+        PyMem_Free(pk_col);
     PyMem_Free(out.data);
-    PyBuffer_Release(&view);
-    return Py_BuildValue("(NNN)", record, pks, missing);
+    *record_out = record;
+    *pks_out = pks;
+    *missing_out = missing;
+    return 0;
 fail:
-    PyMem_Free(pk_col);
+    if (pk_col != pk_small)
+        PyMem_Free(pk_col);
     PyMem_Free(out.data);
     Py_XDECREF(record);
     Py_XDECREF(pks);
     Py_XDECREF(missing);
-    PyBuffer_Release(&view);
-    return NULL;
+    return -1;
+}
+
+/* change_row(specs, head, buf): see pgoutput.change_row. specs maps a relation's OID to
+ * (schema, name, kinds, prefixes, converters, columns, pk_positions); head is the list
+ * [commit_lsn, idx, commit_ts_iso, xid] of the transaction, whose idx a row takes and moves on.
+ * The row, its record_pks list and its unchanged-TOAST list hold only strings, ints and None, and
+ * nothing adds to them after: they leave the cyclic GC's lists at once (as CPython does by itself
+ * for such tuples and dicts, not for lists), so that a batch of 400,000 rows costs its collections
+ * nothing to walk. */
+static PyObject *change_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyDict_Check(args[0]) || !PyList_Check(args[1]) || PyList_GET_SIZE(args[1]) != 4) {
+        PyErr_SetString(PyExc_TypeError, "change_row(specs: dict, head: list of 4, buf)");
+        return NULL;
+    }
+    if (!PyBytes_Check(args[2]))
+        Py_RETURN_NONE; /* another buffer: the decoder's own path */
+    const unsigned char *buf = (const unsigned char *)PyBytes_AS_STRING(args[2]);
+    Py_ssize_t size = PyBytes_GET_SIZE(args[2]);
+    PyObject *specs = args[0], *head = args[1];
+    const char *action;
+    PyObject *changes;
+    if (size < 6)
+        Py_RETURN_NONE; /* the decoder's own path says what is wrong with it */
+    switch (buf[0]) {
+    case 'I':
+        action = "insert";
+        changes = Py_None;
+        break;
+    case 'U':
+        if (buf[5] == 'K' || buf[5] == 'O')
+            Py_RETURN_NONE;
+        action = "update";
+        changes = NULL; /* "{}" */
+        break;
+    case 'D':
+        if (buf[5] == 'K')
+            Py_RETURN_NONE;
+        action = "delete";
+        changes = Py_None;
+        break;
+    default:
+        Py_RETURN_NONE;
+    }
+    uint32_t relid = ((uint32_t)buf[1] << 24) | ((uint32_t)buf[2] << 16) | ((uint32_t)buf[3] << 8) | (uint32_t)buf[4];
+    PyObject *key = PyLong_FromUnsignedLong(relid);
+    if (key == NULL)
+        return NULL;
+    PyObject *spec = PyDict_GetItemWithError(specs, key); /* borrowed */
+    Py_DECREF(key);
+    if (spec == NULL)
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    Py_INCREF(spec); /* a converter runs Python code while it is used */
+    if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 7 || !PyBytes_Check(PyTuple_GET_ITEM(spec, 2)) ||
+        !PyList_Check(PyTuple_GET_ITEM(spec, 3)) || !PyList_Check(PyTuple_GET_ITEM(spec, 4)) ||
+        !PyList_Check(PyTuple_GET_ITEM(spec, 5)) || !PyList_Check(PyTuple_GET_ITEM(spec, 6))) {
+        PyErr_SetString(PyExc_TypeError, "change_row: a spec is (schema, name, kinds, prefixes, converters, columns, pk_positions)");
+        Py_DECREF(spec);
+        return NULL;
+    }
+    PyObject *kinds_obj = PyTuple_GET_ITEM(spec, 2);
+    Columns rel = {PyBytes_AS_STRING(kinds_obj), PyBytes_GET_SIZE(kinds_obj), PyTuple_GET_ITEM(spec, 3),
+                   PyTuple_GET_ITEM(spec, 4), PyTuple_GET_ITEM(spec, 5)};
+    PyObject *record, *pks, *missing;
+    if (render_tuple_at(buf, size, 6, &rel, PyTuple_GET_ITEM(spec, 6), &record, &pks, &missing) < 0) {
+        Py_DECREF(spec);
+        return NULL;
+    }
+    PyObject *idx = PyList_GET_ITEM(head, 1); /* borrowed until replaced below */
+    PyObject *next = PyNumber_Add(idx, one);
+    PyObject *row = next ? PyTuple_New(13) : NULL;
+    PyObject *action_str = row ? PyUnicode_InternFromString(action) : NULL;
+    if (action_str == NULL) {
+        Py_DECREF(spec);
+        Py_XDECREF(next);
+        Py_XDECREF(row);
+        Py_DECREF(record);
+        Py_DECREF(pks);
+        Py_DECREF(missing);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(row, 0, Py_NewRef(PyList_GET_ITEM(head, 0)));
+    PyTuple_SET_ITEM(row, 1, Py_NewRef(idx));
+    PyTuple_SET_ITEM(row, 2, Py_NewRef(PyList_GET_ITEM(head, 2)));
+    PyTuple_SET_ITEM(row, 3, Py_NewRef(PyList_GET_ITEM(head, 3)));
+    PyTuple_SET_ITEM(row, 4, Py_NewRef(PyTuple_GET_ITEM(spec, 0)));
+    PyTuple_SET_ITEM(row, 5, Py_NewRef(PyTuple_GET_ITEM(spec, 1)));
+    PyTuple_SET_ITEM(row, 6, action_str);
+    PyTuple_SET_ITEM(row, 7, record);
+    PyTuple_SET_ITEM(row, 8, changes ? Py_NewRef(changes) : Py_NewRef(empty_changes));
+    PyTuple_SET_ITEM(row, 9, pks);
+    PyTuple_SET_ITEM(row, 10, missing);
+    PyTuple_SET_ITEM(row, 11, Py_NewRef(Py_None));
+    PyTuple_SET_ITEM(row, 12, Py_NewRef(Py_None));
+    PyList_SetItem(head, 1, next); /* steals next; releases the old idx, which row holds */
+    Py_DECREF(spec);
+    PyObject_GC_UnTrack(pks);
+    PyObject_GC_UnTrack(missing);
+    PyObject_GC_UnTrack(row);
+    return row;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -754,26 +858,310 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* Change rows (tuples) to Arrow buffers, column by column (see messages.rows_to_arrow): a first
+ * pass sizes each column (column_sizes), Python allocates its buffers from Arrow's memory pool (which
+ * keeps its pages: a batch's 60 MB of fresh malloc'd memory cost more in page faults than the copy),
+ * a second pass fills them (fill_columns). Kinds: 'q' int64, 'i' int32, 's' string, 'l' list of
+ * strings. A value of another type raises TypeError, a size past Arrow's int32 offsets
+ * OverflowError: rows_to_arrow then leaves the rows to Arrow's own reading. */
+
+static int utf8_of(PyObject *text, const char **s, Py_ssize_t *n) {
+    if (!PyUnicode_Check(text)) {
+        PyErr_SetString(PyExc_TypeError, "a string column holds a value that is not str");
+        return -1;
+    }
+    *s = PyUnicode_AsUTF8AndSize(text, n);
+    return *s == NULL ? -1 : 0;
+}
+
+static int check_rows(PyObject *rows, Py_ssize_t ncols) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(rows); i++) {
+        PyObject *row = PyList_GET_ITEM(rows, i);
+        if (!PyTuple_CheckExact(row) || PyTuple_GET_SIZE(row) != ncols) {
+            PyErr_SetString(PyExc_TypeError, "a row is a tuple of one value per column");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int check_kind(char kind) {
+    if (kind == 'q' || kind == 'i' || kind == 's' || kind == 'l')
+        return 0;
+    PyErr_SetString(PyExc_ValueError, "a column kind is one of q i s l");
+    return -1;
+}
+
+/* Sizes one value of a column of kind `kind` into *bytes and *items. */
+static int size_value(char kind, PyObject *value, Py_ssize_t *bytes, Py_ssize_t *items) {
+    const char *s;
+    Py_ssize_t len;
+    if (value == Py_None)
+        return 0;
+    switch (kind) {
+    case 'q':
+    case 'i':
+        if (!PyLong_CheckExact(value)) {
+            PyErr_SetString(PyExc_TypeError, "an integer column holds a value that is not int");
+            return -1;
+        }
+        return 0;
+    case 's':
+        if (utf8_of(value, &s, &len) < 0)
+            return -1;
+        *bytes += len;
+        break;
+    default:
+        if (!PyList_CheckExact(value)) {
+            PyErr_SetString(PyExc_TypeError, "a list column holds a value that is not a list");
+            return -1;
+        }
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(value); j++) {
+            if (utf8_of(PyList_GET_ITEM(value, j), &s, &len) < 0)
+                return -1;
+            *bytes += len;
+        }
+        *items += PyList_GET_SIZE(value);
+    }
+    if (*bytes > INT32_MAX || *items > INT32_MAX - 1) {
+        PyErr_SetString(PyExc_OverflowError, "a column's strings exceed Arrow's int32 offsets");
+        return -1;
+    }
+    return 0;
+}
+
+/* column_sizes(rows, kinds) -> [(utf8_bytes, strings)] per column (0s for integer columns). Row by
+ * row, as fill_columns(): a batch's tuples are scattered over more memory than the caches hold. */
+static PyObject *column_sizes(PyObject *self, PyObject *args) {
+    PyObject *rows, *kinds_obj;
+    if (!PyArg_ParseTuple(args, "O!S", &PyList_Type, &rows, &kinds_obj))
+        return NULL;
+    const char *kinds = PyBytes_AS_STRING(kinds_obj);
+    Py_ssize_t ncols = PyBytes_GET_SIZE(kinds_obj), n = PyList_GET_SIZE(rows);
+    for (Py_ssize_t k = 0; k < ncols; k++)
+        if (check_kind(kinds[k]) < 0)
+            return NULL;
+    if (check_rows(rows, ncols) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t *sizes = PyMem_Calloc((size_t)(2 * ncols + 1), sizeof(Py_ssize_t));
+    if (sizes == NULL)
+        return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *row = PyList_GET_ITEM(rows, i);
+        for (Py_ssize_t k = 0; k < ncols; k++)
+            if (size_value(kinds[k], PyTuple_GET_ITEM(row, k), &sizes[2 * k], &sizes[2 * k + 1]) < 0)
+                goto done;
+    }
+    if ((result = PyList_New(ncols)) == NULL)
+        goto done;
+    for (Py_ssize_t k = 0; k < ncols; k++) {
+        PyObject *size = Py_BuildValue("(nn)", sizes[2 * k], sizes[2 * k + 1]);
+        if (size == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, k, size);
+    }
+done:
+    PyMem_Free(sizes);
+    return result;
+}
+
+/* One column being filled by fill_columns(): its writable buffers and where it is in them. */
+typedef struct {
+    char kind;
+    Py_buffer b[4];
+    int held;
+    unsigned char *valid;
+    char *values;      /* q/i values, or s/l offsets (int32, n + 1) */
+    int32_t *items;    /* l: the strings' offsets */
+    Py_ssize_t item_slots, item;
+    char *data;        /* s/l: UTF-8 bytes */
+    Py_ssize_t size, at, nulls;
+} Filling;
+
+static int wrong_size(void) {
+    PyErr_SetString(PyExc_ValueError, "a buffer smaller than column_sizes() asked for");
+    return -1;
+}
+
+/* Copy text's UTF-8 to f's data; its end offset to offsets[slot]. */
+static int put_string(Filling *f, PyObject *text, int32_t *offsets, Py_ssize_t slot) {
+    const char *s;
+    Py_ssize_t len;
+    if (utf8_of(text, &s, &len) < 0)
+        return -1;
+    if (len > f->size - f->at)
+        return wrong_size();
+    memcpy(f->data + f->at, s, (size_t)len);
+    f->at += len;
+    offsets[slot] = (int32_t)f->at;
+    return 0;
+}
+
+static int fill_value(Filling *f, Py_ssize_t i, PyObject *value) {
+    int32_t *offsets = (int32_t *)f->values;
+    if (value == Py_None) {
+        f->nulls++;
+        if (f->kind == 'q')
+            memset(f->values + 8 * i, 0, 8);
+        else if (f->kind == 'i')
+            memset(f->values + 4 * i, 0, 4);
+        else
+            offsets[i + 1] = offsets[i];
+        return 0;
+    }
+    f->valid[i >> 3] |= (unsigned char)(1u << (i & 7));
+    switch (f->kind) {
+    case 'q':
+    case 'i': {
+        if (!PyLong_CheckExact(value)) {
+            PyErr_SetString(PyExc_TypeError, "an integer column holds a value that is not int");
+            return -1;
+        }
+        long long v = PyLong_AsLongLong(value);
+        if (v == -1 && PyErr_Occurred())
+            return -1;
+        if (f->kind == 'q') {
+            int64_t w = (int64_t)v;
+            memcpy(f->values + 8 * i, &w, 8);
+        } else {
+            if (v < INT32_MIN || v > INT32_MAX) {
+                PyErr_SetString(PyExc_OverflowError, "an int32 column's value is out of range");
+                return -1;
+            }
+            int32_t w = (int32_t)v;
+            memcpy(f->values + 4 * i, &w, 4);
+        }
+        return 0;
+    }
+    case 's':
+        return put_string(f, value, offsets, i + 1);
+    default:
+        if (!PyList_CheckExact(value)) {
+            PyErr_SetString(PyExc_TypeError, "a list column holds a value that is not a list");
+            return -1;
+        }
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(value); j++) {
+            if (++f->item >= f->item_slots)
+                return wrong_size();
+            if (put_string(f, PyList_GET_ITEM(value, j), f->items, f->item) < 0)
+                return -1;
+        }
+        offsets[i + 1] = (int32_t)f->item;
+        return 0;
+    }
+}
+
+/* Take column k's buffers (spec: a tuple of writable buffers) for n rows. */
+static int start_filling(Filling *f, char kind, PyObject *spec, Py_ssize_t n) {
+    int want = kind == 'l' ? 4 : kind == 's' ? 3 : 2;
+    f->kind = kind;
+    if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != want) {
+        PyErr_SetString(PyExc_ValueError, "a column's buffers are a tuple of 2 (q, i), 3 (s) or 4 (l)");
+        return -1;
+    }
+    for (; f->held < want; f->held++)
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(spec, f->held), &f->b[f->held], PyBUF_WRITABLE) < 0)
+            return -1;
+    Py_ssize_t count = kind == 'q' || kind == 'i' ? n : n + 1, width = kind == 'q' ? 8 : 4;
+    if (f->b[0].len < (n + 7) / 8 || f->b[1].len < count * width)
+        return wrong_size();
+    f->valid = f->b[0].buf;
+    memset(f->valid, 0, (size_t)((n + 7) / 8));
+    f->values = f->b[1].buf;
+    if (kind == 's' || kind == 'l')
+        ((int32_t *)f->values)[0] = 0;
+    if (kind == 'l') {
+        f->items = f->b[2].buf;
+        f->item_slots = f->b[2].len / 4;
+        if (f->item_slots < 1)
+            return wrong_size();
+        f->items[0] = 0;
+    }
+    if (kind == 's' || kind == 'l') {
+        f->data = f->b[want - 1].buf;
+        f->size = f->b[want - 1].len;
+    }
+    return 0;
+}
+
+/* fill_columns(rows, kinds, buffers) -> null count per column. buffers: per column a tuple of
+ * writable buffers sized by column_sizes(): (validity, values) for q/i; (validity, offsets, data)
+ * for s; (validity, list offsets, string offsets, data) for l. */
+static PyObject *fill_columns(PyObject *self, PyObject *args) {
+    PyObject *rows, *kinds_obj, *buffers;
+    if (!PyArg_ParseTuple(args, "O!SO!", &PyList_Type, &rows, &kinds_obj, &PyList_Type, &buffers))
+        return NULL;
+    const char *kinds = PyBytes_AS_STRING(kinds_obj);
+    Py_ssize_t ncols = PyBytes_GET_SIZE(kinds_obj), n = PyList_GET_SIZE(rows);
+    if (PyList_GET_SIZE(buffers) != ncols) {
+        PyErr_SetString(PyExc_ValueError, "one tuple of buffers per column");
+        return NULL;
+    }
+    if (check_rows(rows, ncols) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    Filling *cols = PyMem_Calloc((size_t)(ncols ? ncols : 1), sizeof(Filling));
+    if (cols == NULL)
+        return PyErr_NoMemory();
+    for (Py_ssize_t k = 0; k < ncols; k++)
+        if (check_kind(kinds[k]) < 0 || start_filling(&cols[k], kinds[k], PyList_GET_ITEM(buffers, k), n) < 0)
+            goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *row = PyList_GET_ITEM(rows, i);
+        for (Py_ssize_t k = 0; k < ncols; k++)
+            if (fill_value(&cols[k], i, PyTuple_GET_ITEM(row, k)) < 0)
+                goto done;
+    }
+    if ((result = PyList_New(ncols)) == NULL)
+        goto done;
+    for (Py_ssize_t k = 0; k < ncols; k++) {
+        PyObject *nulls = PyLong_FromSsize_t(cols[k].nulls);
+        if (nulls == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, k, nulls);
+    }
+done:
+    for (Py_ssize_t k = 0; k < ncols; k++)
+        for (int j = 0; j < cols[k].held; j++)
+            PyBuffer_Release(&cols[k].b[j]);
+    PyMem_Free(cols);
+    return result;
+}
+
 static PyObject *configure(PyObject *self, PyObject *args) {
     PyObject *marker, *error;
     if (!PyArg_ParseTuple(args, "OO", &marker, &error))
         return NULL;
     Py_XSETREF(toast_marker, Py_NewRef(marker));
     Py_XSETREF(decode_error, Py_NewRef(error));
+    if (one == NULL && (one = PyLong_FromLong(1)) == NULL)
+        return NULL;
+    if (empty_changes == NULL && (empty_changes = PyUnicode_InternFromString("{}")) == NULL)
+        return NULL;
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS, "configure(toast_marker, decode_error): set once by pgoutput.py."},
     {"parse_tuple", parse_tuple, METH_VARARGS, "parse_tuple(buf, pos) -> (values, pos); see pgoutput.parse_tuple."},
-    {"render_tuple", render_tuple, METH_VARARGS,
-     "render_tuple(buf, pos, kinds, prefixes, converters, columns, pk_positions) -> (record, pks, missing); "
-     "see pgoutput.render_tuple."},
+    {"change_row", (PyCFunction)(void (*)(void))change_row, METH_FASTCALL,
+     "change_row(specs, head, buf) -> the change row of an insert, an update without old values or a full-row "
+     "delete, else None; see pgoutput.change_row."},
     {"render", render, METH_VARARGS,
      "render(values, kinds, prefixes, converters, columns, only, fill) -> (record, missing); see pgoutput.render_record."},
     {"render_copy", render_copy, METH_VARARGS,
      "render_copy(data, kinds, prefixes, converters, columns, pk_positions) -> (records, record_offsets, pks, "
      "pk_offsets, rows); see pgoutput.render_copy."},
+    {"column_sizes", column_sizes, METH_VARARGS,
+     "column_sizes(rows, kinds) -> [(utf8_bytes, strings)] per column; see messages.rows_to_arrow."},
+    {"fill_columns", fill_columns, METH_VARARGS,
+     "fill_columns(rows, kinds, buffers) -> [null count] per column, the buffers filled; see messages.rows_to_arrow."},
     {"copy_binary_rows", copy_binary_rows, METH_VARARGS,
      "copy_binary_rows(n, fields) -> bytes: n COPY binary tuples; see message_render.copy_binary_rows."},
     {NULL, NULL, 0, NULL},

@@ -28,9 +28,10 @@ import struct
 from array import array
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
+from functools import partial
 from itertools import accumulate
 from types import MappingProxyType
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from sequin_provider.exceptions import SequinError
 from sequin_provider.pgtypes import NATIVE_KINDS, PG_TYPES, Rule
@@ -479,6 +480,41 @@ def render_tuple(
     return record, pk_texts(values, pk_positions), missing
 
 
+RowSpec = tuple[str, str, bytes, list[str], list[Converter], list[str], list[int]]
+"""What ``change_row`` needs of a relation: schema, name, and ``render_tuple``'s five lists."""
+
+
+def row_spec(rel: Relation) -> RowSpec:
+    """``rel`` as ``change_row`` takes it."""
+    return (rel.schema, rel.name, rel.kinds, rel.prefixes, rel.converters, rel.columns, rel.pk_positions)
+
+
+_SIMPLE_ACTIONS = {73: ("insert", None), 85: ("update", "{}"), 68: ("delete", None)}  # I, U, D
+
+
+def change_row(specs: dict[int, RowSpec], head: list[Any], buf: bytes) -> ChangeRow | None:
+    """The change row of an insert, an update without old values or a delete with the full old
+    row (a whole tuple at 6, ``render_tuple``), or None for any other message, or one of a
+    relation not in ``specs``, which ``PgOutputDecoder`` then decodes on its general path. ``head``
+    is the transaction's ``[commit_lsn, idx, commit_ts_iso, xid]``: the row takes ``idx`` and
+    moves it on. Nearly every message of a stream is one of these, so the compiled counterpart
+    does all of it in one call."""
+    if len(buf) < 6:
+        return None
+    kind = buf[0]
+    simple = _SIMPLE_ACTIONS.get(kind)
+    if simple is None or (kind == 85 and buf[5] in (75, 79)) or (kind == 68 and buf[5] == 75):
+        return None  # not a change, or old values ('K' key, 'O' old) before the new tuple
+    spec = specs.get(_UNPACK_U32(buf, 1)[0])
+    if spec is None:
+        return None
+    schema, name, kinds, prefixes, converters, columns, pk_positions = spec
+    record, pks, missing = render_tuple(buf, 6, kinds, prefixes, converters, columns, pk_positions)
+    idx = head[1]
+    head[1] = idx + 1
+    return (head[0], idx, head[2], head[3], schema, name, simple[0], record, simple[1], pks, missing, None, None)
+
+
 def pk_texts(values: list[object], pk_positions: list[int]) -> list[str]:
     """``record_pks``: the text of each primary-key value present (not null, not unchanged TOAST)."""
     return [str(values[i]) for i in pk_positions if values[i] is not None and values[i] is not UNCHANGED_TOAST]
@@ -567,16 +603,21 @@ class PgOutputDecoder:
             raise RuntimeError("the compiled pgoutput decoder (sequin_provider._pgoutput_c) is not built")
         self._parse_tuple = hot_path.parse_tuple if compiled else parse_tuple
         self._render_record = hot_path.render if compiled else render_record
-        self._render_tuple = hot_path.render_tuple if compiled else render_tuple
         self._render_copy = hot_path.render_copy if compiled else render_copy
         self.compiled = compiled
         self.types = types
         self._primary_key = primary_key
         self.relations: dict[int, Relation] = {}
-        self.commit_lsn = 0
-        self.commit_ts_iso = ""
-        self.xid = 0
-        self.idx = 0
+        self._specs: dict[int, RowSpec] = {}
+        """``change_row``'s view of ``relations``."""
+        self._head: list[Any] = [0, 0, "", 0]
+        """The current transaction's commit LSN, next change index, commit time (ISO) and xid."""
+        self.change_row: Callable[[bytes], ChangeRow | None] = partial(
+            hot_path.change_row if compiled else change_row, self._specs, self._head
+        )
+        """``change_row`` of this stream: ``decode``'s result for an insert, an update without old
+        values or a full-row delete of an announced relation, in one call; None for any other
+        message, which ``decode`` then takes. The reader's loop calls it first."""
 
     # -- framing --------------------------------------------------------------------------
     def decode(self, buf: bytes) -> object:
@@ -585,16 +626,17 @@ class PgOutputDecoder:
             raise DecodeError("empty pgoutput message")
         kind = buf[0]
         try:
-            if kind == 73:  # I
-                return self._insert(buf)
-            if kind == 85:  # U
-                return self._update(buf)
-            if kind == 68:  # D
-                return self._delete(buf)
+            row = self.change_row(buf)  # most messages: one call
+            if row is not None:
+                return row
+            if kind == 73 or kind == 85 or kind == 68:  # I U D with old values, of an unknown relation, or short
+                rel = self._rel(buf)
+                if kind == 73 or len(buf) < 6:
+                    raise DecodeError(f"truncated pgoutput message {chr(kind)!r} of {len(buf)} bytes")
+                return self._update(rel, buf) if kind == 85 else self._delete(rel, buf)
             if kind == 66:  # B
                 final_lsn, ts, xid = _UNPACK_I64(buf, 1)[0], _UNPACK_I64(buf, 9)[0], _UNPACK_U32(buf, 17)[0]
-                self.commit_lsn, self.xid, self.idx = final_lsn, xid, 0
-                self.commit_ts_iso = pg_timestamp_to_iso(ts)
+                self._head[:] = (final_lsn, 0, pg_timestamp_to_iso(ts), xid)
                 return Begin(final_lsn, ts, xid)
             if kind == 67:  # C
                 return Commit(_UNPACK_I64(buf, 2)[0], _UNPACK_I64(buf, 10)[0], _UNPACK_I64(buf, 18)[0])
@@ -636,7 +678,8 @@ class PgOutputDecoder:
             keys,
             None if lookup is None else lambda: lookup(relid, schema, name),
         )
-        self.relations[relid] = self.make_relation(relid, schema, name, replident, columns, oids, keys, pk)
+        rel = self.relations[relid] = self.make_relation(relid, schema, name, replident, columns, oids, keys, pk)
+        self._specs[relid] = row_spec(rel)
 
     def make_relation(
         self,
@@ -698,13 +741,14 @@ class PgOutputDecoder:
     def _row(
         self, rel: Relation, action: str, record: str, changes: str | None, pks: list[str], missing: list[str]
     ) -> ChangeRow:
-        idx = self.idx
-        self.idx += 1
+        head = self._head
+        idx = head[1]
+        head[1] = idx + 1
         return (
-            self.commit_lsn,
+            head[0],
             idx,
-            self.commit_ts_iso,
-            self.xid,
+            head[2],
+            head[3],
             rel.schema,
             rel.name,
             action,
@@ -716,22 +760,10 @@ class PgOutputDecoder:
             None,
         )
 
-    def _insert(self, buf: bytes) -> ChangeRow:
-        rel = self._rel(buf)
-        record, pks, missing = self._render_tuple(
-            buf, 6, rel.kinds, rel.prefixes, rel.converters, rel.columns, rel.pk_positions
-        )  # 'N' at 5
-        return self._row(rel, "insert", record, None, pks, missing)
-
-    def _update(self, buf: bytes) -> ChangeRow:
-        rel = self._rel(buf)
+    def _update(self, rel: Relation, buf: bytes) -> ChangeRow:
+        """An update with old values, 'K' (key) or 'O' (old row) at 5 (``change_row`` takes the others)."""
         pos = 5
         old_kind = buf[pos]
-        if old_kind not in (75, 79):  # no old values: the new tuple ('N') at 5
-            record, pks, missing = self._render_tuple(
-                buf, 6, rel.kinds, rel.prefixes, rel.converters, rel.columns, rel.pk_positions
-            )
-            return self._row(rel, "update", record, "{}", pks, missing)
         old, pos = self._parse_tuple(buf, pos + 1)  # 'K' key / 'O' old
         new, _ = self._parse_tuple(buf, pos + 1)  # 'N'
         fill = old
@@ -751,13 +783,8 @@ class PgOutputDecoder:
         changes, _ = self._render(rel, old, only=changed)
         return self._row(rel, "update", record, changes, self._pks(rel, new), missing)
 
-    def _delete(self, buf: bytes) -> ChangeRow:
-        rel = self._rel(buf)
-        if buf[5] != 75:  # the full old row ('O')
-            record, pks, missing = self._render_tuple(
-                buf, 6, rel.kinds, rel.prefixes, rel.converters, rel.columns, rel.pk_positions
-            )
-            return self._row(rel, "delete", record, None, pks, missing)
+    def _delete(self, rel: Relation, buf: bytes) -> ChangeRow:
+        """A delete carrying only the replica identity, 'K' at 5 (``change_row`` takes full old rows)."""
         old, _ = self._parse_tuple(buf, 6)  # key only: the record carries the replica identity columns
         record, missing = self._render(rel, old, only=[i for i, k in enumerate(rel.key_flags) if k])
         return self._row(rel, "delete", record, None, pk_texts(old, rel.old_key_positions), missing)
@@ -765,13 +792,14 @@ class PgOutputDecoder:
     # -- other ------------------------------------------------------------------------------
     def message_row(self, event: LogicalMessage) -> ChangeRow:
         """A change row carrying a ``sequin:`` logical message at its place in the transaction."""
-        idx = self.idx
-        self.idx += 1
+        head = self._head
+        idx = head[1]
+        head[1] = idx + 1
         return (
-            self.commit_lsn,
+            head[0],
             idx,
-            self.commit_ts_iso,
-            self.xid,
+            head[2],
+            head[3],
             "",
             event.prefix,
             "message",

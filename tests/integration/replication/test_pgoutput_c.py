@@ -7,18 +7,24 @@ every failure on the same payloads truncated or with bytes overwritten (hostile 
 
 from __future__ import annotations
 
+import gc
 import random
+import struct
+from typing import Any
 
 import psycopg
+import pyarrow as pa
 import pytest
 
-from sequin_provider import pgoutput
+from sequin_provider import messages, pgoutput
 from sequin_provider.config import TableConfig
+from sequin_provider.messages import open_transaction_row, rows_to_arrow
 from sequin_provider.pgoutput import (
     UNCHANGED_TOAST,
     DecodeError,
     PgOutputDecoder,
     TypeRegistry,
+    hot_path,
 )
 from sequin_provider.replication import (
     REPLICATION_SESSION_OPTIONS,
@@ -165,6 +171,101 @@ def test_hostile_payloads_fail_alike(corpus: tuple[str, list[bytes]]) -> None:
         catalog.close()
     assert failures > 1000 and compared - failures > 300  # both kinds of outcome were compared
     assert all(f in (DecodeError,) for f in {outcome(reference, p[:7]) for p in payloads if p[:1] in CHANGE_KINDS})
+
+
+def change_row_outcome(change_row: Any, payload: bytes, specs: dict, head: list[Any]) -> object:
+    """What ``change_row`` gives for ``payload``: its row or None, or the class of its exception
+    (``DecodeError`` for those ``PgOutputDecoder.decode`` reports as one)."""
+    try:
+        return change_row(specs, head, payload)
+    except (struct.error, IndexError, UnicodeDecodeError):
+        return DecodeError
+    except Exception as exc:  # noqa: BLE001 - compared between the two implementations
+        return type(exc)
+
+
+def test_change_row_takes_the_common_changes_alike(corpus: tuple[str, list[bytes]]) -> None:
+    """The one-call path (``change_row``) takes inserts, updates without old values and full-row
+    deletes, whole and hostile, as its reference does, and leaves every other message to the
+    decoder's general path, with the transaction's change index moved on only by a row."""
+    dsn, payloads = corpus
+    catalog = Catalog(dsn)
+    rng = random.Random(11)
+    try:
+        decoder = PgOutputDecoder(TypeRegistry(catalog.type_info), catalog.primary_key, compiled=False)
+        for payload in payloads:  # the specs and the head of the last transaction, as the decoder keeps them
+            decoder.decode(payload)
+    finally:
+        catalog.close()
+    specs = {relid: pgoutput.row_spec(rel) for relid, rel in decoder.relations.items()}
+    taken: list[tuple[str, str]] = []
+    for payload in payloads:
+        variants = [payload]
+        if payload[:1] in CHANGE_KINDS:
+            variants += [payload[:k] for k in rng.sample(range(len(payload)), min(len(payload), 120))]
+            variants += [payload[:1] + b"\0\0\0\1" + payload[5:]]  # a relation never announced
+            for _ in range(60):
+                mutated = bytearray(payload)
+                mutated[rng.randrange(5, len(mutated))] = rng.choice((0, 0xFF, 0x80, 0x74, 0x75, 0x6E))
+                variants.append(bytes(mutated))
+        for variant in variants:
+            got_head, want_head = [7, 3, "ts", 9], [7, 3, "ts", 9]
+            got = change_row_outcome(pgoutput.hot_path.change_row, variant, specs, got_head)
+            want = change_row_outcome(pgoutput.change_row, variant, specs, want_head)
+            assert got == want, f"{variant!r}: compiled {got!r}, reference {want!r}"
+            assert got_head == want_head == [7, 4 if type(want) is tuple else 3, "ts", 9]
+            if variant is payload and type(want) is tuple:
+                assert want[:4] == (7, 3, "ts", 9) and want[11:] == (None, None)
+                taken.append((want[5], want[6]))
+                # the compiled row and its lists are left out of the cyclic GC's walks (acyclic)
+                assert not any(gc.is_tracked(o) for o in (got, got[9], got[10]))
+    # default replica identity (d, k): inserts, updates, key-only deletes; full (f): every change
+    assert taken.count(("d", "insert")) == 3 and ("f", "delete") in taken and ("d", "delete") not in taken
+    assert ("d", "update") in taken and ("f", "update") not in taken and ("k", "delete") not in taken
+    non_changes = [p for p in payloads if p[:1] not in CHANGE_KINDS]
+    assert non_changes and all(pgoutput.hot_path.change_row(specs, [0, 0, "", 0], p) is None for p in non_changes)
+
+
+def arrow_outcome(rows: list[tuple], compiled: bool) -> object:
+    """What ``rows_to_arrow`` gives: the batch, or the class of its exception."""
+    try:
+        return rows_to_arrow(rows, compiled=compiled)
+    except Exception as exc:  # noqa: BLE001 - compared between the two implementations
+        return type(exc)
+
+
+def test_change_rows_become_the_same_arrow_batch(corpus: tuple[str, list[bytes]]) -> None:
+    """``rows_to_arrow``'s compiled pass (``column_sizes``, ``fill_columns``) builds the batch Arrow
+    builds from the same tuples: the corpus's rows (every type, TOAST, escapes, 4-byte UTF-8), a
+    backfill read, the open-transaction marker, nulls everywhere they may be; a row it must refuse
+    (a value of another type) fails as Arrow's reading fails."""
+    dsn, payloads = corpus
+    catalog = Catalog(dsn)
+    try:
+        decoder = PgOutputDecoder(TypeRegistry(catalog.type_info), catalog.primary_key)
+        rows = [r for r in (decoder.decode(p) for p in payloads) if type(r) is tuple]
+    finally:
+        catalog.close()
+    rows += [
+        (5, 2, "2024-01-02T03:04:05Z", 9, "public", "d", "read", '{"id":1}', None, ["1", "é😀"], [], 3, "sink-a"),
+        open_transaction_row(rows[0], 4),
+        (2**63 - 1, -(2**31), "", 0, "", "", "", "", "", [""], ["x", "", "y"], -(2**63), ""),
+    ]
+    assert hot_path.column_sizes(rows, messages.CHANGE_COLUMN_KINDS)  # the compiled pass takes them all
+    compiled, reference = rows_to_arrow(rows, compiled=True), rows_to_arrow(rows, compiled=False)
+    compiled.validate(full=True)
+    assert compiled.equals(reference) and compiled.schema == reference.schema
+    assert compiled.to_pylist() == reference.to_pylist() and compiled.num_rows == len(rows) > 20
+    for i in range(0, len(rows), 7):  # every slice of rows: null bitmaps crossing bytes at other places
+        assert rows_to_arrow(rows[i:], compiled=True).equals(rows_to_arrow(rows[i:], compiled=False))
+    # rows the compiled pass refuses are Arrow's to read: a tuple as a list (taken), a str as an
+    # int, an int as a str, a short row (refused)
+    odd = ((*rows[0][:9], ("1",), *rows[0][10:]), (rows[0][0], "1", *rows[0][2:]), (*rows[0][:7], 7, *rows[0][8:]))
+    outcomes = [arrow_outcome([*rows[:3], row], c) for row in (*odd, rows[0][:12]) for c in (True, False)]
+    assert outcomes[0] == outcomes[1] and isinstance(outcomes[0], pa.RecordBatch)
+    assert outcomes[2::2] == outcomes[3::2] and all(isinstance(o, type) for o in outcomes[2:])
+    with pytest.raises(TypeError):
+        hot_path.column_sizes([*rows[:3], (rows[0][0], "1", *rows[0][2:])], messages.CHANGE_COLUMN_KINDS)
 
 
 def test_render_record_fills_and_selects_alike() -> None:

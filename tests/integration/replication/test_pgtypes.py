@@ -4,7 +4,7 @@
   source is parsed, and its ``KIND_*`` enum and the cases of its ``convert_native`` switch must be
   exactly ``pgtypes.NATIVE_KINDS`` (a ``case <number>:`` there, an OID switch, fails as well).
 - A value of every OID of the table (with hostile texts besides) renders identically through the
-  compiled functions and the Python references (``render``, ``render_tuple``, ``render_copy``).
+  compiled functions and the Python references (``render``, ``change_row``, ``render_copy``).
 - The Python reference gives every OID its rule's converter, and ``backfill.source_sql`` has SQL
   for every rule but arrays; on a real server, the SQL renders every scalar sample as the
   converter does, the table's names and elements are ``pg_type``'s, the samples are what the
