@@ -59,9 +59,11 @@ def rows_to_arrow(rows: Sequence[tuple], compiled: bool = COMPILED) -> pa.Record
     Arrow reading the tuples as structs (``compiled=False``, and wherever the compiled pass
     refuses a row: a value of another type, strings past 2 GiB) is the definition; its generic
     converter checks every value's type (transposing in Python first, ``zip(*rows)``, was slower)."""
+    if compiled and not COMPILED:
+        raise RuntimeError("the compiled change-row pass (sequin_provider._pgoutput_c) is not built")
     if compiled and type(rows) is list and rows:
         try:
-            return _compiled_rows_to_arrow(rows)  # type: ignore[arg-type]
+            return _compiled_rows_to_arrow(rows)
         except (TypeError, ValueError, OverflowError):  # Arrow decides, raising what it raises
             pass
     return pa.RecordBatch.from_struct_array(pa.array(rows, type=CHANGE_ARROW_STRUCT))

@@ -741,24 +741,17 @@ class PgOutputDecoder:
     def _row(
         self, rel: Relation, action: str, record: str, changes: str | None, pks: list[str], missing: list[str]
     ) -> ChangeRow:
+        return self._positioned(rel.schema, rel.name, action, record, changes, pks, missing)
+
+    def _positioned(
+        self, schema: str, table: str, action: str, record: str, changes: str | None, pks: list[str], missing: list[str]
+    ) -> ChangeRow:
+        """A change row at the transaction's next position (``commit_idx`` moves only here and in
+        ``change_row``)."""
         head = self._head
         idx = head[1]
         head[1] = idx + 1
-        return (
-            head[0],
-            idx,
-            head[2],
-            head[3],
-            rel.schema,
-            rel.name,
-            action,
-            record,
-            changes,
-            pks,
-            missing,
-            None,
-            None,
-        )
+        return (head[0], idx, head[2], head[3], schema, table, action, record, changes, pks, missing, None, None)
 
     def _update(self, rel: Relation, buf: bytes) -> ChangeRow:
         """An update with old values, 'K' (key) or 'O' (old row) at 5 (``change_row`` takes the others)."""
@@ -792,24 +785,7 @@ class PgOutputDecoder:
     # -- other ------------------------------------------------------------------------------
     def message_row(self, event: LogicalMessage) -> ChangeRow:
         """A change row carrying a ``sequin:`` logical message at its place in the transaction."""
-        head = self._head
-        idx = head[1]
-        head[1] = idx + 1
-        return (
-            head[0],
-            idx,
-            head[2],
-            head[3],
-            "",
-            event.prefix,
-            "message",
-            event.content.decode("utf-8", "replace"),
-            None,
-            [],
-            [],
-            None,
-            None,
-        )
+        return self._positioned("", event.prefix, "message", event.content.decode("utf-8", "replace"), None, [], [])
 
     def _message(self, buf: bytes) -> LogicalMessage:
         transactional = bool(buf[1])
