@@ -6,7 +6,9 @@ One run on a fresh embedded cluster (source and store in separate databases):
   (a) pg_recvlogical draining the workload from its own pgoutput slot: the decode limit;
   (a') our pgoutput decoder (ChangeReader) alone draining a third slot: Python decode cost;
   (b) the stream app end to end: changes/s from the first commit to the last durable sink row;
-  (c) commit -> sink latency p50/p99 at a steady rate (commit_timestamp vs. the sink row's insert time).
+  (c) commit -> sink latency p50/p99 at a steady rate (commit_timestamp vs. the sink row's insert time),
+      and the CPU per change of each process at that rate (``--trigger-interval``: the app's
+      stream.trigger_interval, which trades latency for CPU there).
 Prints a Markdown table and writes bench/results/stream_throughput.json. Not a test: no thresholds.
 """
 
@@ -334,10 +336,20 @@ def main() -> int:
         default=DEFAULT_DRIVER_BATCH_ROWS,
         help="the app's stream.driver_batch_rows (0: every micro-batch runs its Spark job)",
     )
+    parser.add_argument(
+        "--trigger-interval",
+        default="0",
+        help="the app's stream.trigger_interval (e.g. 100ms; 0: each micro-batch as soon as the last one ends)",
+    )
     add_pg_setting_argument(parser)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="sequin-bench-"))
-    results: dict[str, object] = {"changes": args.changes, "runs": args.runs, "pg_settings": dict(args.pg_setting)}
+    results: dict[str, object] = {
+        "changes": args.changes,
+        "runs": args.runs,
+        "pg_settings": dict(args.pg_setting),
+        "trigger_interval": args.trigger_interval,
+    }
     with EmbeddedPostgres(use_env_dsn=False, settings=dict(args.pg_setting)) as pg:
         dsn, store_dsn = pg.create_database("bench"), pg.create_database("bench_store")
         with psycopg.connect(dsn, autocommit=True) as conn:
@@ -354,7 +366,7 @@ sinks:
   - name: events
     tables: [events]
     destination: {{type: sequin_stream}}
-stream: {{checkpoint_location: {work / "ckpt"}, driver_batch_rows: {args.driver_batch_rows}}}
+stream: {{checkpoint_location: {work / "ckpt"}, driver_batch_rows: {args.driver_batch_rows}, trigger_interval: {args.trigger_interval}}}
 """)
         initialize(load_config(config_path))
         app = StreamAppProcess(config_path, work / "app.log").start()
@@ -411,7 +423,10 @@ stream: {{checkpoint_location: {work / "ckpt"}, driver_batch_rows: {args.driver_
             throughput_log = app.log_path.read_bytes()[log_mark:].decode(errors="replace")
             keep_batch_lines("throughput_batches.log", throughput_log)
             log_mark = app.log_path.stat().st_size
+            cpu_before, changes_before = cpu_by_class(), sink_count(store_dsn)
             latency = latency_run(dsn, store_dsn, args.rate, args.seconds, args.runs * args.changes + 1, args.settle)
+            results["latency_cpu_seconds"] = cpu_delta(cpu_before, cpu_by_class())
+            results["latency_changes"] = sink_count(store_dsn) - changes_before
             latency_log = app.log_path.read_bytes()[log_mark:].decode(errors="replace")
             keep_batch_lines("latency_batches.log", latency_log)
             results["latency"] = latency
@@ -469,6 +484,16 @@ stream: {{checkpoint_location: {work / "ckpt"}, driver_batch_rows: {args.driver_
         )
         for klass, seconds in sorted(cpu.items(), key=lambda kv: -kv[1]):
             print(f"  {klass:<42} {seconds:6.1f}s  {1e6 * seconds / total_changes:5.1f} us/change")
+    lat_cpu, lat_changes = results.get("latency_cpu_seconds") or {}, int(results.get("latency_changes") or 0)
+    if lat_cpu and lat_changes:
+        app = {k: v for k, v in lat_cpu.items() if k.startswith(("Spark JVM", "reader", "Python workers", "driver"))}
+        print(
+            f"\nCPU during (c) ({lat_changes:,} changes at the steady rate, its settle included; trigger_interval "
+            f"{args.trigger_interval}): the app's processes {1e6 * sum(app.values()) / lat_changes:.1f} us per change, "
+            f"all processes {1e6 * sum(lat_cpu.values()) / lat_changes:.1f}:"
+        )
+        for klass, seconds in sorted(lat_cpu.items(), key=lambda kv: -kv[1]):
+            print(f"  {klass:<42} {seconds:6.1f}s  {1e6 * seconds / lat_changes:5.1f} us/change")
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "stream_throughput.json").write_text(json.dumps(results, indent=2, default=str))

@@ -148,6 +148,9 @@ class StreamConfig:
     max_batch_rows: int = 200_000
     max_batch_bytes: int = 256 * 1024 * 1024
     max_batch_wait: float = 0.25
+    # the least time between micro-batch starts (Spark's processing-time trigger; 0: each batch starts
+    # when the one before it ends): fewer, larger batches at steady rates, for some latency
+    trigger_interval: float = 0.0
     store_retry_timeout: float = 300.0
     # batches of up to this many changes are written by the driver (None: 20,000 on a local master, 0 on a cluster)
     driver_batch_rows: int | None = None
@@ -584,6 +587,7 @@ def parse_config(
             "max_batch_rows",
             "max_batch_bytes",
             "max_batch_wait",
+            "trigger_interval",
             "store_retry_timeout",
             "driver_batch_rows",
         },
@@ -603,6 +607,9 @@ def parse_config(
             stream_raw.get("max_batch_bytes", defaults.max_batch_bytes), "stream.max_batch_bytes", 1024
         ),
         max_batch_wait=r.duration(stream_raw.get("max_batch_wait", defaults.max_batch_wait), "stream.max_batch_wait"),
+        trigger_interval=r.duration(
+            stream_raw.get("trigger_interval", defaults.trigger_interval), "stream.trigger_interval"
+        ),
         store_retry_timeout=r.duration(
             stream_raw.get("store_retry_timeout", defaults.store_retry_timeout), "stream.store_retry_timeout"
         ),

@@ -254,12 +254,10 @@ def run_stream_app(
         .option("payload", pipeline.payload)
         .load()
     )
-    query = (
-        changes.writeStream.foreachBatch(pipeline)
-        .option("checkpointLocation", checkpoint_dir)
-        .queryName(f"sequin_{db.name}")
-        .start()
-    )
+    writer = changes.writeStream.foreachBatch(pipeline).option("checkpointLocation", checkpoint_dir)
+    if config.stream.trigger_interval > 0:  # else Spark's default: each batch as soon as the last one ends
+        writer = writer.trigger(processingTime=f"{round(config.stream.trigger_interval * 1000)} milliseconds")
+    query = writer.queryName(f"sequin_{db.name}").start()
     stopping, finished = threading.Event(), threading.Event()
     log_progress(query, finished, driver_changes=pipeline.driver_changes)
 
@@ -271,7 +269,13 @@ def run_stream_app(
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     stop_when_supervisor_exits(lambda: stop(signal.SIGTERM, None))
-    log.info("streaming database %r from slot %r (checkpoint %s)", db.name, db.slot.name, checkpoint_dir)
+    log.info(
+        "streaming database %r from slot %r (checkpoint %s%s)",
+        db.name,
+        db.slot.name,
+        checkpoint_dir,
+        f"; micro-batches at most every {config.stream.trigger_interval:g}s" if config.stream.trigger_interval else "",
+    )
     try:
         query.awaitTermination()
     except Exception as exc:  # noqa: BLE001 - StreamingQueryException carries the batch's error
