@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.stream_throughput import (  # noqa: E402
+    APP_CLASSES,
     cpu_by_class,
     cpu_delta,
     current_lsn,
@@ -171,9 +172,6 @@ def decode_limit(dsn: str, source: Source, changes: int, inserts_only: bool) -> 
 
 STORE_BACKENDS = "postgres: store backends (the COPY into the stream table)"
 SOURCE_BACKENDS = "postgres: source backends (the workload's writes)"
-APP_CLASSES = ("Spark JVM", "reader process", "Python workers", "driver")
-"""The classes of ``process_class`` that are the stream app's own processes (standalone executors'
-JVMs and Python workers included: they are classed by their command lines, wherever they run)."""
 
 
 def scaling_class(proc: psutil.Process) -> str | None:

@@ -208,6 +208,17 @@ def latency_run(
     return {"rate": achieved, "p50_ms": float(row[0]), "p99_ms": float(row[1]), "max_ms": float(row[2])}  # type: ignore[index]
 
 
+APP_CLASSES = ("Spark JVM", "reader process", "Python workers", "driver")
+"""The classes of ``process_class`` that are the stream app's own processes (standalone executors'
+JVMs and Python workers included: they are classed by their command lines, wherever they run)."""
+
+
+def print_cpu_by_class(cpu: dict[str, float], changes: int) -> None:
+    """One line per class of ``cpu``, busiest first: its CPU seconds and µs per change."""
+    for klass, seconds in sorted(cpu.items(), key=lambda kv: -kv[1]):
+        print(f"  {klass:<42} {seconds:6.1f}s  {1e6 * seconds / changes:5.1f} us/change")
+
+
 def process_class(proc: psutil.Process) -> str | None:
     """Which part of the system a process is, by its command line."""
     try:
@@ -482,18 +493,16 @@ stream: {{checkpoint_location: {work / "ckpt"}, driver_batch_rows: {args.driver_
             f"{1e6 * busy / total_changes:.0f} us of CPU per change); by process (long-lived ones, "
             f"{total_cpu:.1f}s of it):"
         )
-        for klass, seconds in sorted(cpu.items(), key=lambda kv: -kv[1]):
-            print(f"  {klass:<42} {seconds:6.1f}s  {1e6 * seconds / total_changes:5.1f} us/change")
+        print_cpu_by_class(cpu, total_changes)
     lat_cpu, lat_changes = results.get("latency_cpu_seconds") or {}, int(results.get("latency_changes") or 0)
     if lat_cpu and lat_changes:
-        app = {k: v for k, v in lat_cpu.items() if k.startswith(("Spark JVM", "reader", "Python workers", "driver"))}
+        app = {k: v for k, v in lat_cpu.items() if k.startswith(APP_CLASSES)}
         print(
             f"\nCPU during (c) ({lat_changes:,} changes at the steady rate, its settle included; trigger_interval "
             f"{args.trigger_interval}): the app's processes {1e6 * sum(app.values()) / lat_changes:.1f} us per change, "
             f"all processes {1e6 * sum(lat_cpu.values()) / lat_changes:.1f}:"
         )
-        for klass, seconds in sorted(lat_cpu.items(), key=lambda kv: -kv[1]):
-            print(f"  {klass:<42} {seconds:6.1f}s  {1e6 * seconds / lat_changes:5.1f} us/change")
+        print_cpu_by_class(lat_cpu, lat_changes)
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "stream_throughput.json").write_text(json.dumps(results, indent=2, default=str))

@@ -349,9 +349,9 @@ def simple_config(
     trigger_interval: str | None = None,
 ) -> Path:
     store = f"store: {{dsn: {store_dsn}}}\n        " if store_dsn else ""
-    driver = "" if driver_batch_rows is None else f"\n          driver_batch_rows: {driver_batch_rows}"
+    extra = "" if driver_batch_rows is None else f"\n          driver_batch_rows: {driver_batch_rows}"
     if trigger_interval is not None:
-        driver += f"\n          trigger_interval: {trigger_interval}"
+        extra += f"\n          trigger_interval: {trigger_interval}"
     return write_config(
         tmp_path / "sequin.yaml",
         f"""
@@ -367,7 +367,7 @@ def simple_config(
             destination: {{type: sequin_stream}}
         stream:
           checkpoint_location: {tmp_path / "ckpt"}
-          max_batch_wait: 100ms{driver}
+          max_batch_wait: 100ms{extra}
         """,
     )
 
