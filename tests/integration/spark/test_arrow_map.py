@@ -23,16 +23,6 @@ def doubled(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         )
 
 
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    """Spark in local mode, as the stream app runs it."""
-    from sequin_provider.spark.app import spark_session
-
-    session = spark_session("sequin-arrow-map-tests", "local[2]")
-    yield session
-    session.stop()
-
-
 @pytest.fixture
 def pickles(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """How many commands PySpark pickles for the JVM (a UDF's function is one)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from pyspark.sql import functions as F
@@ -25,16 +25,6 @@ from tests.support.config import write_config
 TABLES = [("public", "t"), ("other", "t2"), ("public", "unlisted"), ("", "sequin:backfill:low")]
 ACTIONS = ["insert", "update", "delete", "read", "message"]
 BACKFILL_SINKS = [None, "changes", "rows", "somebody_else"]
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    """Spark in local mode, as the stream app runs it."""
-    from sequin_provider.spark.app import spark_session
-
-    session = spark_session("sequin-pipeline-tests", "local[2]")
-    yield session
-    session.stop()
 
 
 def rows() -> list[tuple]:
