@@ -40,7 +40,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.machine_memory import add_touch_memory_argument, touch_memory_for  # noqa: E402
-from bench.stream_throughput import ROW, TABLE, add_pg_setting_argument, cpu_by_class, process_class  # noqa: E402 - the same table as the stream benchmark
+from bench.stream_throughput import (  # noqa: E402 - the same table as the stream benchmark
+    ROW,
+    SOURCE_BACKENDS,
+    STORE_BACKENDS,
+    TABLE,
+    add_pg_setting_argument,
+    cpu_by_class,
+    process_class,
+)
 from devtools.embedded_postgres import EmbeddedPostgres  # noqa: E402
 from devtools.stream_process import BackfillServerProcess, StreamAppProcess  # noqa: E402
 from sequin_provider.config import load_config  # noqa: E402
@@ -170,6 +178,13 @@ def page_breakdown(log: str) -> dict[str, float] | None:
     }
 
 
+BACKFILL_BACKENDS = {
+    SOURCE_BACKENDS: "postgres: source backends (page SELECTs, watermarks)",
+    STORE_BACKENDS: "postgres: store backends (reads COPY, pages, stream writes)",
+}
+"""What each database's backends do in a backfill."""
+
+
 def backfill_process_class(proc: psutil.Process) -> str | None:
     """``process_class``, with Postgres backends told apart by database (source or store) and the
     backfill app's processes (children of its CLI) by their own class."""
@@ -179,12 +194,8 @@ def backfill_process_class(proc: psutil.Process) -> str | None:
         parents = proc.parents()
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
-    if klass is not None and klass.startswith("postgres: other"):
-        database = cmd.split()[2] if cmd.startswith("postgres: ") and len(cmd.split()) > 2 else ""
-        return {
-            "bench": "postgres: source backends (page SELECTs, watermarks)",
-            "bench_store": "postgres: store backends (reads COPY, pages, stream writes)",
-        }.get(database, "postgres: other backends")
+    if klass in BACKFILL_BACKENDS:
+        return BACKFILL_BACKENDS[klass]
     if any(_is_backfill_server(_cmdline(p)) for p in parents) or _is_backfill_server(proc.cmdline()):
         if cmd.split(" ", 1)[0].endswith("java"):
             return "backfill server: JVM"

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import psutil
 import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,10 +38,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench.stream_throughput import (  # noqa: E402
     APP_CLASSES,
+    STORE_BACKENDS,
     cpu_by_class,
     cpu_delta,
     current_lsn,
-    process_class,
     run_pg_recvlogical,
     sink_count,
 )
@@ -170,22 +169,6 @@ def decode_limit(dsn: str, source: Source, changes: int, inserts_only: bool) -> 
     return changes / seconds
 
 
-STORE_BACKENDS = "postgres: store backends (the COPY into the stream table)"
-SOURCE_BACKENDS = "postgres: source backends (the workload's writes)"
-
-
-def scaling_class(proc: psutil.Process) -> str | None:
-    """``process_class``, with the backends told apart by database: each case's store is ``store_N``."""
-    klass = process_class(proc)
-    if klass is not None and klass.startswith("postgres: other backends"):
-        try:
-            words = " ".join(proc.cmdline()).split()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            return None
-        return STORE_BACKENDS if any(w.startswith("store_") for w in words[:4]) else SOURCE_BACKENDS
-    return klass
-
-
 def per_change(cpu: dict[str, float], changes: int) -> dict[str, float]:
     """µs of CPU per change: the app's processes, the store's backends, the walsender, and everything."""
     app = sum(seconds for klass, seconds in cpu.items() if klass.startswith(APP_CLASSES))
@@ -226,11 +209,11 @@ def measure(
         base = sink_count(store_dsn)
         source.write(changes // 2, case.inserts_only)  # warm-up
         wait_for(lambda: sink_count(store_dsn) >= base + changes // 2, 900, interval=0.2, what="the warm-up")
-        base, cpu0 = sink_count(store_dsn), cpu_by_class(scaling_class)
+        base, cpu0 = sink_count(store_dsn), cpu_by_class()
         started = source.write(changes, case.inserts_only)
         wait_for(lambda: sink_count(store_dsn) >= base + changes, 900, interval=0.1, what="the measured run")
         rate = changes / (time.time() - started)
-        cpu = cpu_delta(cpu0, cpu_by_class(scaling_class))
+        cpu = cpu_delta(cpu0, cpu_by_class())
     finally:
         app.stop()
         if cluster is not None:

@@ -219,6 +219,25 @@ def print_cpu_by_class(cpu: dict[str, float], changes: int) -> None:
         print(f"  {klass:<42} {seconds:6.1f}s  {1e6 * seconds / changes:5.1f} us/change")
 
 
+STORE_BACKENDS = "postgres: store backends (stream writes, status)"
+"""Backends of a store database (the benchmarks name theirs ``bench_store``, ``store_N``...)."""
+SOURCE_BACKENDS = "postgres: source backends (the workload's sessions)"
+"""Backends of any other database: the benchmarks' sources."""
+SERVER_PROCESSES = "postgres: server processes (postmaster, checkpointer, autovacuum...)"
+
+
+def backend_database(cmd: str) -> str | None:
+    """The database a Postgres backend serves, from its command line (``postgres: [cluster:] user
+    database host state``); None for the server's own processes (postmaster, checkpointer,
+    autovacuum...)."""
+    words = cmd.split()
+    if len(words) > 1 and words[1].endswith(":"):  # the server's cluster_name
+        del words[1]
+    if len(words) < 4 or words[0] != "postgres:" or words[1] in ("autovacuum", "logical", "parallel"):
+        return None
+    return words[2]
+
+
 def process_class(proc: psutil.Process) -> str | None:
     """Which part of the system a process is, by its command line."""
     try:
@@ -227,11 +246,12 @@ def process_class(proc: psutil.Process) -> str | None:
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
     if name == "postgres" or cmd.startswith("postgres"):
-        return (
-            "postgres: walsender (logical decoding)"
-            if "walsender" in cmd or "START_REPLICATION" in cmd
-            else "postgres: other backends (COPY, writes)"
-        )
+        if "walsender" in cmd or "START_REPLICATION" in cmd:
+            return "postgres: walsender (logical decoding)"
+        database = backend_database(cmd)
+        if database is None:
+            return SERVER_PROCESSES
+        return STORE_BACKENDS if "store" in database else SOURCE_BACKENDS
     if "java" in name:
         return "Spark JVM"
     if "python_streaming_source_runner" in cmd:
