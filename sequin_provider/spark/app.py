@@ -135,6 +135,26 @@ def spark_session(app_name: str, master: str | None = None, java_options: str = 
     return spark
 
 
+SPOOL_PLAN_CONF = {"spark.sql.codegen.wholeStage": "false", "spark.sql.ui.explainMode": "simple"}
+"""Session settings of a ``payload=spool`` stream app unless spark-submit gave them
+(``plan_spool_batches_simply``)."""
+
+
+def plan_spool_batches_simply(spark: Any, payload: str) -> None:
+    """A ``payload=spool`` app's micro-batches carry one row per spool slice and run no Spark SQL
+    over changes, yet Spark plans each one in full: whole-stage code generation compiles code that
+    runs over a handful of rows, and each SQL execution renders its plan in the ``formatted`` form
+    for the UI's event. At a steady rate these are paid per batch (docs/performance.md, "CPU at a
+    steady rate"): such an app runs ``SPOOL_PLAN_CONF`` unless spark-submit set them. A
+    ``payload=full`` app keeps Spark's defaults: its generated code runs over every change."""
+    if payload != "spool":
+        return
+    given = spark.sparkContext.getConf()
+    for key, value in SPOOL_PLAN_CONF.items():
+        if not given.contains(key):
+            spark.conf.set(key, value)
+
+
 PROGRESS_POLL_INTERVAL = 1.0
 
 
@@ -229,6 +249,7 @@ def run_stream_app(
     pipeline = Pipeline(config, db.name)
     spark = spark_session(f"sequin-replication-{db.name}", master, stream_java_options(pipeline.payload))
     spark.dataSource.register(SequinReplicationDataSource)
+    plan_spool_batches_simply(spark, pipeline.payload)
     try:
         pipeline.validate(spark)
     except ConfigError as exc:
