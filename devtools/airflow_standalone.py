@@ -20,16 +20,43 @@ from typing import IO, Any
 
 import httpx
 import psycopg
+from sqlalchemy.engine import URL
 
 from devtools.stream_process import ROOT, wait_for
 
 TERMINAL_RUN_STATES = frozenset({"success", "failed"})
 
 
+def metadata_url(dsn: str) -> str:
+    """The SQLAlchemy URL of Airflow's metadata database for a libpq ``dsn`` (psycopg2, Airflow's driver)."""
+    params = psycopg.conninfo.conninfo_to_dict(dsn)
+    return URL.create(
+        "postgresql+psycopg2",
+        username=params.get("user"),
+        password=params.get("password"),
+        host=params.get("host"),
+        port=int(params["port"]) if params.get("port") else None,
+        database=params.get("dbname"),
+    ).render_as_string(hide_password=False)
+
+
 def airflow_env(
-    home: Path, dsn: str, config_path: Path, *, port: int = 8080, database: str | None = None, slot: str | None = None
+    home: Path,
+    dsn: str,
+    config_path: Path,
+    *,
+    port: int = 8080,
+    database: str | None = None,
+    slot: str | None = None,
+    metadata_dsn: str | None = None,
 ) -> dict[str, str]:
-    """The environment of ``airflow standalone`` and of every process it starts (tasks included)."""
+    """The environment of ``airflow standalone`` and of every process it starts (tasks included).
+
+    ``metadata_dsn``: a Postgres database for Airflow's own metadata, as in production; ``None``
+    keeps Airflow's SQLite file under ``home``. SQLite takes one writer at a time, and a writer that
+    waits more than 5 s fails: on a loaded machine that can fail a task's success (the API server
+    marks a task failed when its state update raises), so the end-to-end runs use Postgres.
+    """
     params = psycopg.conninfo.conninfo_to_dict(dsn)
     venv_bin = os.path.dirname(sys.executable)
     env = {
@@ -61,6 +88,8 @@ def airflow_env(
         "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark", "host": "local[2]"}),
         "SEQUIN_CONFIG": str(config_path),
     }
+    if metadata_dsn:
+        env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = metadata_url(metadata_dsn)
     if database:
         env["SEQUIN_DATABASE"] = database
     if slot:
@@ -75,7 +104,7 @@ class AirflowApiError(RuntimeError):
 class AirflowStandalone:
     """``airflow standalone`` as a child process (its own process group), and a REST client for it.
 
-    :param home: ``AIRFLOW_HOME`` (SQLite database, logs, the generated admin password).
+    :param home: ``AIRFLOW_HOME`` (logs, the generated admin password, the SQLite database if no other).
     :param env: the processes' environment, usually from ``airflow_env``.
     :param port: the API server's port (UI and REST API).
     :param log_path: where Airflow's output goes; ``None`` leaves it on this process's terminal.
@@ -116,6 +145,16 @@ class AirflowStandalone:
         if self.log_path is None or not self.log_path.exists():
             return ""
         return self.log_path.read_text(errors="replace")[-chars:]
+
+    def task_logs(self, dag_id: str, run_id: str, chars: int = 6000) -> str:
+        """The end of each task log of a run, as Airflow wrote them under ``<home>/logs`` (for a
+        failure message: Airflow's own output does not hold what a task printed)."""
+        run_dir = self.home / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}"
+        parts = [
+            f"--- {path.relative_to(run_dir)} ---\n{path.read_text(errors='replace')[-chars:]}"
+            for path in sorted(run_dir.glob("task_id=*/**/*.log"))
+        ]
+        return "\n".join(parts) or f"(no task log under {run_dir})"
 
     def wait(self) -> int:
         """Wait for Airflow to exit; its exit code."""

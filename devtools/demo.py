@@ -198,7 +198,14 @@ def main(with_airflow: bool = True) -> int:
             code = app.stop()
             print(f"demo: stream app stopped (exit {code})")
         if ok and with_airflow:
-            ok = run_airflow_demo(VAR, dsn, config_path, database="shop", slot="sequin_demo_slot")
+            ok = run_airflow_demo(
+                VAR,
+                dsn,
+                config_path,
+                database="shop",
+                slot="sequin_demo_slot",
+                metadata_dsn=pg.create_database("airflow_demo"),
+            )
         print("demo: stopping Postgres")
         return 0 if ok else 1
 

@@ -39,12 +39,13 @@ def sink_messages(dsn: str, sink: str) -> list[dict[str, Any]]:
         return [parse_message(m.data) for m in store.stream_messages(conn, "sequin", sink, visible_only=True)]
 
 
-def run_airflow_demo(var: Path, dsn: str, config_path: Path, database: str, slot: str) -> bool:
-    """Run the pipeline through Airflow; True when both DAG runs did what they should."""
+def run_airflow_demo(var: Path, dsn: str, config_path: Path, database: str, slot: str, metadata_dsn: str) -> bool:
+    """Run the pipeline through Airflow (its metadata in the database ``metadata_dsn``); True when both
+    DAG runs did what they should."""
     home = var / "airflow-demo"
     shutil.rmtree(home, ignore_errors=True)  # a fresh Airflow: every DAG starts paused, no runs left over
     port = free_port()
-    env = airflow_env(home, dsn, config_path, port=port, database=database, slot=slot)
+    env = airflow_env(home, dsn, config_path, port=port, database=database, slot=slot, metadata_dsn=metadata_dsn)
     log = var / "airflow-demo.log"
     log.unlink(missing_ok=True)
     started = time.monotonic()
@@ -120,6 +121,8 @@ def run_airflow_demo(var: Path, dsn: str, config_path: Path, database: str, slot
                 f"demo (Airflow): {BACKFILL} run {run['state']}; backfill #{record.id} {record.state},"
                 f" {record.rows_processed} rows read, {len(reads)} read messages for {order_count} orders"
             )
+            if run["state"] != "success":
+                print(airflow.task_logs(BACKFILL, backfill), flush=True)
 
         airflow.set_paused(REPLICATION, True)  # no new continuous run after this one
         airflow.set_run_state(REPLICATION, replication, "success")

@@ -59,7 +59,15 @@ def deployment(pg: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory) -
     home = tmp / "airflow"
     airflow = AirflowStandalone(
         home,
-        airflow_env(home, dsn, config, port=port, database="app", slot="slot_standalone"),
+        airflow_env(
+            home,
+            dsn,
+            config,
+            port=port,
+            database="app",
+            slot="slot_standalone",
+            metadata_dsn=pg.create_database("standalone_airflow"),
+        ),
         port=port,
         log_path=tmp / "airflow.log",
     )
@@ -96,7 +104,7 @@ def test_backfill_triggered_over_the_rest_api_is_read_through_the_plugin(deploym
     conf = {"sink": "items_sink", "table": "items", "max_query_ms": 2000}
     run_id = airflow.trigger("sequin_backfill", conf)
     run = airflow.wait_run("sequin_backfill", run_id)
-    assert run["state"] == "success", airflow.log_tail()
+    assert run["state"] == "success", f"{airflow.log_tail(20000)}\n{airflow.task_logs('sequin_backfill', run_id)}"
     assert run["conf"] == conf
     task = airflow.task_instances("sequin_backfill", run_id)["backfill"]
     assert task["state"] == "success"

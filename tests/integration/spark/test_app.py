@@ -58,7 +58,8 @@ def test_a_spool_app_plans_without_code_generation_and_a_full_app_keeps_sparks_d
             ).explain()
             return capsys.readouterr().out
 
-        assert "Filter" in plan() and "*(" not in plan()  # "*(1) Filter": a whole-stage code generation stage
+        simple = plan()
+        assert "Filter" in simple and "*(" not in simple  # "*(1) Filter": a whole-stage code generation stage
         spark.conf.set("spark.sql.codegen.wholeStage", "true")
         assert "*(1) Filter" in plan()
     finally:
