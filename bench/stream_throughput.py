@@ -215,8 +215,9 @@ JVMs and Python workers included: they are classed by their command lines, where
 
 def print_cpu_by_class(cpu: dict[str, float], changes: int) -> None:
     """One line per class of ``cpu``, busiest first: its CPU seconds and µs per change."""
+    width = max(map(len, cpu), default=0)
     for klass, seconds in sorted(cpu.items(), key=lambda kv: -kv[1]):
-        print(f"  {klass:<42} {seconds:6.1f}s  {1e6 * seconds / changes:5.1f} us/change")
+        print(f"  {klass:<{width}} {seconds:6.1f}s  {1e6 * seconds / changes:5.1f} us/change")
 
 
 STORE_BACKENDS = "postgres: store backends (stream writes, status)"
