@@ -28,15 +28,19 @@ TERMINAL_RUN_STATES = frozenset({"success", "failed"})
 
 
 def metadata_url(dsn: str) -> str:
-    """The SQLAlchemy URL of Airflow's metadata database for a libpq ``dsn`` (psycopg2, Airflow's driver)."""
+    """The SQLAlchemy URL of Airflow's metadata database for a libpq ``dsn`` (psycopg2, Airflow's driver);
+    a socket directory as host goes in the query, where libpq takes it."""
     params = psycopg.conninfo.conninfo_to_dict(dsn)
+    host = params.get("host")
+    socket_dir = bool(host) and str(host).startswith("/")
     return URL.create(
         "postgresql+psycopg2",
         username=params.get("user"),
         password=params.get("password"),
-        host=params.get("host"),
+        host=None if socket_dir else host,
         port=int(params["port"]) if params.get("port") else None,
         database=params.get("dbname"),
+        query={"host": str(host)} if socket_dir else {},
     ).render_as_string(hide_password=False)
 
 
