@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 from bench.destination_results import record  # noqa: E402
 from bench.stream_throughput import ROW, TABLE, write_workload  # noqa: E402
 from devtools.embedded_postgres import EmbeddedPostgres  # noqa: E402
+from devtools.sqlalchemy_url import sqlalchemy_url  # noqa: E402
 from devtools.stream_process import StreamAppProcess, wait_for  # noqa: E402
 from sequin_provider.config import load_config  # noqa: E402
 from sequin_provider.provisioning import initialize  # noqa: E402
@@ -42,7 +43,7 @@ def stream_run(pg: EmbeddedPostgres, work: Path, mode: str, changes: int, warmup
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(TABLE)
     config_path = work / f"{mode}.yaml"
-    catalog = dsn.replace("postgresql://", "postgresql+psycopg2://", 1)
+    catalog = sqlalchemy_url(dsn)
     config_path.write_text(f"""
 databases:
   - name: bench
@@ -102,7 +103,7 @@ def plain_append(pg: EmbeddedPostgres, work: Path, rows: int, chunk: int) -> flo
 
     dsn = pg.create_database("bench_plain")
     options = IcebergOptions(
-        catalog_uri=dsn.replace("postgresql://", "postgresql+psycopg2://", 1),
+        catalog_uri=sqlalchemy_url(dsn),
         warehouse=f"file://{work}/plain",
         table=Route("plain"),
     )

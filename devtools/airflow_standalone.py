@@ -2,7 +2,9 @@
 Airflow's REST API to drive it: ``make up`` runs it for people, the Airflow part of ``make demo``
 and the end-to-end test trigger DAG runs through it as a user's scripts would.
 
-Airflow runs with SQLite and the LocalExecutor (small parallelism) under ``home``; the DAGs folder
+Airflow runs with the LocalExecutor (small parallelism) under ``home``, its metadata in a Postgres
+database when given one (``airflow_env(metadata_dsn=...)``: the end-to-end test and the demo), else
+in SQLite there (``make up``); the DAGs folder
 is ``dags/``; ``sequin_default`` and ``spark_default`` (``local[2]``) come from the environment, so
 nothing is configured by hand. The user is ``admin``; Airflow generates the password into
 ``<home>/simple_auth_manager_passwords.json.generated`` at its first start.
@@ -20,28 +22,11 @@ from typing import IO, Any
 
 import httpx
 import psycopg
-from sqlalchemy.engine import URL
 
+from devtools.sqlalchemy_url import sqlalchemy_url
 from devtools.stream_process import ROOT, wait_for
 
 TERMINAL_RUN_STATES = frozenset({"success", "failed"})
-
-
-def metadata_url(dsn: str) -> str:
-    """The SQLAlchemy URL of Airflow's metadata database for a libpq ``dsn`` (psycopg2, Airflow's driver);
-    a socket directory as host goes in the query, where libpq takes it."""
-    params = psycopg.conninfo.conninfo_to_dict(dsn)
-    host = params.get("host")
-    socket_dir = bool(host) and str(host).startswith("/")
-    return URL.create(
-        "postgresql+psycopg2",
-        username=params.get("user"),
-        password=params.get("password"),
-        host=None if socket_dir else host,
-        port=int(params["port"]) if params.get("port") else None,
-        database=params.get("dbname"),
-        query={"host": str(host)} if socket_dir else {},
-    ).render_as_string(hide_password=False)
 
 
 def airflow_env(
@@ -93,7 +78,7 @@ def airflow_env(
         "SEQUIN_CONFIG": str(config_path),
     }
     if metadata_dsn:
-        env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = metadata_url(metadata_dsn)
+        env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = sqlalchemy_url(metadata_dsn)
     if database:
         env["SEQUIN_DATABASE"] = database
     if slot:

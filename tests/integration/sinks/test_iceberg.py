@@ -23,6 +23,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from devtools.sqlalchemy_url import sqlalchemy_url
 from devtools.stream_process import wait_for
 from sequin_provider.config import load_config
 from sequin_provider.delivery import Outgoing
@@ -71,8 +72,7 @@ TABLES = (
 
 def catalog_uri(dsn: str, port: int | None = None) -> str:
     """The SQLAlchemy URL of the test database (through ``port`` when given)."""
-    uri = dsn.replace("postgresql://", "postgresql+psycopg2://", 1)
-    return uri if port is None else uri.replace(uri.split("@", 1)[1].split("/", 1)[0], f"127.0.0.1:{port}")
+    return sqlalchemy_url(dsn) if port is None else sqlalchemy_url(dsn, host="127.0.0.1", port=port)
 
 
 def make_config(tmp_path: Path, dsn: str, dbname: str, mode: str, **overrides: Any) -> Path:
@@ -239,9 +239,7 @@ def test_init_checks_the_catalog_and_names_the_sink(dsn: str, dbname: str, tmp_p
         initialize(load_config(unreachable))
     assert "lake" in str(caught.value) and "catalog" in str(caught.value)
 
-    wrong_user = make_config(
-        tmp_path, dsn, dbname, "changelog", catalog=catalog_uri(dsn).replace("postgres@", "nobody@")
-    )
+    wrong_user = make_config(tmp_path, dsn, dbname, "changelog", catalog=sqlalchemy_url(dsn, user="nobody"))
     with pytest.raises(DestinationError) as caught:
         initialize(load_config(wrong_user))
     assert "lake" in str(caught.value) and "nobody" in str(caught.value)
