@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.destination_results import record  # noqa: E402
-from bench.stream_throughput import ROW, TABLE, write_workload  # noqa: E402
+from bench.stream_throughput import TABLE, WARMUP_FIRST_ID, insert_rows, write_workload  # noqa: E402
 from devtools.embedded_postgres import EmbeddedPostgres  # noqa: E402
 from devtools.stream_process import StreamAppProcess, wait_for  # noqa: E402
 from sequin_provider.config import load_config  # noqa: E402
@@ -121,12 +121,7 @@ stream: {{checkpoint_location: {work / "ckpt"}}}
                 if args.warmup:
                     print(f"bench: warm-up with {args.warmup} changes ...", flush=True)
                     with psycopg.connect(dsn, autocommit=True) as conn:
-                        for lo in range(10_000_001, 10_000_001 + args.warmup, 500):
-                            hi = min(lo + 499, 10_000_000 + args.warmup)
-                            conn.execute(
-                                f"INSERT INTO events (id, account, amount, kind, payload)"
-                                f" SELECT {ROW} FROM generate_series({lo}, {hi}) g"
-                            )
+                        insert_rows(conn, WARMUP_FIRST_ID, args.warmup)
                     wait_for(lambda: stream_messages(args.server, stream) >= args.warmup, 600, what="the warm-up")
                 before = stream_messages(args.server, stream)
                 print(f"bench: writing {args.changes} changes ...", flush=True)

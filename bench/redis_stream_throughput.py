@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.destination_results import record  # noqa: E402
-from bench.stream_throughput import ROW, TABLE, write_workload  # noqa: E402
+from bench.stream_throughput import TABLE, WARMUP_FIRST_ID, insert_rows, write_workload  # noqa: E402
 from devtools.embedded_postgres import EmbeddedPostgres  # noqa: E402
 from devtools.stream_process import StreamAppProcess, wait_for  # noqa: E402
 from sequin_provider.config import load_config  # noqa: E402
@@ -112,11 +112,7 @@ stream: {{checkpoint_location: {work / "ckpt"}}}
                 if args.warmup:
                     print(f"bench: warm-up with {args.warmup} changes ...", flush=True)
                     with psycopg.connect(dsn, autocommit=True) as conn:
-                        for lo in range(10_000_001, 10_000_001 + args.warmup, 500):
-                            conn.execute(
-                                f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW}"
-                                f" FROM generate_series({lo}, {min(lo + 499, 10_000_000 + args.warmup)}) g"
-                            )
+                        insert_rows(conn, WARMUP_FIRST_ID, args.warmup)
                     wait_for(lambda: client.xlen(key) >= args.warmup, 600, what="the warm-up")
                 base = client.xlen(key)
                 print(f"bench: writing {args.changes} changes (inserts then updates) ...", flush=True)

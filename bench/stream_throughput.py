@@ -84,17 +84,27 @@ def current_lsn(dsn: str) -> int:
         return lsn_to_int(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
 
 
+WARMUP_FIRST_ID = 10_000_001  # the warm-ups' ids, above every workload's
+
+
+def insert_rows(conn: psycopg.Connection, first_id: int, rows: int, txn_rows: int = 500) -> None:
+    """Insert ``rows`` rows of ``events`` with ids from ``first_id``, in transactions of ``txn_rows``
+    (``conn`` in autocommit): the workload's inserts and the benchmarks' warm-ups."""
+    last = first_id + rows - 1
+    for lo in range(first_id, last + 1, txn_rows):
+        conn.execute(
+            f"INSERT INTO events (id, account, amount, kind, payload)"
+            f" SELECT {ROW} FROM generate_series({lo}, {min(lo + txn_rows - 1, last)}) g"
+        )
+
+
 def write_workload(dsn: str, changes: int, first_id: int, txn_rows: int = 500) -> tuple[float, float]:
     """Inserts then updates (half each) of ids from ``first_id``, in transactions of ``txn_rows``;
     returns (start, end) wall times."""
     inserts = changes // 2
-    last = first_id + inserts - 1
     started = time.time()
     with psycopg.connect(dsn, autocommit=True) as conn:
-        for lo in range(first_id, last + 1, txn_rows):
-            conn.execute(
-                f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW} FROM generate_series({lo}, {min(lo + txn_rows - 1, last)}) g"
-            )
+        insert_rows(conn, first_id, inserts, txn_rows)
         for lo in range(first_id, first_id + changes - inserts, txn_rows):
             hi = min(lo + txn_rows - 1, first_id + changes - inserts - 1)
             conn.execute(f"UPDATE events SET amount = amount + 1, updated_at = now() WHERE id BETWEEN {lo} AND {hi}")
@@ -408,10 +418,7 @@ stream: {{checkpoint_location: {work / "ckpt"}, driver_batch_rows: {args.driver_
                 print(f"bench: warm-up with {args.warmup} changes ...", flush=True)
                 warm = sink_count(store_dsn)
                 with psycopg.connect(dsn, autocommit=True) as conn:
-                    for lo in range(10_000_001, 10_000_001 + args.warmup, 500):
-                        conn.execute(
-                            f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW} FROM generate_series({lo}, {min(lo + 499, 10_000_000 + args.warmup)}) g"
-                        )
+                    insert_rows(conn, WARMUP_FIRST_ID, args.warmup)
                 wait_for(lambda: sink_count(store_dsn) >= warm + args.warmup, 600, what="the warm-up")
             with psycopg.connect(dsn, autocommit=True) as conn:  # the reference slots see only the workload
                 start_lsn = create_slot(conn, "recv_slot")
