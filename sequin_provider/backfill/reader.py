@@ -53,6 +53,9 @@ DEFAULT_MAX_PAGE_ROWS = 50_000
 DEFAULT_WINDOW_TIMEOUT = 600.0
 DEFAULT_PAGES_IN_FLIGHT = 3
 SAMPLE_ROWS = 5_000
+FIRST_PAGE_BYTES = 8 * 1024 * 1024  # a first page of about this much row data (``first_page_rows``)
+FIRST_PAGE_ROWS = 1_000  # when the rows' width is unknown, or a row condition decides how far a page scans
+WIDTH_SAMPLE_ROWS = 100
 SNAPSHOT_WAIT = 2.0
 
 
@@ -98,6 +101,32 @@ def table_shape(conn: psycopg.Connection[Any], schema: str, name: str) -> TableS
         tuple(primary_key_columns(conn, oid)),
         tuple(str(r[4]) for r in rows),
     )
+
+
+def first_page_rows(
+    conn: psycopg.Connection[Any], shape: TableShape, max_rows: int, where: str | None, budget_ms: int
+) -> int:
+    """The size of a range's first page: about ``FIRST_PAGE_BYTES`` of rows, from the mean width
+    of the published columns of a few of the table's rows (``pg_column_size`` of the row, its
+    TOASTed values included), at most ``max_rows``. The page size optimizer grows a page by at most
+    2x per page from there: started at 1,000 rows, a table of narrow rows took six pages to reach
+    50,000, each waiting for a window of the stream. ``FIRST_PAGE_ROWS`` when that cannot be told
+    within the page budget (a lock on the table, say), or when the backfill has a row condition: how
+    far a page scans for its rows then depends on how many match."""
+    fallback = min(FIRST_PAGE_ROWS, max_rows)
+    if where is not None:
+        return fallback
+    row = sql.SQL("ROW({})").format(sql.SQL(", ").join(sql.Identifier("r", c) for c in shape.columns))
+    query = sql.SQL("COPY (SELECT avg(pg_column_size({})) FROM (SELECT * FROM {} LIMIT {}) AS r) TO STDOUT").format(
+        row, shape.qualified, sql.Literal(WIDTH_SAMPLE_ROWS)
+    )
+    try:
+        width = read_page(conn, query, budget_ms)[0][0]
+    except psycopg.errors.QueryCanceled:
+        return fallback
+    if not width or float(width) <= 0:  # an empty table
+        return fallback
+    return max(1, min(max_rows, int(FIRST_PAGE_BYTES / float(width))))
 
 
 def _cast_row(shape: TableShape, columns: Sequence[str], values: Sequence[str]) -> sql.Composed:
@@ -482,9 +511,8 @@ class RangeReader:
                 backfill.where,
             )
             positions = [shape.columns.index(c) for c in order]
-            optimizer = PageSizeOptimizer(
-                backfill.max_query_ms, initial_size=min(1000, self.max_page_rows), max_size=self.max_page_rows
-            )
+            first_rows = first_page_rows(source, shape, self.max_page_rows, backfill.where, backfill.max_query_ms)
+            optimizer = PageSizeOptimizer(backfill.max_query_ms, initial_size=first_rows, max_size=self.max_page_rows)
             cursor: list[str] | None = list(rng.cursor) if rng.cursor is not None else None
             # pages an earlier attempt at this range left waiting (a retried task) go stale: only the
             # released ones count

@@ -1,5 +1,6 @@
 """backfill_reader on a real Postgres: a page's query budget covers that query and nothing else; a
-page's COPY bytes lose their order key column exactly."""
+page's COPY bytes lose their order key column exactly; a range's first page holds about
+``FIRST_PAGE_BYTES`` of rows."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import pytest
 from psycopg import sql
 
 from sequin_provider.backfill.reader import (
+    FIRST_PAGE_BYTES,
+    FIRST_PAGE_ROWS,
     PageQuery,
     copy_out,
+    first_page_rows,
     read_page,
     staged_page_end,
     table_shape,
@@ -87,3 +91,34 @@ def test_pages_with_a_condition_walk_the_keyset_and_hold_exactly_the_matching_ro
         partial = walk(PageQuery(shape, ("at", "id"), None, None, "at", "40", where=where))
         assert sorted(partial) == [g for g in range(1, 998) if g % 6 == 0 and g % 50 >= 40]
         assert len(partial) == len(set(partial))
+
+
+def test_a_first_page_holds_about_its_bytes_of_rows_whatever_their_width(dsn: str) -> None:
+    """Narrow rows start at the page ceiling, wide (TOASTed) rows at a few; an empty table, a backfill
+    with a row condition and a table locked past the page budget at ``FIRST_PAGE_ROWS``."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE fp_narrow (id bigint PRIMARY KEY, n int)")
+        conn.execute("INSERT INTO fp_narrow SELECT g, g FROM generate_series(1, 1000) g")
+        # 200 kB of incompressible text per row: stored out of line, counted at its full size
+        conn.execute("CREATE TABLE fp_wide (id bigint PRIMARY KEY, body text)")
+        conn.execute(
+            "INSERT INTO fp_wide SELECT g, (SELECT string_agg(md5(g::text || ':' || i), '')"
+            " FROM generate_series(1, 6250) i) FROM generate_series(1, 20) g"
+        )
+        conn.execute("CREATE TABLE fp_empty (id bigint PRIMARY KEY)")
+        narrow, wide, empty = (table_shape(conn, "public", t) for t in ("fp_narrow", "fp_wide", "fp_empty"))
+        narrow_width = conn.execute("SELECT avg(pg_column_size(ROW(id, n))) FROM fp_narrow").fetchone()[0]
+
+        assert first_page_rows(conn, narrow, 50_000, None, 5000) == 50_000
+        assert first_page_rows(conn, narrow, 10_000_000, None, 5000) == int(FIRST_PAGE_BYTES / float(narrow_width))
+        assert (
+            FIRST_PAGE_BYTES // 200_100
+            <= first_page_rows(conn, wide, 50_000, None, 5000)
+            <= FIRST_PAGE_BYTES // 200_000
+        )
+        assert first_page_rows(conn, empty, 50_000, None, 5000) == FIRST_PAGE_ROWS
+        assert first_page_rows(conn, narrow, 50_000, "n > 5", 5000) == FIRST_PAGE_ROWS
+        assert first_page_rows(conn, narrow, 500, "n > 5", 5000) == 500
+        with psycopg.connect(dsn) as locker:  # a lock held past the budget: the default, not a wait
+            locker.execute("LOCK TABLE fp_narrow IN ACCESS EXCLUSIVE MODE")
+            assert first_page_rows(conn, narrow, 50_000, None, 200) == FIRST_PAGE_ROWS
