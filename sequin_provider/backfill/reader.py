@@ -116,10 +116,11 @@ def first_page_rows(
     fallback = min(FIRST_PAGE_ROWS, max_rows)
     if where is not None:
         return fallback
-    row = sql.SQL("ROW({})").format(sql.SQL(", ").join(sql.Identifier("r", c) for c in shape.columns))
-    query = sql.SQL("COPY (SELECT avg(pg_column_size({})) FROM (SELECT * FROM {} LIMIT {}) AS r) TO STDOUT").format(
-        row, shape.qualified, sql.Literal(WIDTH_SAMPLE_ROWS)
-    )
+    # the published columns by name, as the pages read them (a role may see only those)
+    columns = sql.SQL(", ").join(sql.Identifier(c) for c in shape.columns)
+    query = sql.SQL(
+        "COPY (SELECT avg(pg_column_size(ROW({}))) FROM (SELECT {} FROM {} LIMIT {}) AS r) TO STDOUT"
+    ).format(columns, columns, shape.qualified, sql.Literal(WIDTH_SAMPLE_ROWS))
     try:
         width = read_page(conn, query, budget_ms)[0][0]
     except psycopg.errors.QueryCanceled:

@@ -122,3 +122,22 @@ def test_a_first_page_holds_about_its_bytes_of_rows_whatever_their_width(dsn: st
         with psycopg.connect(dsn) as locker:  # a lock held past the budget: the default, not a wait
             locker.execute("LOCK TABLE fp_narrow IN ACCESS EXCLUSIVE MODE")
             assert first_page_rows(conn, narrow, 50_000, None, 200) == FIRST_PAGE_ROWS
+
+
+def test_a_first_page_reads_only_the_published_columns(dsn: str) -> None:
+    """A role that may read the published columns and not a generated one still gets its first page
+    sized (a ``SELECT *`` sample would be refused)."""
+    role = f"fp_reader_{psycopg.conninfo.conninfo_to_dict(dsn)['dbname']}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "CREATE TABLE fp_cols (id bigint PRIMARY KEY, n int, doubled int GENERATED ALWAYS AS (n * 2) STORED)"
+        )
+        conn.execute("INSERT INTO fp_cols (id, n) SELECT g, g FROM generate_series(1, 100) g")
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+        conn.execute(sql.SQL("GRANT SELECT (id, n) ON fp_cols TO {}").format(sql.Identifier(role)))
+        shape = table_shape(conn, "public", "fp_cols")
+    assert shape.columns == ("id", "n")
+    with psycopg.connect(dsn, user=role, autocommit=True) as reader:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            reader.execute("SELECT * FROM fp_cols LIMIT 1")
+        assert first_page_rows(reader, shape, 50_000, None, 5000) == 50_000
