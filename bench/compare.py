@@ -452,8 +452,9 @@ def stream_section(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]
                     here,
                 )
             )
-            initialize(load_config(stream_config))  # the publication, used by every contender
-            drop_slot(dsn, "stream_slot")  # made again when our app starts
+            if n == 1:  # the publication, used by every contender of every round
+                initialize(load_config(stream_config))
+                drop_slot(dsn, "stream_slot")  # made again when our app starts
             found: dict[str, dict[str, float]] = {LIMIT: {"throughput": pg_recvlogical_round(dsn, ids, args)}}
             found[DEBEZIUM] = measure_round(Debezium(pg.port, dsn, here), dsn, ids, args)
             drop_slot(dsn, "dbz_slot")

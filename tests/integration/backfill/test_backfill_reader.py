@@ -134,10 +134,15 @@ def test_a_first_page_reads_only_the_published_columns(dsn: str) -> None:
         )
         conn.execute("INSERT INTO fp_cols (id, n) SELECT g, g FROM generate_series(1, 100) g")
         conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
-        conn.execute(sql.SQL("GRANT SELECT (id, n) ON fp_cols TO {}").format(sql.Identifier(role)))
-        shape = table_shape(conn, "public", "fp_cols")
-    assert shape.columns == ("id", "n")
-    with psycopg.connect(dsn, user=role, autocommit=True) as reader:
-        with pytest.raises(psycopg.errors.InsufficientPrivilege):
-            reader.execute("SELECT * FROM fp_cols LIMIT 1")
-        assert first_page_rows(reader, shape, 50_000, None, 5000) == 50_000
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("GRANT SELECT (id, n) ON fp_cols TO {}").format(sql.Identifier(role)))
+            shape = table_shape(conn, "public", "fp_cols")
+        assert shape.columns == ("id", "n")
+        with psycopg.connect(dsn, user=role, autocommit=True) as reader:
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                reader.execute("SELECT * FROM fp_cols LIMIT 1")
+            assert first_page_rows(reader, shape, 50_000, None, 5000) == 50_000
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP OWNED BY {0}; DROP ROLE {0}").format(sql.Identifier(role)))
