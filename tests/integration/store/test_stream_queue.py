@@ -169,6 +169,20 @@ def test_receiving_writes_no_index_entry(dsn: str, conn: psycopg.Connection) -> 
     assert updated == 200 and hot >= 180, (updated, hot)
 
 
+def test_a_claim_fetches_the_rows_it_locked_without_a_descent_each(dsn: str, conn: psycopg.Connection) -> None:
+    """A receive of 200 scans the primary key once (the head) and updates the rows it locked by their
+    ctid: joining them on the key again descended the index once per message, about a tenth of the
+    store's CPU per receive (docs/architecture.md, "The pull API's store side")."""
+    put_stream_messages(dsn, SINK, [(i, 0, f"g{i}") for i in range(1, 201)])
+    with conn.transaction():  # pg_stat_xact_user_tables counts this transaction's index scans
+        got = stream_queue.receive(conn, "sequin", SINK, 200, 30, 1000)
+        (scans,) = conn.execute(
+            "SELECT idx_scan FROM pg_stat_xact_user_tables WHERE schemaname = 'sequin' AND relname = 'stream_messages'"
+        ).fetchone()
+    assert len(got) == 200
+    assert scans <= 2, scans
+
+
 def test_a_receive_reads_past_a_long_head_of_waiting_messages(dsn: str, conn: psycopg.Connection) -> None:
     """A receive first reads a short head of the stream (its pending messages and four times the batch):
     when a group's backlog fills it, the receive reads further (``HEAD_GROWTH``) and still finds
