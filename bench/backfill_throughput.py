@@ -144,8 +144,10 @@ def run_backfill(config_path: Path, rows: int, sink: str = "events") -> tuple[fl
     if breakdown:
         print(
             f"bench:   where a range's time went (summed over its pages, mean of {breakdown['ranges']} ranges):"
-            f" select {breakdown['select_s']:.1f}s, render+stage {breakdown['stage_s']:.1f}s, waiting for the"
-            f" stream app to emit {breakdown['window_s']:.1f}s; {breakdown['pages']} pages",
+            f" select {breakdown['select_s']:.1f}s, render+stage {breakdown['stage_s']:.1f}s, blocked waiting for"
+            f" the stream app {breakdown['waited_s']:.1f}s; {breakdown['pages']} pages, each taken by the stream"
+            f" app {breakdown['window_s'] / max(breakdown['pages_per_range'], 1):.2f}s after its staging on average"
+            " (the later pages in flight staged meanwhile)",
             flush=True,
         )
     return seconds, (lines[-1] if lines else ""), started_at
@@ -153,18 +155,20 @@ def run_backfill(config_path: Path, rows: int, sink: str = "events") -> tuple[fl
 
 PAGE_LINE = re.compile(
     r"backfill \d+ range (\d+) page \d+: (\d+) rows; select (\d+) ms, render\+stage (\d+) ms,"
-    r" window (\d+) ms"
+    r" window (\d+) ms(?: \(waited (\d+) ms\))?"
 )
 
 
 def page_breakdown(log: str) -> dict[str, float] | None:
-    """From the backfill app's per-page log lines: seconds per phase, summed per range, mean over ranges."""
+    """From the backfill app's per-page log lines: seconds per phase, summed per range, mean over ranges.
+    A page's window runs from its staging until the stream app took it, and overlaps the staging of the
+    pages after it (up to ``pages_in_flight``); ``waited`` is the time the range was blocked on it."""
     per_range: dict[str, list[float]] = {}
     pages = 0
     for match in PAGE_LINE.finditer(log):
-        totals = per_range.setdefault(match.group(1), [0.0, 0.0, 0.0])
-        for i, group in enumerate((3, 4, 5)):
-            totals[i] += int(match.group(group)) / 1000.0
+        totals = per_range.setdefault(match.group(1), [0.0, 0.0, 0.0, 0.0])
+        for i, group in enumerate((3, 4, 5, 6)):
+            totals[i] += int(match.group(group) or 0) / 1000.0
         pages += 1
     if not per_range:
         return None
@@ -175,6 +179,8 @@ def page_breakdown(log: str) -> dict[str, float] | None:
         "select_s": sum(t[0] for t in per_range.values()) / n,
         "stage_s": sum(t[1] for t in per_range.values()) / n,
         "window_s": sum(t[2] for t in per_range.values()) / n,
+        "waited_s": sum(t[3] for t in per_range.values()) / n,
+        "pages_per_range": pages / n,
     }
 
 

@@ -755,7 +755,8 @@ class RangeReader:
         when its window was broken by a stream app restart (the page is read again). Reads the task
         wrote are settled once the window closed (``closing``: a replayed batch keeps that answer),
         so only a ``final`` page waits for the batch that makes them visible to consumers."""
-        deadline = time.monotonic() + self.window_timeout
+        waiting_since = time.monotonic()
+        deadline = waiting_since + self.window_timeout
         delay = 0.01
         settled = ("emitted", "stale", "closing") if page.reads_written and not final else ("emitted", "stale")
         while True:
@@ -773,7 +774,8 @@ class RangeReader:
             delay = min(delay * 1.5, 0.1)
         if not quiet:
             log.info(
-                "backfill %d range %d page %d: %d rows; select %.0f ms, render+stage %.0f ms, window %.0f ms",
+                "backfill %d range %d page %d: %d rows; select %.0f ms, render+stage %.0f ms, window %.0f ms"
+                " (waited %.0f ms)",
                 self.backfill_id,
                 self.range_idx,
                 page.page_id,
@@ -781,6 +783,7 @@ class RangeReader:
                 page.select_ms,
                 page.stage_ms,
                 (time.monotonic() - page.staged_at) * 1000,
+                (time.monotonic() - waiting_since) * 1000,
             )
         if state.state == "stale":
             if not quiet:
