@@ -155,7 +155,7 @@ def run_backfill(config_path: Path, rows: int, sink: str = "events") -> tuple[fl
 
 PAGE_LINE = re.compile(
     r"backfill \d+ range (\d+) page \d+: (\d+) rows; select (\d+) ms, render\+stage (\d+) ms,"
-    r" window (\d+) ms(?: \(waited (\d+) ms\))?"
+    r" window (\d+) ms \(waited (\d+) ms\)"
 )
 
 
@@ -168,7 +168,7 @@ def page_breakdown(log: str) -> dict[str, float] | None:
     for match in PAGE_LINE.finditer(log):
         totals = per_range.setdefault(match.group(1), [0.0, 0.0, 0.0, 0.0])
         for i, group in enumerate((3, 4, 5, 6)):
-            totals[i] += int(match.group(group) or 0) / 1000.0
+            totals[i] += int(match.group(group)) / 1000.0
         pages += 1
     if not per_range:
         return None

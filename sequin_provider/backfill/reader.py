@@ -773,6 +773,7 @@ class RangeReader:
             time.sleep(delay)
             delay = min(delay * 1.5, 0.1)
         if not quiet:
+            now = time.monotonic()
             log.info(
                 "backfill %d range %d page %d: %d rows; select %.0f ms, render+stage %.0f ms, window %.0f ms"
                 " (waited %.0f ms)",
@@ -782,8 +783,8 @@ class RangeReader:
                 page.rows,
                 page.select_ms,
                 page.stage_ms,
-                (time.monotonic() - page.staged_at) * 1000,
-                (time.monotonic() - waiting_since) * 1000,
+                (now - page.staged_at) * 1000,
+                (now - waiting_since) * 1000,
             )
         if state.state == "stale":
             if not quiet:
