@@ -404,12 +404,18 @@ def copy_binary_tuple(row: Sequence[object]) -> bytes:
     )
 
 
-def read_rows_copy_binary(reads: StoreReads, page_id: int, records: pa.Array, record_pks: pa.Array) -> pa.Buffer:
+def read_rows_copy_binary(
+    reads: StoreReads, page_id: int, records: pa.Array, record_pks: pa.Array, compact: bool = False
+) -> pa.Buffer:
     """A backfill page's reads for a plain Sequin Stream sink as COPY binary tuples of
     ``store.READ_MESSAGE_COLUMNS``, without header or trailer: ``records`` are the rows' record
     JSON texts and ``record_pks`` their keys as JSON arrays, in page order. The messages are
     ``reads.template`` around them (``messages.read_message_template``), as ``render`` renders the
-    same reads through Spark (tested byte for byte); keyed ``backfill:<id>:<keys JSON>``."""
+    same reads through Spark (tested byte for byte); keyed ``backfill:<id>:<keys JSON>``.
+
+    With ``compact`` a message's data is its record alone: its page holds the template
+    (``store.stage_page_reads_copy``'s ``template``) and the store serves the whole message
+    (``store.READ_DATA``), so each read stores a third of the bytes."""
     n = len(records)
     if not n:
         return pa.py_buffer(b"")
@@ -422,7 +428,7 @@ def read_rows_copy_binary(reads: StoreReads, page_id: int, records: pa.Array, re
         else pc.binary_join_element_wise(f"{reads.commit_lsn}:", idx_text, "")
     )
     t = reads.template
-    if t.record_only:
+    if t.record_only or compact:
         data = records
     else:
         # the key as a JSON string: it holds a JSON text, whose only characters JSON escapes are '"' and '\'

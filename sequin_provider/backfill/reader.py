@@ -295,14 +295,16 @@ def rendered_reads(
     decoder: PgOutputDecoder, rel: Relation, data: bytes | bytearray, reads: StoreReads, page_id: int
 ) -> tuple[int, list[bytes | memoryview]]:
     """A page of ``PageQuery.sql`` as its reads for a plain Sequin Stream sink, rendered in this
-    task (``PgOutputDecoder.render_copy``, then ``message_render.read_rows_copy_binary``): the row
-    count and the COPY binary chunks for ``store.stage_page_reads_copy``."""
+    task (``PgOutputDecoder.render_copy``, then ``message_render.read_rows_copy_binary``), compact
+    (their records alone: the page keeps ``reads.template``): the row count and the COPY binary
+    chunks for ``store.stage_page_reads_copy``."""
     records, record_offsets, pks, pk_offsets, rows = decoder.render_copy(rel, data)
     body = read_rows_copy_binary(
         reads,
         page_id,
         pa.StringArray.from_buffers(rows, pa.py_buffer(record_offsets), pa.py_buffer(records)),
         pa.StringArray.from_buffers(rows, pa.py_buffer(pk_offsets), pa.py_buffer(pks)),
+        compact=True,
     )
     return rows, [COPY_BINARY_HEADER, memoryview(body), COPY_BINARY_TRAILER]
 
@@ -675,7 +677,15 @@ class RangeReader:
                     if rendered != rows:  # both count the page's lines; a mismatch would misstate progress
                         raise BackfillError(f"page {page_id}: {rendered} rows rendered of {rows} read")
                     staged = store.stage_page_reads_copy(
-                        store_conn, self.schema, page_id, chunks, rows, cursor_after, reads.commit_lsn, binary=True
+                        store_conn,
+                        self.schema,
+                        page_id,
+                        chunks,
+                        rows,
+                        cursor_after,
+                        reads.commit_lsn,
+                        binary=True,
+                        template=reads.template,
                     )
             elif record is not None:
                 rows, cursor_after = staged_page_end(data)

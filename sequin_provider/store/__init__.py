@@ -98,6 +98,7 @@ from sequin_provider.store.replays import Replay, create_replay, list_replays, r
 from sequin_provider.store.status import STATUS_FIELDS, read_status, update_status
 from sequin_provider.store.stream import (
     COPY_TEXT_ESCAPES,
+    READ_DATA,
     READS_RELEASED,
     STREAM_COLUMNS,
     VISIBLE_CHANNEL,
@@ -142,6 +143,7 @@ __all__ = [
     "MAX_QUERY_MS_LIMIT",
     "MIGRATIONS",
     "PARKED_COLUMNS",
+    "READ_DATA",
     "READS_RELEASED",
     "READ_MESSAGE_COLUMNS",
     "SCHEMA_VERSION",

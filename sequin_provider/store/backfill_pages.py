@@ -144,13 +144,21 @@ def _mark_staged(
     rows: int,
     cursor_after: list[str] | None,
     read_lsn: int | None,
+    template: ReadMessageTemplate | None = None,
 ) -> None:
+    """A page staged: its rows, next cursor, the position of the reads the task wrote, and the
+    template of those reads when they hold their records alone (``READ_DATA``)."""
+    parts = (
+        [template.before_record, template.before_idx, template.after_pks]
+        if template is not None and not template.record_only
+        else None
+    )
     cur.execute(
         sql.SQL(
             "UPDATE {}.backfill_pages SET state = 'staged', rows_staged = %s, cursor_after = %s,"
-            " read_lsn = %s, updated_at = now() WHERE id = %s AND state = 'open'"
+            " read_lsn = %s, read_template = %s, updated_at = now() WHERE id = %s AND state = 'open'"
         ).format(s),
-        (rows, Jsonb(cursor_after) if cursor_after is not None else None, read_lsn, page_id),
+        (rows, Jsonb(cursor_after) if cursor_after is not None else None, read_lsn, parts, page_id),
     )
 
 
@@ -400,11 +408,14 @@ def stage_page_reads_copy(
     cursor_after: list[str] | None,
     read_lsn: int,
     binary: bool = False,
+    template: ReadMessageTemplate | None = None,
 ) -> bool:
     """Job side: a page's read messages as COPY text (rendered by the source, ``read_messages_sql``)
     or, with ``binary``, as COPY binary from header to trailer (``message_render.read_rows_copy_binary``),
     in chunks, written straight into the stream table, hidden until the page's window closes; the
-    page is then staged. False when the page is no longer open (nothing is written)."""
+    page is then staged. With ``template`` the messages' data is their records alone (``compact``
+    reads) and the page keeps the rest, from which the store serves them whole (``READ_DATA``).
+    False when the page is no longer open (nothing is written)."""
     s = ident(schema)
     with conn.transaction(), conn.cursor() as cur:
         if not _lock_open_page(cur, schema, page_id):
@@ -418,7 +429,7 @@ def stage_page_reads_copy(
         ) as copy:
             for chunk in data:
                 copy.write(chunk)
-        _mark_staged(cur, s, page_id, rows, cursor_after, read_lsn)
+        _mark_staged(cur, s, page_id, rows, cursor_after, read_lsn, template)
     conn.commit()
     return True
 

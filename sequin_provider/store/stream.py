@@ -16,6 +16,18 @@ READS_RELEASED = """(m.backfill_page IS NULL OR EXISTS (SELECT 1 FROM {s}.backfi
 """SQL condition on a message ``m`` of ``stream_messages``: not a backfill read still waiting for its
 page's window to close (``{s}``: the store's schema identifier)."""
 
+READ_DATA = """CASE WHEN {m}.backfill_page IS NULL THEN {m}.data ELSE coalesce((SELECT p.read_template[1] || {m}.data
+    || p.read_template[2] || {m}.commit_idx || ',"idempotency_key":' || to_json({m}.idempotency_key)::text
+    || ',"record_pks":' || substr({m}.idempotency_key, length(p.backfill_id::text) + 11) || p.read_template[3]
+    FROM {s}.backfill_pages p WHERE p.id = {m}.backfill_page), {m}.data) END"""
+"""SQL of the whole message JSON of a message ``{m}`` of ``stream_messages``, as consumers are served
+it. A backfill read the task wrote compact (``message_render.read_rows_copy_binary``) holds its
+record alone, and its page the template around it (``backfill_pages.read_template``: before the
+record, before the index, after the keys, as ``messages.ReadMessageTemplate``); the message is put
+together here as the renderer would have written it: the key as a JSON string (``to_json``, as
+``read_messages_sql``) and the keys JSON from the key, ``backfill:<id>:<keys JSON>``. Every other
+message (a null template) holds its whole JSON."""
+
 
 StreamRow = tuple
 """(sink, commit_lsn, commit_idx, group_id, idempotency_key, data JSON[, barrier]): a truncate
@@ -254,7 +266,7 @@ def stream_messages(
         conditions.append(sql.SQL(READS_RELEASED).format(s=ident(schema)))
     where = sql.SQL("WHERE ") + sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("")
     query = sql.SQL(
-        "SELECT m.sink, m.commit_lsn, m.commit_idx, m.group_id, m.idempotency_key, m.data::text"
+        "SELECT m.sink, m.commit_lsn, m.commit_idx, m.group_id, m.idempotency_key, {}"
         " FROM {}.stream_messages m {} ORDER BY m.sink, m.commit_lsn, m.commit_idx"
-    ).format(ident(schema), where)
+    ).format(sql.SQL(READ_DATA).format(m=sql.Identifier("m"), s=ident(schema)), ident(schema), where)
     return [StoredMessage(*r) for r in conn.execute(query, (sink,) if sink else ()).fetchall()]

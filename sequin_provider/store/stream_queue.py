@@ -14,7 +14,7 @@ import psycopg
 from psycopg import sql
 
 from sequin_provider.store.connection import DURABLE_COMMIT, ident, int_array, own_transaction
-from sequin_provider.store.stream import READS_RELEASED
+from sequin_provider.store.stream import READ_DATA, READS_RELEASED
 
 Deliveries = tuple[list[int], list[int], list[int]]
 """Deliveries to settle, as three parallel lists: their messages' commit LSNs, commit indexes and
@@ -60,7 +60,7 @@ _RECEIVE = """
                last_delivered_at = now()
           FROM picked
          WHERE t.ctid = picked.row_id AND t.sink = %(sink)s
-        RETURNING t.commit_lsn, t.commit_idx, t.ack_nonce, t.data::text, picked.newly_pending),
+        RETURNING t.commit_lsn, t.commit_idx, t.ack_nonce, {data} AS data, picked.newly_pending),
     counted AS (
         INSERT INTO {s}.stream_pending AS p (sink, pending)
         SELECT %(sink)s, count(*) FROM claimed WHERE newly_pending HAVING count(*) > 0
@@ -98,10 +98,12 @@ def _receive_sql(schema: str, first: bool, encoding: str) -> bytes:
     ``first`` reads the receive's start in the same statement (``_START``), else the caller
     passes the visibility watermark, the head and the claim."""
     s = ident(schema)
+    data = sql.SQL(READ_DATA).format(m=sql.Identifier("t"), s=s)
     if first:
         composed = sql.SQL(_RECEIVE).format(
             s=s,
             ready=_ready(s),
+            data=data,
             start=sql.SQL(_START).format(s=s),
             visible=sql.SQL("(SELECT visible FROM start)"),
             head=sql.SQL("coalesce((SELECT head FROM start), 0)"),
@@ -113,6 +115,7 @@ def _receive_sql(schema: str, first: bool, encoding: str) -> bytes:
         composed = sql.SQL(_RECEIVE).format(
             s=s,
             ready=_ready(s),
+            data=data,
             start=sql.SQL(""),
             visible=sql.SQL("%(visible)s"),
             head=sql.SQL("%(head)s"),

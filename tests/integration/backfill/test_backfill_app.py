@@ -755,6 +755,7 @@ def test_reads_the_task_writes_equal_the_pipelines_byte_for_byte(
     import pyarrow as pa
     from psycopg import sql
 
+    from sequin_provider import stream_queue
     from sequin_provider.backfill.reader import copy_out
     from sequin_provider.backfill.watermarks import page_reads, read_rows
     from sequin_provider.message_render import COPY_BINARY_HEADER, COPY_BINARY_TRAILER, read_rows_copy_binary
@@ -774,11 +775,14 @@ def test_reads_the_task_writes_equal_the_pipelines_byte_for_byte(
     at = (987_654_321, 3, "2026-11-22T08:00:00.123456Z", 4242)  # the reads' position, time, xid
     with psycopg.connect(dsn) as conn:
 
-        def written() -> list[tuple]:
-            rows = conn.execute(
-                "SELECT commit_lsn, commit_idx, group_id, idempotency_key, data::text"
-                " FROM sequin.stream_messages ORDER BY commit_lsn, commit_idx"
-            ).fetchall()
+        def written(stored: list[str] | None = None) -> list[tuple]:
+            """The messages as the store serves them (then deleted); ``stored``: their data as stored."""
+            rows = [
+                (m.commit_lsn, m.commit_idx, m.group_id, m.idempotency_key, m.data)
+                for m in store.stream_messages(conn, "sequin")
+            ]
+            if stored is not None:
+                stored += [r[0] for r in conn.execute("SELECT data FROM sequin.stream_messages ORDER BY commit_idx")]
             conn.execute("DELETE FROM sequin.stream_messages")
             conn.commit()
             return rows
@@ -819,32 +823,51 @@ def test_reads_the_task_writes_equal_the_pipelines_byte_for_byte(
         assert store.close_backfill_window(conn, "sequin", page, True, set(), at[0] + 10).in_store == len(TRICKY_KEYS)
         by_source = written()
 
-        # rendered in the task from the records and keys (the compiled page path: COPY binary)
-        page = store.open_backfill_page(conn, "sequin", backfill_id, 0)
-        conn.commit()
-        body = read_rows_copy_binary(
-            reads,
-            page,
-            pa.array([record for _, record in staged], pa.string()),
-            pa.array([json_text(pks) for pks, _ in staged], pa.string()),
-        )
-        assert store.stage_page_reads_copy(
-            conn,
-            "sequin",
-            page,
-            (COPY_BINARY_HEADER, memoryview(body), COPY_BINARY_TRAILER),
-            len(staged),
-            None,
-            at[0],
-            binary=True,
-        )
-        assert store.close_backfill_window(conn, "sequin", page, True, set(), at[0] + 10).in_store == len(TRICKY_KEYS)
+        def staged_by_arrow(compact: bool) -> None:
+            """The page rendered in the task from the records and keys (the compiled page path: COPY
+            binary), staged and closed; ``compact`` as the backfill task writes it."""
+            page = store.open_backfill_page(conn, "sequin", backfill_id, 0)
+            conn.commit()
+            body = read_rows_copy_binary(
+                reads,
+                page,
+                pa.array([record for _, record in staged], pa.string()),
+                pa.array([json_text(pks) for pks, _ in staged], pa.string()),
+                compact=compact,
+            )
+            assert store.stage_page_reads_copy(
+                conn,
+                "sequin",
+                page,
+                (COPY_BINARY_HEADER, memoryview(body), COPY_BINARY_TRAILER),
+                len(staged),
+                None,
+                at[0],
+                binary=True,
+                template=reads.template if compact else None,
+            )
+            closed = store.close_backfill_window(conn, "sequin", page, True, set(), at[0] + 10)
+            assert closed is not None and closed.in_store == len(TRICKY_KEYS)
+
+        staged_by_arrow(compact=False)
         by_arrow = written()
+
+        # compact, as the backfill task writes them: each read stores its record alone, the page
+        # the template, and the store serves the whole message (read back, and received)
+        staged_by_arrow(compact=True)
+        store.advance_visible_lsn(conn, "sequin", [sink.name], at[0] + 10)
+        conn.commit()
+        served = [d.data for d in stream_queue.receive(conn, "sequin", sink.name, 100, 30.0, 1000)]
+        stored: list[str] = []
+        compact = written(stored)
 
     assert len(through_spark) == len(TRICKY_KEYS)
     assert by_task == through_spark
     assert by_source == through_spark
     assert by_arrow == through_spark
+    assert compact == through_spark
+    assert served == [r[4] for r in through_spark]
+    assert stored == [record for _, record in staged] if kind != "record_only" else [r[4] for r in through_spark]
     if kind != "record_only":
         assert [json.loads(r[4])["metadata"]["record_pks"][0] for r in by_task] == TRICKY_KEYS
 
