@@ -11,6 +11,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from sequin_provider.exceptions import StoreError
 from sequin_provider.store.connection import ident
 
 MIGRATIONS: tuple[tuple[int, str, str], ...] = (
@@ -354,7 +355,8 @@ SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
 def migrate(conn: psycopg.Connection[Any], schema: str = "sequin") -> list[int]:
-    """Create the schema and apply missing migrations; return the versions applied now."""
+    """Create the schema and apply missing migrations; return the versions applied now. Raises
+    ``StoreError`` when a newer install has migrated the store further than this one knows."""
     applied: list[int] = []
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(hashtext('sequin-migrate:' || %s))", (schema,))
@@ -366,6 +368,13 @@ def migrate(conn: psycopg.Connection[Any], schema: str = "sequin") -> list[int]:
             ).format(ident(schema))
         )
         done = {v for (v,) in conn.execute(sql.SQL("SELECT version FROM {}.schema_migrations").format(ident(schema)))}
+        if max(done, default=0) > SCHEMA_VERSION:
+            # a newer install migrated this store: this one would misread what it wrote (e.g. the
+            # compact backfill reads of migration 17 served without their message)
+            raise StoreError(
+                f"the store's schema {schema!r} is at version {max(done)}, newer than this install knows"
+                f" ({SCHEMA_VERSION}): a newer sequin_provider migrated it; upgrade this install"
+            )
         for version, name, body in MIGRATIONS:
             if version in done:
                 continue

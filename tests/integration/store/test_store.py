@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import psycopg
+import pytest
 from psycopg.conninfo import make_conninfo
 
 from sequin_provider import store
+from sequin_provider.exceptions import StoreError
 from sequin_provider.sinks import kind
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
 
@@ -20,6 +22,20 @@ def test_migrations_are_versioned_and_idempotent(dsn: str) -> None:
         assert store.migrate(conn, "custom") == [m[0] for m in store.MIGRATIONS]
         assert store.migrate(conn, "custom") == []
         assert store.schema_version(conn, "custom") == store.SCHEMA_VERSION
+
+
+def test_a_store_migrated_by_a_newer_install_is_refused_with_a_clear_error(dsn: str) -> None:
+    """An older install must not use a store a newer one migrated (it would misread what the newer
+    one writes, e.g. compact backfill reads): ``migrate``, which every app runs first, says so."""
+    with psycopg.connect(dsn) as conn:
+        store.migrate(conn, "newer")
+        conn.execute(
+            "INSERT INTO newer.schema_migrations (version, name) VALUES (%s, 'from the future')",
+            (store.SCHEMA_VERSION + 1,),
+        )
+        conn.commit()
+        with pytest.raises(StoreError, match=rf"version {store.SCHEMA_VERSION + 1}, newer than this install"):
+            store.migrate(conn, "newer")
 
 
 def test_replayed_batches_add_nothing_and_keep_position_order(dsn: str) -> None:
