@@ -36,6 +36,7 @@ from sequin_provider.backfill.watermarks import HIGH_PREFIX, LOW_PREFIX, Waterma
 from sequin_provider.config import SequinConfig, SinkConfig
 from sequin_provider.delivery import reads_render_in_store
 from sequin_provider.message_render import COPY_BINARY_HEADER, COPY_BINARY_TRAILER, read_rows_copy_binary
+from sequin_provider.messages import ReadMessageTemplate
 from sequin_provider.pgoutput import (
     PgOutputDecoder,
     Relation,
@@ -291,13 +292,23 @@ def page_end(data: bytes | bytearray, positions: Sequence[int]) -> tuple[int, li
     return data.count(b"\n"), [str(last[p]) for p in positions]
 
 
+@dataclass(frozen=True)
+class RenderedPage:
+    """A page's reads rendered in the task, compact: ``rows`` reads as COPY binary ``chunks`` for
+    ``store.stage_page_reads_copy``, which must be given ``template`` with them (the messages hold
+    their records alone and the page keeps the rest). One value so the two cannot disagree."""
+
+    rows: int
+    chunks: list[bytes | memoryview]
+    template: ReadMessageTemplate
+
+
 def rendered_reads(
     decoder: PgOutputDecoder, rel: Relation, data: bytes | bytearray, reads: StoreReads, page_id: int
-) -> tuple[int, list[bytes | memoryview]]:
+) -> RenderedPage:
     """A page of ``PageQuery.sql`` as its reads for a plain Sequin Stream sink, rendered in this
     task (``PgOutputDecoder.render_copy``, then ``message_render.read_rows_copy_binary``), compact
-    (their records alone: the page keeps ``reads.template``): the row count and the COPY binary
-    chunks for ``store.stage_page_reads_copy``."""
+    (their records alone: the page keeps ``reads.template``)."""
     records, record_offsets, pks, pk_offsets, rows = decoder.render_copy(rel, data)
     body = read_rows_copy_binary(
         reads,
@@ -306,7 +317,7 @@ def rendered_reads(
         pa.StringArray.from_buffers(rows, pa.py_buffer(pk_offsets), pa.py_buffer(pks)),
         compact=True,
     )
-    return rows, [COPY_BINARY_HEADER, memoryview(body), COPY_BINARY_TRAILER]
+    return RenderedPage(rows, [COPY_BINARY_HEADER, memoryview(body), COPY_BINARY_TRAILER], reads.template)
 
 
 def staged_page_end(data: bytes | bytearray) -> tuple[int, list[str] | None]:
@@ -673,19 +684,19 @@ class RangeReader:
             if in_task and reads is not None:  # reads: set whenever in_task
                 rows, cursor_after = page_end(data, positions)
                 if rows:
-                    rendered, chunks = rendered_reads(decoder, rel, data, reads, page_id)
-                    if rendered != rows:  # both count the page's lines; a mismatch would misstate progress
-                        raise BackfillError(f"page {page_id}: {rendered} rows rendered of {rows} read")
+                    rendered = rendered_reads(decoder, rel, data, reads, page_id)
+                    if rendered.rows != rows:  # both count the page's lines; a mismatch would misstate progress
+                        raise BackfillError(f"page {page_id}: {rendered.rows} rows rendered of {rows} read")
                     staged = store.stage_page_reads_copy(
                         store_conn,
                         self.schema,
                         page_id,
-                        chunks,
+                        rendered.chunks,
                         rows,
                         cursor_after,
                         reads.commit_lsn,
                         binary=True,
-                        template=reads.template,
+                        template=rendered.template,
                     )
             elif record is not None:
                 rows, cursor_after = staged_page_end(data)

@@ -867,7 +867,7 @@ def test_reads_the_task_writes_equal_the_pipelines_byte_for_byte(
     assert by_arrow == through_spark
     assert compact == through_spark
     assert served == [r[4] for r in through_spark]
-    assert stored == [record for _, record in staged] if kind != "record_only" else [r[4] for r in through_spark]
+    assert stored == ([record for _, record in staged] if kind != "record_only" else [r[4] for r in through_spark])
     if kind != "record_only":
         assert [json.loads(r[4])["metadata"]["record_pks"][0] for r in by_task] == TRICKY_KEYS
 
