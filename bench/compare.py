@@ -60,6 +60,7 @@ from bench.backfill_throughput import (  # noqa: E402
 from bench.delivery_throughput import BackloggedServer, answers, fill, http_consumer, run_consumers  # noqa: E402
 from bench.machine_memory import add_touch_memory_argument, touch_memory_for  # noqa: E402
 from bench.stream_throughput import (  # noqa: E402
+    LATENCIES_MS,
     SETTLE_SECONDS,
     TABLE,
     add_pg_setting_argument,
@@ -254,14 +255,7 @@ class OurStreamSink(Contender):
 
     def latencies(self, mark: int, first_id: int, last_id: int) -> list[float]:
         with psycopg.connect(self.store_dsn) as conn:
-            return [
-                float(r[0])
-                for r in conn.execute(
-                    "SELECT extract(epoch FROM inserted_at - (data::json->'metadata'->>'commit_timestamp')::timestamptz) * 1000"
-                    " FROM sequin.stream_messages WHERE (data::json->'record'->>'id')::bigint BETWEEN %s AND %s",
-                    (first_id, last_id),
-                )
-            ]
+            return [float(r[0]) for r in conn.execute(LATENCIES_MS, (first_id, last_id))]
 
 
 class OurWebhookSink(Contender):

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import psycopg
+import pyarrow as pa
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -40,16 +41,29 @@ from devtools.embedded_postgres import EmbeddedPostgres, free_port  # noqa: E402
 from devtools.stream_process import StreamAppProcess, wait_for  # noqa: E402
 from sequin_provider import store, stream_queue  # noqa: E402
 from sequin_provider.config import load_config  # noqa: E402
+from sequin_provider.message_render import (  # noqa: E402
+    COPY_BINARY_HEADER,
+    COPY_BINARY_TRAILER,
+    SinkRendering,
+    render,
+    stream_rows_copy_binary,
+)
+from sequin_provider.messages import message_template, metadata_head, metadata_tail, rows_to_arrow  # noqa: E402
 from sequin_provider.provisioning import initialize  # noqa: E402
 
-MESSAGE = json.dumps(
-    {
-        "record": {"id": 1, "account": 7, "amount": "12.50", "kind": "kind-3"},
-        "changes": None,
-        "action": "insert",
-        "metadata": {"table_schema": "public", "table_name": "events"},
-    }
+RECORD = json.dumps({"id": 1, "account": 7, "amount": "12.50", "kind": "kind-3"})
+TAIL = metadata_tail("4f1d2c8e-0b7a-4e59-9a36-1c2b3d4e5f60", "bench", "bench")
+RENDERING = SinkRendering(
+    "bench",
+    "change",
+    True,
+    ("public\0events",),
+    (metadata_head("public", "events"),),
+    TAIL,
+    ("insert", "update", "delete"),
+    (message_template("public", "events", TAIL),),
 )
+"""A plain Sequin Stream sink of one table, whose messages ``fill`` writes."""
 
 
 def answers(url: str) -> bool:
@@ -60,18 +74,33 @@ def answers(url: str) -> bool:
         return False
 
 
-def fill(store_dsn: str, messages: int, groups: int) -> None:
-    """``messages`` visible messages over ``groups`` groups, written as the stream app writes them.
-    The acked ledger goes too: positions acked in an earlier run would not be written again."""
+def bench_changes(numbers: range, groups: int) -> pa.RecordBatch:
+    """Insert change rows of ``public.events`` (``RECORD``): number ``i`` at position
+    (1000 + i // 10, i % 10), keyed ``i % groups``."""
+    return rows_to_arrow(
+        [
+            (1000 + i // 10, i % 10, "2026-11-28T08:00:00.123456Z", 7, "public", "events", "insert")
+            + (RECORD, None, [str(i % groups)], [], None, None)
+            for i in numbers
+        ]
+    )
+
+
+def fill(store_dsn: str, messages: int, groups: int, compact: bool = True) -> None:
+    """``messages`` visible insert messages of sink ``bench`` over ``groups`` groups (primary keys),
+    rendered and written as the stream app writes them (``message_render``; ``compact``: stored
+    compact, as a plain sink's are). The acked ledger goes too: positions acked in an earlier run
+    would not be written again."""
     with psycopg.connect(store_dsn) as conn:
         conn.execute("TRUNCATE sequin.stream_messages, sequin.stream_acked")
         conn.commit()
+        ids = store.message_template_ids(conn, "sequin", [t for t in RENDERING.templates if t is not None])
         for lo in range(0, messages, 50_000):
-            rows = [
-                ("bench", 1000 + i // 10, i % 10, f"g{i % groups}", f"k{i}", MESSAGE)
-                for i in range(lo, min(lo + 50_000, messages))
-            ]
-            store.insert_stream_messages(conn, "sequin", rows)
+            changes = bench_changes(range(lo, min(lo + 50_000, messages)), groups)
+            body = stream_rows_copy_binary("bench", render(changes, RENDERING, compact=compact), ids)
+            store.insert_stream_copy(
+                conn, "sequin", [COPY_BINARY_HEADER, memoryview(body), COPY_BINARY_TRAILER], binary=True
+            )
         store.advance_visible_lsn(conn, "sequin", ["bench"], 1000 + messages)
     with psycopg.connect(store_dsn, autocommit=True) as conn:
         conn.execute("VACUUM ANALYZE sequin.stream_messages")
@@ -196,7 +225,8 @@ def serve_counter(port: int) -> None:
 
 def server_limit(url: str, batch: int, seconds: float) -> float:
     """Batched POSTs from 8 threads for ``seconds``: messages/s the endpoint itself takes."""
-    body = ('{"data":[' + ",".join([MESSAGE] * batch) + "]}").encode()
+    message = render(bench_changes(range(1), 1), RENDERING).data[0].as_py()
+    body = ('{"data":[' + ",".join([message] * batch) + "]}").encode()
     sent = [0] * 8
 
     def post(n: int) -> None:

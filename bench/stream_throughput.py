@@ -40,6 +40,7 @@ from sequin_provider.pgoutput import int_to_lsn, lsn_to_int  # noqa: E402
 from sequin_provider.provisioning import initialize  # noqa: E402
 from sequin_provider.replication import ChangeReader, create_slot  # noqa: E402
 from sequin_provider.spark.driver_batch import DEFAULT_DRIVER_BATCH_ROWS  # noqa: E402
+from sequin_provider.store import READ_DATA, TEMPLATE_JOIN  # noqa: E402
 
 TABLE = (
     "CREATE TABLE events (id bigint PRIMARY KEY, account int NOT NULL, amount numeric(12,2), kind text,"
@@ -211,11 +212,20 @@ def latency_run(
     with psycopg.connect(store_dsn) as conn:
         row = conn.execute(
             "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), percentile_cont(0.99) WITHIN GROUP (ORDER BY ms),"
-            " max(ms) FROM (SELECT extract(epoch FROM inserted_at - (data::json->'metadata'->>'commit_timestamp')::timestamptz)"
-            " * 1000 AS ms FROM sequin.stream_messages WHERE (data::json->'record'->>'id')::bigint BETWEEN %s AND %s) t",
+            f" max(ms) FROM ({LATENCIES_MS}) t",
             (first_id, first_id + total - 1),
         ).fetchone()
     return {"rate": achieved, "p50_ms": float(row[0]), "p99_ms": float(row[1]), "max_ms": float(row[2])}  # type: ignore[index]
+
+
+_MESSAGE = READ_DATA.format(m="m", s="sequin", t="t")
+LATENCIES_MS = (
+    f"SELECT extract(epoch FROM m.inserted_at - (({_MESSAGE})::json->'metadata'->>'commit_timestamp')::timestamptz)"
+    f" * 1000 AS ms FROM sequin.stream_messages m {TEMPLATE_JOIN.format(s='sequin', t='t', template='m.template')}"
+    f" WHERE (({_MESSAGE})::json->'record'->>'id')::bigint BETWEEN %s AND %s"
+)
+"""Each message's milliseconds from its commit to its row in the store (``ms``), of the benchmark
+rows whose ids lie between two bounds (parameters), as consumers are served them (``READ_DATA``)."""
 
 
 APP_CLASSES = ("Spark JVM", "reader process", "Python workers", "driver")

@@ -28,7 +28,15 @@ from sequin_provider.delivery import (
     message_kind,
     selected_actions,
 )
-from sequin_provider.messages import idempotency_key, json_text, metadata_head, metadata_tail, replay_key
+from sequin_provider.messages import (
+    MessageTemplate,
+    idempotency_key,
+    json_text,
+    message_template,
+    metadata_head,
+    metadata_tail,
+    replay_key,
+)
 from sequin_provider.pgoutput import COMPILED, hot_path
 
 if TYPE_CHECKING:
@@ -71,18 +79,21 @@ class SinkRendering:
     heads: tuple[str, ...]
     tail: str
     actions: tuple[str, ...] = ()  # the change actions it takes (``delivery.selected_actions``)
+    templates: tuple[MessageTemplate | None, ...] = ()  # per table, for compact changes (``render``)
 
     @classmethod
     def of(cls, sink: SinkConfig, database_name: str) -> SinkRendering:
         """The rendering of ``sink`` (kind before any Python transform), for changes of ``database_name``."""
+        tail = metadata_tail(sink.consumer_id, sink.name, database_name)
         return cls(
             sink.name,
             message_kind(sink),
             sink.message_grouping,
             tuple(f"{t.schema}\0{t.name}" for t in sink.tables),
             tuple(metadata_head(t.schema, t.name) for t in sink.tables),
-            metadata_tail(sink.consumer_id, sink.name, database_name),
+            tail,
             tuple(selected_actions(sink)),
+            tuple(message_template(t.schema, t.name, tail) for t in sink.tables),
         )
 
 
@@ -101,6 +112,19 @@ def selection(batch: pa.RecordBatch, sink: SinkRendering) -> pa.BooleanArray:
 
 
 @dataclass(frozen=True)
+class CompactParts:
+    """What compact stream rows keep beside their own part of the message (``messages.MessageTemplate``)."""
+
+    template: pa.Array  # each row's index in ``templates``
+    templates: tuple[MessageTemplate | None, ...]  # the sink's, per table (``SinkRendering.templates``)
+    commit_timestamp: pa.Array
+
+    def filter(self, mask: pa.Array) -> CompactParts:
+        """The parts of the rows ``mask`` selects."""
+        return CompactParts(pc.filter(self.template, mask), self.templates, pc.filter(self.commit_timestamp, mask))
+
+
+@dataclass(frozen=True)
 class RenderedRows:
     """A sink's stream rows of one batch, column-wise: position, group, idempotency key, message."""
 
@@ -110,6 +134,9 @@ class RenderedRows:
     idempotency_key: pa.Array
     data: pa.Array
     barrier: pa.Array | None = None  # truncates' barriers (``truncate_barriers``); None when there are none
+    compact: CompactParts | None = None
+    """Compact rows (``render``'s ``compact``): ``data`` holds each message's own part and these
+    the rest; None: ``data`` is whole."""
 
     def __len__(self) -> int:
         return len(self.commit_lsn)
@@ -151,13 +178,22 @@ def truncate_barriers(batch: pa.RecordBatch, sink: SinkRendering) -> pa.Array | 
 
 
 def render(
-    batch: pa.RecordBatch, sink: SinkRendering, group: pa.Array | None = None, replay_id: int | None = None
+    batch: pa.RecordBatch,
+    sink: SinkRendering,
+    group: pa.Array | None = None,
+    replay_id: int | None = None,
+    compact: bool = False,
 ) -> RenderedRows:
     """The stream rows of the change rows in ``batch`` (``messages.CHANGE_COLUMNS``, with
     ``record``/``changes`` JSON texts). ``group``: group ids computed elsewhere (custom group
     columns); by default the table and primary key, or the position when the sink does not group.
     ``replay_id``: the changes are replayed (``replay``): each message's idempotency key is
-    ``replay:<id>:<lsn>:<idx>`` (``messages.replay_key``) and its metadata says ``"replay_id":<id>``."""
+    ``replay:<id>:<lsn>:<idx>`` (``messages.replay_key``) and its metadata says ``"replay_id":<id>``.
+
+    ``compact``: the rows are for the store, which may keep them compact (``messages.MessageTemplate``;
+    the store serves them whole): they are, when the batch is plain changes (no backfill read,
+    truncate, unchanged TOAST column or replay) of tables with a template, for a sink of change or
+    row messages grouped by primary key. Otherwise, and without ``compact``, ``data`` is whole."""
     lsn, idx = batch.column("commit_lsn"), batch.column("commit_idx")
     lsn_text, idx_text = pc.cast(lsn, pa.string()), pc.cast(idx, pa.string())
     position = pc.binary_join_element_wise(lsn_text, idx_text, ":")
@@ -174,18 +210,33 @@ def render(
                 keys_json[j] = json_text(keys[j])
         key, key_json = pa.array(keys, pa.string()), pa.array(keys_json, pa.string())
     schema_, table = batch.column("table_schema"), batch.column("table_name")
+    by_key = group is None and sink.grouped  # the default group: the keys are found in it again
     if group is None:
         group = group_ids(batch, sink, position, pks)
     record = batch.column("record")
+    barrier = truncate_barriers(batch, sink)
     if sink.kind == "record_only":
         data = record
     else:
         which = pc.index_in(
             pc.binary_join_element_wise(schema_, table, "\0"), value_set=pa.array(sink.tables, pa.string())
         )
-        head = pc.take(pa.array(sink.heads, pa.string()), which)
         toast = batch.column("unchanged_toast")
         has_toast = pc.fill_null(pc.greater(pc.list_value_length(toast), 0), False)
+        if (
+            compact
+            and by_key
+            and replay_id is None
+            and barrier is None
+            and backfill.null_count == len(backfill)
+            and not pc.any(has_toast).as_py()
+            and len(sink.templates) == len(sink.tables)
+            and all(sink.templates)
+            and not which.null_count
+        ):
+            parts = CompactParts(which, sink.templates, batch.column("commit_timestamp"))
+            return RenderedRows(lsn, idx, group, key, _own_parts(batch, sink), None, parts)
+        head = pc.take(pa.array(sink.heads, pa.string()), which)
         toast_part = pc.if_else(
             has_toast, pc.binary_join_element_wise(',"unchanged_toast_columns":', json_string_arrays(toast), ""), ""
         )
@@ -221,7 +272,18 @@ def render(
                 "}",
             ]
         data = pc.binary_join_element_wise(*parts, "")
-    return RenderedRows(lsn, idx, group, key, data, truncate_barriers(batch, sink))
+    return RenderedRows(lsn, idx, group, key, data, barrier)
+
+
+def _own_parts(batch: pa.RecordBatch, sink: SinkRendering) -> pa.Array:
+    """Compact rows' data: each message up to its metadata (``messages.MessageTemplate``)."""
+    record = batch.column("record")
+    if sink.kind == "record":
+        return pc.binary_join_element_wise('{"record":', record, "")
+    changes = pc.fill_null(batch.column("changes"), "null")
+    return pc.binary_join_element_wise(
+        '{"record":', record, ',"changes":', changes, ',"action":"', batch.column("action"), '"', ""
+    )
 
 
 def outgoing(rows: RenderedRows, sink: SinkConfig, transform: Transform | None) -> Outgoing:
@@ -254,7 +316,8 @@ def outgoing(rows: RenderedRows, sink: SinkConfig, transform: Transform | None) 
 
 COPY_BINARY_HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack("!ii", 0, 0)
 COPY_BINARY_TRAILER = struct.pack("!h", -1)
-_FIELDS_7 = struct.pack("!h", 7)
+_FIELDS_7 = struct.pack("!h", 7)  # a backfill read's (``store.READ_MESSAGE_COLUMNS``)
+_FIELDS_9 = struct.pack("!h", 9)  # a stream row's (``store.STREAM_COLUMNS``)
 _NULL_FIELD = struct.pack("!i", -1)
 
 
@@ -344,16 +407,27 @@ def _columns(rows: RenderedRows) -> tuple[pa.Array, ...]:
     return (rows.commit_lsn, rows.commit_idx, rows.group_id, rows.idempotency_key, rows.data)
 
 
-def stream_rows_copy_binary(sink_name: str, rows: RenderedRows) -> pa.Buffer:
+def stream_rows_copy_binary(sink_name: str, rows: RenderedRows, template_ids: Sequence[int] = ()) -> pa.Buffer:
     """``rows`` as tuples of COPY binary (``store.STREAM_COLUMNS``), without header or trailer.
 
     Rows with a null group, key or message (a change the sink's tables do not name) are left out.
     The barrier is a constant null field, but for the truncates among ``rows`` (rare: each is
-    written on its own, ``copy_binary_tuple``)."""
+    written on its own, ``copy_binary_tuple``). Compact rows (``rows.compact``) name their
+    template by its id in the store: ``template_ids``, index-aligned with the sink's templates
+    (``store.message_template_ids`` of ``rows.compact.templates``); whole rows have neither a
+    template nor a commit timestamp."""
     complete = pc.and_(pc.and_(pc.is_valid(rows.group_id), pc.is_valid(rows.idempotency_key)), pc.is_valid(rows.data))
     if not pc.all(complete).as_py():
         barrier = None if rows.barrier is None else pc.filter(rows.barrier, complete)
-        rows = RenderedRows(*(pc.filter(c, complete) for c in _columns(rows)), barrier)
+        compact = None if rows.compact is None else rows.compact.filter(complete)
+        rows = RenderedRows(*(pc.filter(c, complete) for c in _columns(rows)), barrier, compact)
+    template: bytes | pa.Array = _NULL_FIELD
+    commit_timestamp: bytes | pa.Array = _NULL_FIELD
+    if rows.compact is not None:
+        if len(template_ids) != len(rows.compact.templates):
+            raise ValueError("compact stream rows need the store's id of each of their sink's templates")
+        template = pc.take(pa.array(template_ids, pa.int32()), rows.compact.template)
+        commit_timestamp = rows.compact.commit_timestamp
     name = sink_name.encode()
     truncates = b""
     if rows.barrier is not None and rows.barrier.null_count < len(rows.barrier):
@@ -365,20 +439,23 @@ def stream_rows_copy_binary(sink_name: str, rows: RenderedRows) -> pa.Buffer:
         rows = RenderedRows(*(pc.filter(c, pc.invert(is_truncate)) for c in _columns(rows)))
     tuples = copy_binary_rows(
         [
-            _FIELDS_7 + struct.pack("!i", len(name)) + name,
+            _FIELDS_9 + struct.pack("!i", len(name)) + name,
             rows.commit_lsn,
             rows.commit_idx,
             rows.group_id,
             rows.idempotency_key,
             rows.data,
             _NULL_FIELD,
+            template,
+            commit_timestamp,
         ]
     )
     return pa.py_buffer(tuples.to_pybytes() + truncates) if truncates else tuples
 
 
 def copy_binary_tuple(row: Sequence[object]) -> bytes:
-    """One stream row (``store.StreamRow``: sink, lsn, idx, group, key, data[, barrier]) as a COPY binary tuple."""
+    """One stream row (``store.StreamRow``: sink, lsn, idx, group, key, data[, barrier]) as a COPY
+    binary tuple (its message whole: no template, no commit timestamp of its own)."""
     sink, lsn, idx, group, key, data = (
         str(row[0]).encode(),
         int(row[1]),
@@ -390,7 +467,7 @@ def copy_binary_tuple(row: Sequence[object]) -> bytes:
     barrier = row[6] if len(row) > 6 else None
     tail = _NULL_FIELD if barrier is None else struct.pack("!i", len(str(barrier).encode())) + str(barrier).encode()
     return (
-        _FIELDS_7
+        _FIELDS_9
         + struct.pack("!i", len(sink))
         + sink
         + struct.pack("!iqii", 8, lsn, 4, idx)
@@ -401,6 +478,7 @@ def copy_binary_tuple(row: Sequence[object]) -> bytes:
         + struct.pack("!i", len(data))
         + data
         + tail
+        + _NULL_FIELD * 2
     )
 
 

@@ -198,6 +198,37 @@ def read_message_template(
     )
 
 
+@dataclass(frozen=True)
+class MessageTemplate:
+    """What the change messages of one sink and table share, for storing them compact.
+
+    A compact change's data is its own part of the message, ``{"record":…`` up to the metadata
+    (``,"changes":…,"action":"…"`` included for a change message), its commit timestamp is a
+    column of its own, and its message is ``data + before_ts + commit_timestamp + '","commit_lsn":'
+    + lsn + ',"commit_idx":' + idx + ',"idempotency_key":"' + key + '","record_pks":'
+    + group_id[pks_from - 1:] + after_pks``: exactly what ``message_render.render`` renders whole
+    (tested); the store puts it together (``store.READ_DATA``). ``pks_from`` is where the keys
+    start in the table's default group id ``schema.table:[keys]`` (1-based, in characters, as
+    SQL's ``substr`` counts)."""
+
+    before_ts: str
+    after_pks: str
+    pks_from: int
+
+
+def message_template(table_schema: str, table_name: str, tail: str) -> MessageTemplate | None:
+    """The template of one table's changes for a sink whose metadata ends with ``tail``
+    (``metadata_tail``); None when the table's name is not ASCII (its group id's characters
+    would not count as bytes in every store encoding, so its changes are stored whole)."""
+    if not (table_schema.isascii() and table_name.isascii()):
+        return None
+    return MessageTemplate(
+        ',"metadata":' + metadata_head(table_schema, table_name) + ',"commit_timestamp":"',
+        tail + "}}",
+        len(table_schema) + len(table_name) + 3,
+    )
+
+
 def parse_message(text: str) -> dict[str, Any]:
     """Parse message JSON keeping numeric precision (decimals as ``Decimal``)."""
     from decimal import Decimal

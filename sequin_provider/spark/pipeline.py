@@ -135,11 +135,12 @@ def with_selections(changes: pa.RecordBatch, renderings: list[SinkRendering]) ->
     return selected if pc.all(wanted).as_py() else selected.filter(wanted)
 
 
-def _rendered(batch: pa.RecordBatch, i: int, rendering: SinkRendering) -> RenderedRows:
-    """Sink ``i``'s stream rows of a batch of ``project_batch`` rows."""
+def _rendered(batch: pa.RecordBatch, i: int, rendering: SinkRendering, compact: bool = False) -> RenderedRows:
+    """Sink ``i``'s stream rows of a batch of ``project_batch`` rows (``compact``: for the store,
+    ``message_render.render``)."""
     selected = batch.filter(batch.column(f"_select_{i}"))
     group = selected.column(f"_group_{i}") if f"_group_{i}" in selected.schema.names else None
-    return render(selected, rendering, group)
+    return render(selected, rendering, group, compact=compact)
 
 
 class CommitTimes:
@@ -216,7 +217,7 @@ class StreamWriter:
         """Every stored sink's COPY binary tuples of the rows in ``batch`` (``StoredSinkWriter.tuples``:
         messages of a failed transform, and those behind parked groups, are set aside to be parked)."""
         for i, rendering, writer in self.stored:
-            yield from writer.tuples(_rendered(batch, i, rendering))
+            yield from writer.tuples(_rendered(batch, i, rendering, writer.compact))
 
     def write(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         """``mapInArrow`` body: stream the partition into one COPY as its batches arrive, then send

@@ -349,6 +349,28 @@ UPDATE {schema}.backfill_ranges r SET last_page = (SELECT max(p.id) FROM {schema
 ALTER TABLE {schema}.backfill_pages ADD COLUMN IF NOT EXISTS read_template text[];
 """,
     ),
+    # A plain Sequin Stream sink's changes are stored compact too: a change's data is its own part
+    # of the message (record, changes, action), ``commit_timestamp`` its commit's, and ``template``
+    # names the row of ``message_templates`` holding what its sink and table share (the metadata
+    # before the timestamp, and after the keys); its position, key and group id give the rest. The store
+    # serves the whole message (``stream.READ_DATA``). Two thirds of a change stored whole was that
+    # shared metadata. Templates are content-addressed and never change: a message keeps the one it
+    # was written with. Changes written before this migration hold their whole message.
+    (
+        18,
+        "changes store their own part; message_templates keep what their sink and table share",
+        """
+CREATE TABLE IF NOT EXISTS {schema}.message_templates (
+    id         integer GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    before_ts  text    NOT NULL,  -- after the message's own part, up to the commit timestamp
+    after_pks  text    NOT NULL,  -- after record_pks, to the end
+    pks_from   integer NOT NULL,  -- where record_pks starts in the group id (1-based, characters)
+    UNIQUE (before_ts, after_pks, pks_from)
+);
+ALTER TABLE {schema}.stream_messages ADD COLUMN IF NOT EXISTS template integer;
+ALTER TABLE {schema}.stream_messages ADD COLUMN IF NOT EXISTS commit_timestamp text;
+""",
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

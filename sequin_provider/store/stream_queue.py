@@ -14,7 +14,7 @@ import psycopg
 from psycopg import sql
 
 from sequin_provider.store.connection import DURABLE_COMMIT, ident, int_array, own_transaction
-from sequin_provider.store.stream import READ_DATA, READS_RELEASED
+from sequin_provider.store.stream import READ_DATA, READS_RELEASED, TEMPLATE_JOIN
 
 Deliveries = tuple[list[int], list[int], list[int]]
 """Deliveries to settle, as three parallel lists: their messages' commit LSNs, commit indexes and
@@ -46,7 +46,7 @@ _RECEIVE = """
         AND NOT EXISTS (SELECT 1 FROM barriers b WHERE (b.commit_lsn, b.commit_idx) < (f.commit_lsn, f.commit_idx)
              AND starts_with(f.group_id COLLATE "C", b.barrier))),
     picked AS (
-        SELECT m.ctid AS row_id, m.commit_lsn, m.commit_idx, m.state = 'available' AS newly_pending
+        SELECT m.ctid AS row_id, m.commit_lsn, m.commit_idx, m.template, m.state = 'available' AS newly_pending
         FROM {s}.stream_messages m
         WHERE m.ctid = ANY(ARRAY(SELECT row_id FROM deliverable)) AND {ready}
         ORDER BY m.commit_lsn, m.commit_idx
@@ -58,7 +58,7 @@ _RECEIVE = """
                deliver_count = t.deliver_count + 1,
                not_visible_until = clock_timestamp() + %(timeout)s * interval '1 second',
                last_delivered_at = now()
-          FROM picked
+          FROM picked {template_join}
          WHERE t.ctid = picked.row_id AND t.sink = %(sink)s
         RETURNING t.commit_lsn, t.commit_idx, t.ack_nonce, {data} AS data, picked.newly_pending),
     counted AS (
@@ -98,12 +98,14 @@ def _receive_sql(schema: str, first: bool, encoding: str) -> bytes:
     ``first`` reads the receive's start in the same statement (``_START``), else the caller
     passes the visibility watermark, the head and the claim."""
     s = ident(schema)
-    data = sql.SQL(READ_DATA).format(m=sql.Identifier("t"), s=s)
+    data = sql.SQL(READ_DATA).format(m=sql.Identifier("t"), s=s, t=sql.Identifier("tpl"))
+    template_join = sql.SQL(TEMPLATE_JOIN).format(s=s, t=sql.Identifier("tpl"), template=sql.SQL("picked.template"))
     if first:
         composed = sql.SQL(_RECEIVE).format(
             s=s,
             ready=_ready(s),
             data=data,
+            template_join=template_join,
             start=sql.SQL(_START).format(s=s),
             visible=sql.SQL("(SELECT visible FROM start)"),
             head=sql.SQL("coalesce((SELECT head FROM start), 0)"),
@@ -116,6 +118,7 @@ def _receive_sql(schema: str, first: bool, encoding: str) -> bytes:
             s=s,
             ready=_ready(s),
             data=data,
+            template_join=template_join,
             start=sql.SQL(""),
             visible=sql.SQL("%(visible)s"),
             head=sql.SQL("%(head)s"),

@@ -220,19 +220,30 @@ def test_changes_across_tables_arrive_exactly_and_in_commit_order(shop: tuple[st
     tagged = messages_when(dsn, "tagged", 4, app)
     assert tagged == [{"id": e[3]["id"], "action": e[2], "tag": "custom"} for e in expected if e[1] == "accounts"]
 
+    # the plain sinks' changes are stored compact (the messages above came back whole through
+    # READ_DATA); a custom group, the record alone or a transform keep them whole
     with psycopg.connect(dsn) as conn:
-        groups = dict(
-            conn.execute(
-                "SELECT sink || '/' || idempotency_key, group_id FROM sequin.stream_messages"
-                " WHERE sink IN ('everything', 'paid_orders', 'tagged')"
-            ).fetchall()
-        )
+        stored = conn.execute(
+            "SELECT sink, idempotency_key, group_id, template IS NOT NULL FROM sequin.stream_messages"
+            " WHERE sink IN ('everything', 'paid_orders', 'account_rows', 'item_records', 'tagged')"
+        ).fetchall()
+    groups = {f"{sink}/{key}": group for sink, key, group, _ in stored}
     first = got[0]["metadata"]
     assert groups[f"everything/{first['idempotency_key']}"] == 'public.accounts:["1"]'
     assert groups[f"everything/{got[3]['metadata']['idempotency_key']}"] == 'public.items:["10","1"]'
     assert groups[f"paid_orders/{got[7]['metadata']['idempotency_key']}"] == 'public.orders:["1"]'
     tag_key = got[0]["metadata"]["idempotency_key"]
     assert groups[f"tagged/{tag_key}"] == tag_key  # grouping off: every message its own group
+    compact: dict[str, set[bool]] = {}
+    for sink, _, _, is_compact in stored:
+        compact.setdefault(sink, set()).add(is_compact)
+    assert compact == {
+        "everything": {True},
+        "account_rows": {True},
+        "paid_orders": {False},
+        "item_records": {False},
+        "tagged": {False},
+    }
     # every stored message is below its sink's visibility watermark once its batch is whole
     with psycopg.connect(dsn) as conn:
         for sink in ("everything", "paid_orders", "account_rows", "item_records", "tagged"):
