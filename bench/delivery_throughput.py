@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from devtools.embedded_postgres import EmbeddedPostgres, free_port  # noqa: E402
 from devtools.stream_process import StreamAppProcess, wait_for  # noqa: E402
 from sequin_provider import store, stream_queue  # noqa: E402
+from sequin_provider.change_arrow import rows_to_arrow  # noqa: E402
 from sequin_provider.config import load_config  # noqa: E402
 from sequin_provider.message_render import (  # noqa: E402
     COPY_BINARY_HEADER,
@@ -48,7 +49,7 @@ from sequin_provider.message_render import (  # noqa: E402
     render,
     stream_rows_copy_binary,
 )
-from sequin_provider.messages import message_template, metadata_head, metadata_tail, rows_to_arrow  # noqa: E402
+from sequin_provider.messages import message_template, metadata_head, metadata_tail  # noqa: E402
 from sequin_provider.provisioning import initialize  # noqa: E402
 
 RECORD = json.dumps({"id": 1, "account": 7, "amount": "12.50", "kind": "kind-3"})

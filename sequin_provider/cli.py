@@ -431,7 +431,7 @@ def cmd_buffer_requeue(args: argparse.Namespace) -> int:
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
-    from sequin_provider.backfill.reader import DEFAULT_MAX_PAGE_ROWS, DEFAULT_WINDOW_TIMEOUT
+    from sequin_provider.backfill.control import DEFAULT_MAX_PAGE_ROWS, DEFAULT_WINDOW_TIMEOUT
 
     p.add_argument("--master", default=None, help="Spark master (default: local[2], or SEQUIN_SPARK_MASTER)")
     p.add_argument(

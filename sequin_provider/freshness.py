@@ -21,7 +21,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from sequin_provider.backfill.reader import wait_for_snapshot_horizon
+from sequin_provider.backfill.watermarks import wait_for_snapshot_horizon
 from sequin_provider.pgoutput import lsn_to_int
 from sequin_provider.replication import slot_info
 

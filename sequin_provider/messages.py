@@ -15,89 +15,25 @@ import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import pyarrow as pa
-import pyarrow.compute as pc
-
-from sequin_provider.pgoutput import COMPILED, hot_path
-
-CHANGE_COLUMNS: tuple[tuple[str, str, pa.DataType], ...] = (
-    ("commit_lsn", "bigint", pa.int64()),
-    ("commit_idx", "int", pa.int32()),
-    ("commit_timestamp", "string", pa.string()),
-    ("xid", "bigint", pa.int64()),
-    ("table_schema", "string", pa.string()),
-    ("table_name", "string", pa.string()),
-    ("action", "string", pa.string()),
-    ("record", "string", pa.string()),
-    ("changes", "string", pa.string()),
-    ("record_pks", "array<string>", pa.list_(pa.string())),
-    ("unchanged_toast", "array<string>", pa.list_(pa.string())),
+CHANGE_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("commit_lsn", "bigint"),
+    ("commit_idx", "int"),
+    ("commit_timestamp", "string"),
+    ("xid", "bigint"),
+    ("table_schema", "string"),
+    ("table_name", "string"),
+    ("action", "string"),
+    ("record", "string"),
+    ("changes", "string"),
+    ("record_pks", "array<string>"),
+    ("unchanged_toast", "array<string>"),
     # Backfill reads only (null for changes): which backfill produced the row, for which sink.
-    ("backfill_id", "bigint", pa.int64()),
-    ("backfill_sink", "string", pa.string()),
+    ("backfill_id", "bigint"),
+    ("backfill_sink", "string"),
 )
-CHANGE_SCHEMA_DDL = ", ".join(f"{name} {ddl}" for name, ddl, _ in CHANGE_COLUMNS)
-CHANGE_ARROW_SCHEMA = pa.schema([pa.field(name, typ) for name, _, typ in CHANGE_COLUMNS])
-CHANGE_FIELD_NAMES = tuple(name for name, _, _ in CHANGE_COLUMNS)
-
-
-CHANGE_ARROW_STRUCT = pa.struct(list(CHANGE_ARROW_SCHEMA))
-
-
-CHANGE_COLUMN_KINDS = bytes(
-    {pa.int64(): b"q", pa.int32(): b"i", pa.string(): b"s", pa.list_(pa.string()): b"l"}[typ][0]
-    for _, _, typ in CHANGE_COLUMNS
-)
-"""Each change column's kind for ``_pgoutput_c.column_sizes`` and ``fill_columns``."""
-
-
-def rows_to_arrow(rows: Sequence[tuple], compiled: bool = COMPILED) -> pa.RecordBatch:
-    """Build one Arrow batch of change rows (tuples in ``CHANGE_COLUMNS`` order).
-
-    The compiled hot path sizes each column, then writes its Arrow buffers (taken from Arrow's
-    memory pool) in one pass over the tuples (``_pgoutput_c.column_sizes``, ``fill_columns``).
-    Arrow reading the tuples as structs (``compiled=False``, and wherever the compiled pass
-    refuses a row: a value of another type, strings past 2 GiB) is the definition; its generic
-    converter checks every value's type (transposing in Python first, ``zip(*rows)``, was slower)."""
-    if compiled and not COMPILED:
-        raise RuntimeError("the compiled change-row pass (sequin_provider._pgoutput_c) is not built")
-    if compiled and type(rows) is list and rows:
-        try:
-            return _compiled_rows_to_arrow(rows)
-        except (TypeError, ValueError, OverflowError):  # Arrow decides, raising what it raises
-            pass
-    return pa.RecordBatch.from_struct_array(pa.array(rows, type=CHANGE_ARROW_STRUCT))
-
-
-def _compiled_rows_to_arrow(rows: list[tuple]) -> pa.RecordBatch:
-    n = len(rows)
-    sizes = hot_path.column_sizes(rows, CHANGE_COLUMN_KINDS)
-    buffers = []
-    for kind, (nbytes, items) in zip(CHANGE_COLUMN_KINDS, sizes):
-        valid = pa.allocate_buffer((n + 7) // 8)
-        if kind in b"qi":
-            buffers.append((valid, pa.allocate_buffer(n * (8 if kind == ord("q") else 4))))
-        elif kind == ord("s"):
-            buffers.append((valid, pa.allocate_buffer(4 * (n + 1)), pa.allocate_buffer(nbytes)))
-        else:
-            buffers.append(
-                (
-                    valid,
-                    pa.allocate_buffer(4 * (n + 1)),
-                    pa.allocate_buffer(4 * (items + 1)),
-                    pa.allocate_buffer(nbytes),
-                )
-            )
-    nulls = hot_path.fill_columns(rows, CHANGE_COLUMN_KINDS, buffers)
-    arrays = []
-    for (_, _, typ), bufs, null_count in zip(CHANGE_COLUMNS, buffers, nulls):
-        valid = bufs[0] if null_count else None
-        if len(bufs) == 4:
-            items = pa.Array.from_buffers(pa.string(), bufs[2].size // 4 - 1, [None, bufs[2], bufs[3]])
-            arrays.append(pa.Array.from_buffers(typ, n, [valid, bufs[1]], null_count, children=[items]))
-        else:
-            arrays.append(pa.Array.from_buffers(typ, n, [valid, *bufs[1:]], null_count))
-    return pa.RecordBatch.from_arrays(arrays, schema=CHANGE_ARROW_SCHEMA)
+"""A change row's columns and their Spark SQL types, in order (their Arrow types: ``change_arrow``)."""
+CHANGE_SCHEMA_DDL = ", ".join(f"{name} {ddl}" for name, ddl in CHANGE_COLUMNS)
+CHANGE_FIELD_NAMES = tuple(name for name, _ in CHANGE_COLUMNS)
 
 
 OPEN_TRANSACTION_PREFIX = "sequin:open-transaction"
@@ -108,16 +44,8 @@ def open_transaction_row(row: tuple, taken: int) -> tuple:
     """The marker row of a batch that ends after the first ``taken`` rows of the transaction that
     ``row`` (one of those rows) belongs to: a logical-message row at that transaction's commit LSN.
     No sink selects it; the pipeline reads it to keep the transaction's messages invisible to
-    consumers until the batch that completes it (``open_transaction_lsn``)."""
+    consumers until the batch that completes it (``change_arrow.open_transaction_lsn``)."""
     return (row[0], taken, row[2], row[3], "", OPEN_TRANSACTION_PREFIX, "message", "", None, [], [], None, None)
-
-
-def open_transaction_lsn(changes: pa.RecordBatch) -> int | None:
-    """The commit LSN of the transaction a batch of change rows ends inside, if its marker is among them."""
-    marked = pc.and_(
-        pc.equal(changes.column("action"), "message"), pc.equal(changes.column("table_name"), OPEN_TRANSACTION_PREFIX)
-    )
-    return pc.min(changes.column("commit_lsn").filter(marked)).as_py()
 
 
 def idempotency_key(

@@ -145,9 +145,9 @@ def changelog_rows(config: SequinConfig, plan: ReplayPlan) -> list[tuple[Any, ..
 def replay_mark(config: SequinConfig, sink: SinkConfig, replay_id: int) -> int:
     """Write the replay's mark into the WAL of ``sink``'s database; returns its position (the position
     of the replay's messages in the sink's order): the mark's last byte, which no change has, as a
-    backfill page's read position (``backfill.reader.read_position``). Its end would be where the next
+    backfill page's read position (``backfill.watermarks.read_position``). Its end would be where the next
     record starts, maybe a commit whose changes would then share the replay's positions."""
-    from sequin_provider.backfill.reader import read_position
+    from sequin_provider.backfill.watermarks import read_position
 
     try:
         with psycopg.connect(config.database(sink.database).dsn, autocommit=True, connect_timeout=10) as conn:
@@ -163,8 +163,8 @@ def park_rows(
     sink's message kind and consumer, marked (``replay_id``, ``replay:`` keys), then transformed (a
     failed transform keeps the message untransformed with its error, as the stream parks one)."""
     from sequin_provider import message_render
+    from sequin_provider.change_arrow import rows_to_arrow
     from sequin_provider.delivery import TransformError, apply_transform, load_transform
-    from sequin_provider.messages import rows_to_arrow
 
     changes = [(r[0], r[1], r[2], 0, r[3], r[4], r[5], r[6], r[7], list(r[8] or []), [], None, None) for r in rows]
     rendering = message_render.SinkRendering.of(plan.sink, plan.source.database)

@@ -20,7 +20,10 @@ hooks and triggers do) does not load the readers' dependencies.
 from __future__ import annotations
 
 from sequin_provider.backfill.control import (
+    DEFAULT_MAX_PAGE_ROWS,
     DEFAULT_MAX_QUERY_MS,
+    DEFAULT_PAGES_IN_FLIGHT,
+    DEFAULT_WINDOW_TIMEOUT,
     FOLLOW_POLL_INTERVAL,
     FOLLOW_PROGRESS_INTERVAL,
     MIN_SERVER_VERSION,
@@ -47,7 +50,10 @@ from sequin_provider.backfill.control import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_PAGE_ROWS",
     "DEFAULT_MAX_QUERY_MS",
+    "DEFAULT_PAGES_IN_FLIGHT",
+    "DEFAULT_WINDOW_TIMEOUT",
     "FOLLOW_POLL_INTERVAL",
     "FOLLOW_PROGRESS_INTERVAL",
     "MIN_SERVER_VERSION",

@@ -24,6 +24,12 @@ from sequin_provider.session_lock import SessionLock
 from sequin_provider.store import BackfillError
 
 DEFAULT_MAX_QUERY_MS = 5000
+DEFAULT_MAX_PAGE_ROWS = 50_000
+DEFAULT_WINDOW_TIMEOUT = 600.0
+DEFAULT_PAGES_IN_FLIGHT = 3
+"""A range reader's defaults (``reader.RangeReader``): the largest page, how long a staged page waits
+for the stream app to take it, and how many pages it stages ahead. Here, not in ``reader``, so the
+CLI's options know them without loading the readers' dependencies."""
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,23 @@ import pyarrow as pa
 from psycopg import sql
 
 from sequin_provider import store
-from sequin_provider.backfill.control import PageSizeOptimizer
+from sequin_provider.backfill.control import (
+    DEFAULT_MAX_PAGE_ROWS,
+    DEFAULT_PAGES_IN_FLIGHT,
+    DEFAULT_WINDOW_TIMEOUT,
+    PageSizeOptimizer,
+)
 from sequin_provider.backfill.row_filter import row_filter_sql
 from sequin_provider.backfill.source_sql import record_sql, text_array_sql
-from sequin_provider.backfill.watermarks import HIGH_PREFIX, LOW_PREFIX, Watermark, page_reads, watermark_content
+from sequin_provider.backfill.watermarks import (
+    HIGH_PREFIX,
+    LOW_PREFIX,
+    Watermark,
+    page_reads,
+    read_position,
+    wait_for_snapshot_horizon,
+    watermark_content,
+)
 from sequin_provider.config import SequinConfig, SinkConfig
 from sequin_provider.delivery import reads_render_in_store
 from sequin_provider.message_render import COPY_BINARY_HEADER, COPY_BINARY_TRAILER, read_rows_copy_binary
@@ -41,7 +54,6 @@ from sequin_provider.pgoutput import (
     PgOutputDecoder,
     Relation,
     TypeRegistry,
-    lsn_to_int,
     parse_array_literal,
     parse_copy_line,
 )
@@ -50,14 +62,10 @@ from sequin_provider.store import BackfillError, StoreReads
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_PAGE_ROWS = 50_000
-DEFAULT_WINDOW_TIMEOUT = 600.0
-DEFAULT_PAGES_IN_FLIGHT = 3
 SAMPLE_ROWS = 5_000
 FIRST_PAGE_BYTES = 8 * 1024 * 1024  # a first page of about this much row data (``first_page_rows``)
 FIRST_PAGE_ROWS = 1_000  # when the rows' width is unknown, or a row condition decides how far a page scans
 WIDTH_SAMPLE_ROWS = 100
-SNAPSHOT_WAIT = 2.0
 
 
 @dataclass(frozen=True)
@@ -341,51 +349,6 @@ def without_order_key(data: bytes | bytearray) -> bytearray:
         body += b"\n"
     del body[body.rfind(b"\t") : -1]  # the last line's order key
     return body
-
-
-def wait_for_snapshot_horizon(conn: psycopg.Connection[Any], timeout: float = SNAPSHOT_WAIT) -> None:
-    """Wait until transactions still in progress now have finished (briefly).
-
-    A transaction whose commit record precedes the low watermark can still look in progress to a
-    snapshot taken just after it (Postgres writes the commit record, then publishes the commit).
-    Its change is not inside the window, so the page's SELECT must see it: waiting for the
-    transactions in progress at this moment closes that gap. Transactions still running after
-    ``timeout`` had not written their commit record yet, so they fall inside the window.
-    """
-    snapshot = conn.execute("SELECT txid_current_snapshot()::text").fetchone()[0]  # type: ignore[index]
-    in_progress = [int(x) for x in str(snapshot).split(":")[2].split(",") if x]
-    deadline = time.monotonic() + timeout
-    while in_progress:
-        rows = conn.execute(
-            "SELECT x FROM unnest(%s::bigint[]) AS x WHERE txid_status(x) = 'in progress'", (in_progress,)
-        ).fetchall()
-        in_progress = [int(r[0]) for r in rows]
-        if not in_progress or time.monotonic() > deadline:
-            return
-        time.sleep(0.002)
-
-
-READ_POSITION_PREFIX = "sequin:backfill:position"
-
-
-def read_position(
-    conn: psycopg.Connection[Any], prefix: str = READ_POSITION_PREFIX, content: str = ""
-) -> tuple[int, str]:
-    """A position for a page's reads and their commit timestamp, taken just after the page's low
-    watermark committed: the last byte of a fresh non-transactional logical message (``prefix``,
-    ``content``; the stream app ignores those), and the source's clock (UTC, as changes render it).
-    A replay's mark is one too (``replay.replay_mark``).
-
-    No commit record starts inside a WAL record, so the position is unique and no change has it;
-    every commit before the low watermark lies below it, and the high watermark above it: a read
-    there follows every change its SELECT saw that the window does not cover, and precedes every
-    change after the window."""
-    row = conn.execute(
-        "SELECT pg_logical_emit_message(false, %s, %s), to_char(clock_timestamp() AT TIME ZONE 'UTC',"
-        ' \'YYYY-MM-DD"T"HH24:MI:SS.US"Z"\')',
-        (prefix, content),
-    ).fetchone()
-    return lsn_to_int(str(row[0])) - 1, str(row[1])  # type: ignore[index]
 
 
 class BackfillStopped(RuntimeError):

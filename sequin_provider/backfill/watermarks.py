@@ -7,7 +7,9 @@ windows: every change to a windowed table between the two marks adds its key (an
 that moved the key, the old key) to the window, and at the high mark the page's staged rows whose
 key is in that set are dropped: the change events carry a newer state than the read could. A
 high mark whose low mark this process did not see (it restarted in between) means the window is
-unknown, so the page is stale and read again; so does a TRUNCATE of the table inside the window. This module is pure Python: no Spark, no I/O.
+unknown, so the page is stale and read again; so does a TRUNCATE of the table inside the window. No Spark here;
+the only I/O is a page's two statements on the source just after its low watermark
+(``wait_for_snapshot_horizon``, ``read_position``), here because they are the protocol's too.
 A page's reads are rows for the Spark pipeline (``read_rows``), or, for sinks that need no
 Spark, written by the backfill task as it stages the page, hidden until the window closes
 (``page_reads``).
@@ -17,12 +19,16 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
+
+import psycopg
 
 from sequin_provider.config import SinkConfig
 from sequin_provider.delivery import message_kind, reads_render_in_store
 from sequin_provider.messages import metadata_tail, read_message_template
+from sequin_provider.pgoutput import lsn_to_int
 from sequin_provider.store import StoreReads
 
 log = logging.getLogger(__name__)
@@ -272,3 +278,52 @@ def page_reads(
     )
     group = f"{table_schema}.{table_name}:" if sink.message_grouping else None
     return StoreReads(sink.name, backfill_id, template, group, commit_lsn, commit_idx)
+
+
+SNAPSHOT_WAIT = 2.0
+"""Seconds a page waits at most for the transactions in progress at its low watermark (``wait_for_snapshot_horizon``)."""
+
+
+def wait_for_snapshot_horizon(conn: psycopg.Connection[Any], timeout: float = SNAPSHOT_WAIT) -> None:
+    """Wait until transactions still in progress now have finished (briefly).
+
+    A transaction whose commit record precedes the low watermark can still look in progress to a
+    snapshot taken just after it (Postgres writes the commit record, then publishes the commit).
+    Its change is not inside the window, so the page's SELECT must see it: waiting for the
+    transactions in progress at this moment closes that gap. Transactions still running after
+    ``timeout`` had not written their commit record yet, so they fall inside the window.
+    """
+    snapshot = conn.execute("SELECT txid_current_snapshot()::text").fetchone()[0]  # type: ignore[index]
+    in_progress = [int(x) for x in str(snapshot).split(":")[2].split(",") if x]
+    deadline = time.monotonic() + timeout
+    while in_progress:
+        rows = conn.execute(
+            "SELECT x FROM unnest(%s::bigint[]) AS x WHERE txid_status(x) = 'in progress'", (in_progress,)
+        ).fetchall()
+        in_progress = [int(r[0]) for r in rows]
+        if not in_progress or time.monotonic() > deadline:
+            return
+        time.sleep(0.002)
+
+
+READ_POSITION_PREFIX = "sequin:backfill:position"
+
+
+def read_position(
+    conn: psycopg.Connection[Any], prefix: str = READ_POSITION_PREFIX, content: str = ""
+) -> tuple[int, str]:
+    """A position for a page's reads and their commit timestamp, taken just after the page's low
+    watermark committed: the last byte of a fresh non-transactional logical message (``prefix``,
+    ``content``; the stream app ignores those), and the source's clock (UTC, as changes render it).
+    A replay's mark is one too (``replay.replay_mark``).
+
+    No commit record starts inside a WAL record, so the position is unique and no change has it;
+    every commit before the low watermark lies below it, and the high watermark above it: a read
+    there follows every change its SELECT saw that the window does not cover, and precedes every
+    change after the window."""
+    row = conn.execute(
+        "SELECT pg_logical_emit_message(false, %s, %s), to_char(clock_timestamp() AT TIME ZONE 'UTC',"
+        ' \'YYYY-MM-DD"T"HH24:MI:SS.US"Z"\')',
+        (prefix, content),
+    ).fetchone()
+    return lsn_to_int(str(row[0])) - 1, str(row[1])  # type: ignore[index]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import psycopg
 
@@ -23,8 +23,10 @@ from sequin_provider.config import SequinConfig, SinkConfig
 from sequin_provider.exceptions import StoreUnavailableError
 from sequin_provider.sinks.base import DestinationKind, OptionReader
 from sequin_provider.sinks.registry import register
-from sequin_provider.sinks.stored import StoredSinkWriter, StreamTableWriter
 from sequin_provider.store import CopyChunk, Parked, Span
+
+if TYPE_CHECKING:
+    from sequin_provider.sinks.stored import StoredSinkWriter, StreamTableWriter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -122,6 +124,8 @@ class SequinStreamKind(DestinationKind):
 
     def writer(self, sink: SinkConfig, table: StreamTableWriter) -> StoredSinkWriter:
         """The sink's share of each partition's COPY (transform, parked groups held: ``sinks.stored``)."""
+        from sequin_provider.sinks.stored import StoredSinkWriter  # executors only: it loads pyarrow
+
         return StoredSinkWriter(sink, table)
 
     def retry(self, config: SequinConfig, sink: SinkConfig, render: Render, workers: int) -> RetryReport:

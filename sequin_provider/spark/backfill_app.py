@@ -24,6 +24,8 @@ import psycopg
 
 from sequin_provider import store
 from sequin_provider.backfill import (
+    DEFAULT_MAX_PAGE_ROWS,
+    DEFAULT_WINDOW_TIMEOUT,
     RUN_LOCK_WAIT,
     SERVE_POLL_INTERVAL,
     BackfillBusy,
@@ -33,8 +35,6 @@ from sequin_provider.backfill import (
     server_lock,
 )
 from sequin_provider.backfill.reader import (
-    DEFAULT_MAX_PAGE_ROWS,
-    DEFAULT_WINDOW_TIMEOUT,
     BackfillStopped,
     RangeReader,
     split_key_ranges,

@@ -37,6 +37,7 @@ from pyspark.sql.pandas.types import from_arrow_schema
 
 from sequin_provider import store
 from sequin_provider.buffer import backoff_seconds, change_source
+from sequin_provider.change_arrow import open_transaction_lsn
 from sequin_provider.config import ConfigError, SequinConfig, SinkConfig, load_config
 from sequin_provider.delivery import (
     Outgoing,
@@ -49,7 +50,7 @@ from sequin_provider.delivery import (
 from sequin_provider.exceptions import StoreUnavailableError
 from sequin_provider.logs import configure_logging
 from sequin_provider.message_render import RenderedRows, SinkRendering, outgoing, render, selection
-from sequin_provider.messages import CHANGE_FIELD_NAMES, CHANGE_SCHEMA_DDL, open_transaction_lsn
+from sequin_provider.messages import CHANGE_FIELD_NAMES, CHANGE_SCHEMA_DDL
 from sequin_provider.metrics.stream import COMMIT_TIMESTAMP_PRECISION_MS, BatchReport, StreamMetrics
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
 from sequin_provider.sinks.stored import StoredSinkWriter, StreamTableWriter

@@ -27,14 +27,11 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from sequin_provider.buffer import Filtered, FilterFailed
+from sequin_provider.change_arrow import rows_to_arrow
 from sequin_provider.config import SinkConfig
 from sequin_provider.delivery import selection_predicate
 from sequin_provider.message_render import SinkRendering, selection
-from sequin_provider.messages import (
-    CHANGE_FIELD_NAMES,
-    CHANGE_SCHEMA_DDL,
-    rows_to_arrow,
-)
+from sequin_provider.messages import CHANGE_FIELD_NAMES, CHANGE_SCHEMA_DDL
 
 log = logging.getLogger(__name__)
 

@@ -42,9 +42,10 @@ from sequin_provider.backfill.watermarks import (
     parse_watermark,
     read_rows,
 )
+from sequin_provider.change_arrow import CHANGE_ARROW_SCHEMA, rows_to_arrow
 from sequin_provider.config import DatabaseConfig, SequinConfig, StreamConfig, load_config
 from sequin_provider.logs import configure_logging
-from sequin_provider.messages import CHANGE_ARROW_SCHEMA, CHANGE_SCHEMA_DDL, open_transaction_row, rows_to_arrow
+from sequin_provider.messages import CHANGE_SCHEMA_DDL, open_transaction_row
 from sequin_provider.replication import (
     CHUNK_BYTES,
     CHUNK_ROWS,

@@ -24,7 +24,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from sequin_provider.messages import CHANGE_ARROW_SCHEMA
+from sequin_provider.change_arrow import CHANGE_ARROW_SCHEMA
 from sequin_provider.replication import Position
 
 HADOOP_SCHEMES = {"s3a": "s3", "s3n": "s3"}

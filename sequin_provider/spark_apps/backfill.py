@@ -20,7 +20,7 @@ import argparse
 import sys
 
 from sequin_provider.backfill import SERVE_POLL_INTERVAL
-from sequin_provider.backfill.reader import DEFAULT_MAX_PAGE_ROWS, DEFAULT_WINDOW_TIMEOUT
+from sequin_provider.backfill.control import DEFAULT_MAX_PAGE_ROWS, DEFAULT_WINDOW_TIMEOUT
 from sequin_provider.spark.backfill_app import run_backfill_app, run_backfill_server_app
 
 

@@ -16,6 +16,7 @@ import psycopg
 import pyarrow as pa
 
 from sequin_provider import store
+from sequin_provider.change_arrow import rows_to_arrow
 from sequin_provider.message_render import (
     COPY_BINARY_HEADER,
     COPY_BINARY_TRAILER,
@@ -25,7 +26,7 @@ from sequin_provider.message_render import (
     render,
     stream_rows_copy_binary,
 )
-from sequin_provider.messages import message_template, rows_to_arrow
+from sequin_provider.messages import message_template
 from tests.support.rendering import HOSTILE, change, sinks
 
 

@@ -14,12 +14,13 @@ import pyarrow as pa
 import pytest
 
 from sequin_provider import pgoutput
+from sequin_provider.change_arrow import rows_to_arrow
 from sequin_provider.config import load_config
 from sequin_provider.message_render import (
     copy_binary_rows,
     render,
 )
-from sequin_provider.messages import parse_message, rows_to_arrow
+from sequin_provider.messages import parse_message
 from tests.support.rendering import HOSTILE, change, sinks
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from sequin_provider.messages import CHANGE_ARROW_SCHEMA, rows_to_arrow
+from sequin_provider.change_arrow import CHANGE_ARROW_SCHEMA, rows_to_arrow
 from sequin_provider.spark.spool import (
     SpoolUnreachableError,
     check_reachable,

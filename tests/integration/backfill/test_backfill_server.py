@@ -14,7 +14,7 @@ import pytest
 from devtools.embedded_postgres import EmbeddedPostgres
 from devtools.stream_process import BackfillServerProcess, wait_for
 from sequin_provider import store
-from sequin_provider.backfill.reader import DEFAULT_PAGES_IN_FLIGHT
+from sequin_provider.backfill.control import DEFAULT_PAGES_IN_FLIGHT
 from tests.support.backfills import backfill, ranges_moved
 from tests.support.config import write_config
 from tests.support.postgres import execute, sink_messages

@@ -16,9 +16,10 @@ import psycopg
 import pyarrow as pa
 import pytest
 
-from sequin_provider import messages, pgoutput
+from sequin_provider import pgoutput
+from sequin_provider.change_arrow import CHANGE_COLUMN_KINDS, rows_to_arrow
 from sequin_provider.config import TableConfig
-from sequin_provider.messages import open_transaction_row, rows_to_arrow
+from sequin_provider.messages import open_transaction_row
 from sequin_provider.pgoutput import (
     UNCHANGED_TOAST,
     DecodeError,
@@ -251,7 +252,7 @@ def test_change_rows_become_the_same_arrow_batch(corpus: tuple[str, list[bytes]]
         open_transaction_row(rows[0], 4),
         (2**63 - 1, -(2**31), "", 0, "", "", "", "", "", [""], ["x", "", "y"], -(2**63), ""),
     ]
-    assert hot_path.column_sizes(rows, messages.CHANGE_COLUMN_KINDS)  # the compiled pass takes them all
+    assert hot_path.column_sizes(rows, CHANGE_COLUMN_KINDS)  # the compiled pass takes them all
     compiled, reference = rows_to_arrow(rows, compiled=True), rows_to_arrow(rows, compiled=False)
     compiled.validate(full=True)
     assert compiled.equals(reference) and compiled.schema == reference.schema
@@ -265,7 +266,7 @@ def test_change_rows_become_the_same_arrow_batch(corpus: tuple[str, list[bytes]]
     assert outcomes[0] == outcomes[1] and isinstance(outcomes[0], pa.RecordBatch)
     assert outcomes[2::2] == outcomes[3::2] and all(isinstance(o, type) for o in outcomes[2:])
     with pytest.raises(TypeError):
-        hot_path.column_sizes([*rows[:3], (rows[0][0], "1", *rows[0][2:])], messages.CHANGE_COLUMN_KINDS)
+        hot_path.column_sizes([*rows[:3], (rows[0][0], "1", *rows[0][2:])], CHANGE_COLUMN_KINDS)
 
 
 def test_render_record_fills_and_selects_alike() -> None:

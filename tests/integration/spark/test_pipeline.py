@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 from pyspark.sql import functions as F
 
+from sequin_provider.change_arrow import rows_to_arrow
 from sequin_provider.config import load_config
 from sequin_provider.delivery import selection_predicate
 from sequin_provider.message_render import SinkRendering, selection
-from sequin_provider.messages import CHANGE_SCHEMA_DDL, rows_to_arrow
+from sequin_provider.messages import CHANGE_SCHEMA_DDL
 from sequin_provider.spark.pipeline import with_selections
 from tests.support.config import write_config
 

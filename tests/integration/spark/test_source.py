@@ -9,8 +9,8 @@ import psycopg
 import pyarrow as pa
 
 from devtools.stream_process import wait_for
+from sequin_provider.change_arrow import CHANGE_ARROW_SCHEMA
 from sequin_provider.config import load_config
-from sequin_provider.messages import CHANGE_ARROW_SCHEMA
 from sequin_provider.provisioning import initialize
 from sequin_provider.replication import slot_info
 from sequin_provider.spark.source import ReplicationStreamReader, SpoolPartition
