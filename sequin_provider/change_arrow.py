@@ -1,7 +1,7 @@
 """Change rows as Arrow record batches: their schema, a batch built from change-row tuples (a
 compiled pass, with Arrow's own converter as its reference), and a batch's open-transaction
 marker. Apart from ``messages`` so that what only records or reads messages (the store, the CLI,
-the Airflow side) does not load pyarrow: about 0.1 s of every ``sequin`` command's start."""
+the Airflow side) does not load pyarrow: 0.1-0.2 s of every ``sequin`` command's start."""
 
 from __future__ import annotations
 
@@ -13,21 +13,19 @@ import pyarrow.compute as pc
 from sequin_provider.messages import CHANGE_COLUMNS, OPEN_TRANSACTION_PREFIX
 from sequin_provider.pgoutput import COMPILED, hot_path
 
-ARROW_TYPES: dict[str, pa.DataType] = {
-    "bigint": pa.int64(),
-    "int": pa.int32(),
-    "string": pa.string(),
-    "array<string>": pa.list_(pa.string()),
+ARROW_TYPES: dict[str, tuple[pa.DataType, bytes]] = {
+    "bigint": (pa.int64(), b"q"),
+    "int": (pa.int32(), b"i"),
+    "string": (pa.string(), b"s"),
+    "array<string>": (pa.list_(pa.string()), b"l"),
 }
-"""The Arrow type of each Spark SQL type a change column has (``messages.CHANGE_COLUMNS``)."""
+"""For each Spark SQL type a change column has (``messages.CHANGE_COLUMNS``): its Arrow type, and its
+kind for the compiled pass (``_pgoutput_c.column_sizes`` and ``fill_columns``)."""
 
-CHANGE_ARROW_SCHEMA = pa.schema([pa.field(name, ARROW_TYPES[ddl]) for name, ddl in CHANGE_COLUMNS])
+CHANGE_ARROW_SCHEMA = pa.schema([pa.field(name, ARROW_TYPES[ddl][0]) for name, ddl in CHANGE_COLUMNS])
 CHANGE_ARROW_STRUCT = pa.struct(list(CHANGE_ARROW_SCHEMA))
-
-CHANGE_COLUMN_KINDS = bytes(
-    {"bigint": b"q", "int": b"i", "string": b"s", "array<string>": b"l"}[ddl][0] for _, ddl in CHANGE_COLUMNS
-)
-"""Each change column's kind for ``_pgoutput_c.column_sizes`` and ``fill_columns``."""
+CHANGE_COLUMN_KINDS = b"".join(ARROW_TYPES[ddl][1] for _, ddl in CHANGE_COLUMNS)
+"""Each change column's kind, in order (``ARROW_TYPES``)."""
 
 
 def rows_to_arrow(rows: Sequence[tuple], compiled: bool = COMPILED) -> pa.RecordBatch:

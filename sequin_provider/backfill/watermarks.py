@@ -7,8 +7,8 @@ windows: every change to a windowed table between the two marks adds its key (an
 that moved the key, the old key) to the window, and at the high mark the page's staged rows whose
 key is in that set are dropped: the change events carry a newer state than the read could. A
 high mark whose low mark this process did not see (it restarted in between) means the window is
-unknown, so the page is stale and read again; so does a TRUNCATE of the table inside the window. No Spark here;
-the only I/O is a page's two statements on the source just after its low watermark
+unknown, so the page is stale and read again; so does a TRUNCATE of the table inside the window.
+No Spark here; the only I/O is a page's two statements on the source just after its low watermark
 (``wait_for_snapshot_horizon``, ``read_position``), here because they are the protocol's too.
 A page's reads are rows for the Spark pipeline (``read_rows``), or, for sinks that need no
 Spark, written by the backfill task as it stages the page, hidden until the window closes
