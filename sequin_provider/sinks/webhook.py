@@ -4,10 +4,11 @@ The body is ``{"data": [msg, ...]}`` when batching (the default) or the message 
 2xx answer is success. With a ``secret`` each request carries ``X-Sequin-Signature:
 sha256=<hex HMAC-SHA256 of the body>`` so the receiver can check it came from us.
 
-The client is the standard library's ``http.client`` over a pool of kept-alive connections: the
-stream tasks send every change of a webhook sink through it, and ``httpx`` spent four times its
-CPU per request (docs/architecture.md, "Measured refinements"). It honours ``HTTP(S)_PROXY``/``NO_PROXY`` and
-``SSL_CERT_FILE`` as ``httpx`` did, and follows no redirects.
+The client keeps a pool of kept-alive connections: the stream tasks send every change of a webhook
+sink through it. The standard library's ``http.client`` opens them (TLS, a proxy's tunnel), and each
+request and its answer go through ``http_exchange`` (``http.client`` spent three times its CPU per
+request, and ``httpx`` four times ``http.client``'s: docs/architecture.md, "Measured refinements").
+It honours ``HTTP(S)_PROXY``/``NO_PROXY`` and ``SSL_CERT_FILE`` as ``httpx`` did, and follows no redirects.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any, Mapping
 from sequin_provider.buffer import DeliveryError
 from sequin_provider.config import SinkConfig
 from sequin_provider.sinks.base import DestinationKind, OptionReader
+from sequin_provider.sinks.http_exchange import HttpChannel
 from sequin_provider.sinks.push import PushSink
 from sequin_provider.sinks.registry import register
 
@@ -38,7 +40,8 @@ ANSWER_LIMIT = 64 * 1024
 connection of a longer answer is closed rather than reused."""
 
 _STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
-"""What a request on a kept-alive connection meets when the server closed it while idle."""
+"""What a request on a kept-alive connection meets when the server closed it while idle
+(``RemoteDisconnected``: ``http_exchange`` found it closed before the answer's first byte)."""
 
 
 def signature(secret: str, body: bytes) -> str:
@@ -78,7 +81,18 @@ class WebhookOptions:
     concurrency: int = 8
 
 
+_FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
+"""Headers that say where a request ends or whether its connection is kept: the client's own."""
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def _latin1(text: str) -> bool:
+    """Whether ``text`` can be sent as a header value (ISO-8859-1)."""
+    try:
+        text.encode("latin-1")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _url_port_ok(url: str) -> bool:
@@ -104,6 +118,10 @@ class WebhookKind(DestinationKind):
         url = reader.string(item["url"], f"{path}.url")
         if not re.match(r"^https?://[^/\s]+", url) or re.search(r"[\s\x00-\x1f\x7f]", url) or not _url_port_ok(url):
             raise reader.fail(f"{path}.url", f"expected an http:// or https:// URL, got {url!r}")
+        if not url.isascii():
+            raise reader.fail(
+                f"{path}.url", f"non-ASCII characters must be percent-encoded (and a host punycoded): {url!r}"
+            )
         headers = item.get("headers") or {}
         if not isinstance(headers, dict) or not all(
             isinstance(k, str) and isinstance(v, (str, int)) for k, v in headers.items()
@@ -112,6 +130,12 @@ class WebhookKind(DestinationKind):
         for name, header in headers.items():
             if not _HEADER_NAME.fullmatch(name) or re.search(r"[\r\n\x00]", str(header)):
                 raise reader.fail(f"{path}.headers", f"not a valid HTTP header: {name!r}: {str(header)!r}")
+            if name.lower() in _FRAMING_HEADERS:
+                raise reader.fail(f"{path}.headers", f"{name!r} is set by the client for each request")
+            if not _latin1(str(header)):  # HTTP/1.1 header values are bytes: ISO-8859-1 as http.client sent them
+                raise reader.fail(
+                    f"{path}.headers", f"a header value must be ISO-8859-1 text: {name!r}: {str(header)!r}"
+                )
         secret = item.get("secret")
         return WebhookOptions(
             url=url,
@@ -148,14 +172,19 @@ class WebhookClient(PushSink):
         self.host: str = parts.hostname or ""
         self.port = parts.port or (443 if self.tls else 80)
         self.target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
-        self.headers = {
+        defaults = {
             "Host": parts.netloc.rpartition("@")[2],
             "Content-Type": "application/json",
             "User-Agent": "sequin-provider",
-            **options.headers,
+            "Accept-Encoding": "identity",
         }
         if parts.username is not None:  # credentials in the URL: basic auth, as httpx did
-            self.headers.setdefault("Authorization", _basic_auth(parts))
+            defaults["Authorization"] = _basic_auth(parts)
+        overridden = {name.lower() for name in options.headers}  # header names are case-insensitive
+        self.headers = {
+            **{name: value for name, value in defaults.items() if name.lower() not in overridden},
+            **options.headers,
+        }
         self.proxy, self._proxy_auth, self._proxy_error = self._proxy(parts.scheme)
         if self.proxy is not None and not self.tls:  # a plain request through the proxy names the whole URL
             self.target = urllib.parse.urlunsplit(
@@ -163,7 +192,11 @@ class WebhookClient(PushSink):
             )
             self.headers.update(self._proxy_auth)
         self._context = _tls_context() if self.tls else None
-        self._idle: queue.SimpleQueue[http.client.HTTPConnection] = queue.SimpleQueue()
+        self._idle: queue.SimpleQueue[HttpChannel] = queue.SimpleQueue()
+        self._head = (
+            f"POST {self.target} HTTP/1.1\r\n" + "".join(f"{name}: {value}\r\n" for name, value in self.headers.items())
+        ).encode("latin-1")  # checked by config: an ASCII URL, ISO-8859-1 header values
+        """The request's line and headers, but its length (and signature): the same for every request."""
 
     def _proxy(self, scheme: str) -> tuple[urllib.parse.SplitResult | None, dict[str, str], str | None]:
         """The proxy the environment names for this URL (``HTTP_PROXY``, ``HTTPS_PROXY``, ``NO_PROXY``),
@@ -207,11 +240,11 @@ class WebhookClient(PushSink):
         if self._proxy_error:
             raise DeliveryError(self._proxy_error)
         body = self.body(messages)
-        headers = self.headers
+        head = b"%sContent-Length: %d\r\n" % (self._head, len(body))
         if self.secret:
-            headers = {**headers, SIGNATURE_HEADER: signature(self.secret, body)}
+            head += f"{SIGNATURE_HEADER}: {signature(self.secret, body)}\r\n".encode()
         try:
-            status, text = self._post(body, headers)
+            status, text = self._post(head + b"\r\n" + body)
         except (socket.timeout, TimeoutError):
             raise DeliveryError(f"webhook {self.sink}: timed out after {self.timeout:g}s") from None
         except ssl.SSLError as exc:
@@ -221,35 +254,40 @@ class WebhookClient(PushSink):
         if not 200 <= status < 300:
             raise DeliveryError(f"webhook {self.sink}: HTTP {status}: {text}")
 
-    def _post(self, body: bytes, headers: dict[str, str]) -> tuple[int, str]:
+    def _open(self) -> HttpChannel:
+        """A new connection to the endpoint (through the proxy, TLS verified): ``http.client`` connects."""
+        conn = self._connect()
+        conn.connect()
+        assert conn.sock is not None
+        return HttpChannel(conn.sock)
+
+    def _post(self, request: bytes) -> tuple[int, str]:
         """One request and its answer (status, the start of its body) on a pooled connection; a
         kept-alive connection found closed by the server is replaced once."""
         for fresh in (False, True):
-            conn = None
+            channel = None
             if not fresh:
                 try:
-                    conn = self._idle.get_nowait()
+                    channel = self._idle.get_nowait()
                 except queue.Empty:
                     fresh = True
-            if conn is None:
-                conn = self._connect()
+            if channel is None:
+                channel = self._open()
             try:
-                conn.request("POST", self.target, body=body, headers=headers)
-                response = conn.getresponse()
-                text = response.read(ANSWER_LIMIT)
+                answer = channel.exchange(request, ANSWER_LIMIT)
             except _STALE:
-                conn.close()
+                channel.close()
                 if fresh:
                     raise
                 continue  # most likely the server closed it while idle: sent again (at least once)
             except BaseException:
-                conn.close()
+                channel.close()
                 raise
-            if response.will_close or not response.isclosed():  # or an answer longer than we read
-                conn.close()
-            else:
-                self._idle.put(conn)
-            return response.status, text[:300].decode("utf-8", "replace")
+            if answer.reusable:
+                self._idle.put(channel)
+            else:  # the server closes it, or an answer longer than we read
+                channel.close()
+            return answer.status, answer.body[:300].decode("utf-8", "replace")
         raise AssertionError("unreachable")
 
     def close(self) -> None:

@@ -256,6 +256,30 @@ def test_dsn_uri_is_the_airflow_conn_form_and_resolves_back_to_the_same_connecti
             "sinks[0].destination.headers",
             "not a valid HTTP header",
         ),
+        (
+            GOOD.replace(
+                "{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
+                "{type: webhook, url: 'http://x/caf\u00e9'}",
+            ),
+            "sinks[0].destination.url",
+            "must be percent-encoded",
+        ),
+        (
+            GOOD.replace(
+                "{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
+                "{type: webhook, url: 'http://x', headers: {X-Who: \"\u2603\"}}",
+            ),
+            "sinks[0].destination.headers",
+            "ISO-8859-1",
+        ),
+        (
+            GOOD.replace(
+                "{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
+                "{type: webhook, url: 'http://x', headers: {content-length: 3}}",
+            ),
+            "sinks[0].destination.headers",
+            "set by the client",
+        ),
         ("databases: []\n", "databases", "non-empty list"),
         ("- a\n- b\n", "", "expected a mapping"),
     ],
