@@ -39,8 +39,9 @@ class LatencyEndpoint:
         self.committed: dict[bytes, float] = {}  # commit timestamp text -> epoch ms, parsed once
 
     def received(self, body: bytes, at_ms: float) -> None:
-        """Count a POST's messages and log their latencies."""
+        """Count a POST's messages and log their latencies (logged first: ``logged`` never lags the count)."""
         lines = []
+        count = 0
         for stamp, n in Counter(COMMIT_TIMESTAMP.findall(body)).items():
             committed = self.committed.get(stamp)
             if committed is None:
@@ -50,11 +51,11 @@ class LatencyEndpoint:
                     datetime.fromisoformat(stamp.decode().replace("Z", "+00:00")).timestamp() * 1000
                 )
             lines.append(f"{committed:.1f},{at_ms:.1f},{n}\n")
-            with self.lock:
-                self.count += n
+            count += n
         with self.lock:
             self.log.write("".join(lines))
             self.log.flush()
+            self.count += count
 
     def serve(self, conn: socket.socket) -> None:
         """Answer one connection's requests until it closes."""
@@ -93,25 +94,23 @@ def serve_latency(port: int, log_path: str) -> None:
         threading.Thread(target=endpoint.serve, args=(conn,), daemon=True).start()
 
 
+def _lines(path: Path) -> list[list[str]]:
+    """The log's whole lines, split (a last line still being written is left out)."""
+    if not path.exists():
+        return []
+    text = path.read_text()
+    return [line.split(",") for line in text[: text.rfind("\n") + 1].splitlines() if line]
+
+
 def latencies(path: Path, skip: int) -> list[float]:
     """The latencies (ms) logged in ``path`` after its first ``skip`` messages, in the order logged.
     A line is ``commit_ms,received_ms[,count]`` (without a count: one message, as Debezium's sink logs)."""
-    if not path.exists():
-        return []
     out: list[float] = []
-    for line in path.read_text().splitlines():
-        if not line:
-            continue
-        committed, received, *count = line.split(",")
+    for committed, received, *count in _lines(path):
         out.extend([float(received) - float(committed)] * (int(count[0]) if count else 1))
     return out[skip:]
 
 
 def logged(path: Path) -> int:
     """How many messages ``path`` logged so far."""
-    if not path.exists():
-        return 0
-    return sum(
-        int(fields[2]) if len(fields) > 2 else 1
-        for fields in (line.split(",") for line in path.read_text().splitlines() if line)
-    )
+    return sum(int(fields[2]) if len(fields) > 2 else 1 for fields in _lines(path))

@@ -21,6 +21,7 @@ MAX_HEAD = 64 * 1024
 """Bytes of an answer's status line and headers at most (``http.client`` allows 100 lines of 64 KiB)."""
 
 _HEAD_END = re.compile(rb"\r?\n\r?\n")
+_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,15}")
 _RECV = 65536
 
 
@@ -100,22 +101,28 @@ class HttpChannel:
         parts = status_line.split(None, 2)
         if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not re.fullmatch(rb"[1-9]\d\d", parts[1]):
             raise ProtocolError(f"not an HTTP/1.x answer: {status_line[:100]!r}")
-        length: int | None = None
+        lengths: set[bytes] = set()
         chunked = False
         connection: set[bytes] = set()
         for line in lines[1:]:
             name, _, value = line.rstrip(b"\r").partition(b":")
             name, value = name.strip().lower(), value.strip()
-            if name == b"content-length":
-                if not value.isdigit() or (length is not None and length != int(value)):
-                    raise ProtocolError(f"an invalid Content-Length: {value[:40]!r}")
-                length = int(value)
+            if name == b"content-length":  # a list of equal values is one (RFC 9112 6.3)
+                lengths.update(v.strip() for v in value.split(b","))
             elif name == b"transfer-encoding":
                 chunked = value.lower().split(b",")[-1].strip() == b"chunked"
-            elif name == b"connection":
+            elif name in (b"connection", b"proxy-connection"):
                 connection.update(token.strip() for token in value.lower().split(b","))
-        closes = b"close" in connection or (parts[0] == b"HTTP/1.0" and b"keep-alive" not in connection)
-        return _Head(int(parts[1]), length, chunked, closes)
+            elif name == b"keep-alive":  # an HTTP/1.0 server's way to keep the connection (as http.client)
+                connection.add(b"keep-alive")
+        if len(lengths) > 1 or not all(v.isdigit() for v in lengths):
+            raise ProtocolError(f"an invalid Content-Length: {b', '.join(sorted(lengths))[:40]!r}")
+        closes = (
+            b"close" in connection
+            or (parts[0] == b"HTTP/1.0" and b"keep-alive" not in connection)
+            or (chunked and bool(lengths))  # both: where the answer ends is in doubt, the connection is not reused
+        )
+        return _Head(int(parts[1]), int(next(iter(lengths))) if lengths else None, chunked, closes)
 
     def _read_exactly(self, count: int) -> bytes:
         while len(self._buffer) < count:
@@ -140,10 +147,9 @@ class HttpChannel:
         body = bytearray()
         while True:
             size_text = self._read_line().split(b";")[0].strip()
-            try:
-                size = int(size_text, 16)
-            except ValueError:
-                raise ProtocolError(f"an invalid chunk size: {size_text[:40]!r}") from None
+            if not _CHUNK_SIZE.fullmatch(size_text):  # int(..., 16) would take "-2", "0x2", "1_0"
+                raise ProtocolError(f"an invalid chunk size: {size_text[:40]!r}")
+            size = int(size_text, 16)
             if size == 0:
                 while self._read_line():  # trailers, up to the empty line
                     pass

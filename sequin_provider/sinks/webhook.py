@@ -86,11 +86,26 @@ _FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding", "connection
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 
+def _replaced(headers: Mapping[str, str], replacing: Mapping[str, str]) -> dict[str, str]:
+    """``headers`` with ``replacing`` added, each replacing a header of the same name in any case."""
+    names = {name.lower() for name in replacing}
+    return {**{name: value for name, value in headers.items() if name.lower() not in names}, **replacing}
+
+
 def _latin1(text: str) -> bool:
     """Whether ``text`` can be sent as a header value (ISO-8859-1)."""
     try:
         text.encode("latin-1")
     except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _idna_ok(url: str) -> bool:
+    """Whether the URL's host can be looked up (no empty or over-long label: ``socket`` encodes it as IDNA)."""
+    try:
+        (urllib.parse.urlsplit(url).hostname or "").encode("idna")
+    except UnicodeError:
         return False
     return True
 
@@ -118,6 +133,8 @@ class WebhookKind(DestinationKind):
         url = reader.string(item["url"], f"{path}.url")
         if not re.match(r"^https?://[^/\s]+", url) or re.search(r"[\s\x00-\x1f\x7f]", url) or not _url_port_ok(url):
             raise reader.fail(f"{path}.url", f"expected an http:// or https:// URL, got {url!r}")
+        if not _idna_ok(url):
+            raise reader.fail(f"{path}.url", f"the host is not a valid domain name: {url!r}")
         if not url.isascii():
             raise reader.fail(
                 f"{path}.url", f"non-ASCII characters must be percent-encoded (and a host punycoded): {url!r}"
@@ -172,25 +189,22 @@ class WebhookClient(PushSink):
         self.host: str = parts.hostname or ""
         self.port = parts.port or (443 if self.tls else 80)
         self.target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
+        authority = parts.netloc.rpartition("@")[2]  # host[:port], without credentials
         defaults = {
-            "Host": parts.netloc.rpartition("@")[2],
+            "Host": authority,
             "Content-Type": "application/json",
             "User-Agent": "sequin-provider",
             "Accept-Encoding": "identity",
         }
         if parts.username is not None:  # credentials in the URL: basic auth, as httpx did
             defaults["Authorization"] = _basic_auth(parts)
-        overridden = {name.lower() for name in options.headers}  # header names are case-insensitive
-        self.headers = {
-            **{name: value for name, value in defaults.items() if name.lower() not in overridden},
-            **options.headers,
-        }
+        self.headers = _replaced(defaults, options.headers)
+        if self.secret:  # the signature is the client's own, computed per request
+            self.headers = {name: v for name, v in self.headers.items() if name.lower() != SIGNATURE_HEADER.lower()}
         self.proxy, self._proxy_auth, self._proxy_error = self._proxy(parts.scheme)
         if self.proxy is not None and not self.tls:  # a plain request through the proxy names the whole URL
-            self.target = urllib.parse.urlunsplit(
-                (parts.scheme, self.headers["Host"], parts.path or "/", parts.query, "")
-            )
-            self.headers.update(self._proxy_auth)
+            self.target = urllib.parse.urlunsplit((parts.scheme, authority, parts.path or "/", parts.query, ""))
+            self.headers = _replaced(self.headers, self._proxy_auth)
         self._context = _tls_context() if self.tls else None
         self._idle: queue.SimpleQueue[HttpChannel] = queue.SimpleQueue()
         self._head = (

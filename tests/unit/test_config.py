@@ -259,6 +259,14 @@ def test_dsn_uri_is_the_airflow_conn_form_and_resolves_back_to_the_same_connecti
         (
             GOOD.replace(
                 "{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
+                "{type: webhook, url: 'http://hooks..example/x'}",
+            ),
+            "sinks[0].destination.url",
+            "not a valid domain name",
+        ),
+        (
+            GOOD.replace(
+                "{type: sequin_stream, visibility_timeout: 1m, max_ack_pending: 5}",
                 "{type: webhook, url: 'http://x/caf\u00e9'}",
             ),
             "sinks[0].destination.url",

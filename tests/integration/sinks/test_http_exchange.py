@@ -108,11 +108,14 @@ def test_interim_answers_are_skipped_and_bare_line_feeds_are_read(scripted: list
             b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n" + OK,
             b"HTTP/1.1 204 No Content\n\n",
             b"HTTP/1.1 202 Accepted\nContent-Length: 0\n\n",
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\n\r\nok",  # a list of equal lengths is one
+            b"HTTP/1.0 200 OK\r\nKeep-Alive: timeout=5\r\nContent-Length: 2\r\n\r\nok",
+            OK,
         ],
     )
-    for n in range(3):
+    for n in range(6):
         hooks.send([str(n)])
-    assert [number for number, _ in server.requests] == [1, 1, 1]
+    assert [number for number, _ in server.requests] == [1, 1, 1, 1, 1, 1]
 
 
 def test_answers_that_end_their_connection_are_not_reused(scripted: list[ScriptedServer]) -> None:
@@ -123,12 +126,13 @@ def test_answers_that_end_their_connection_are_not_reused(scripted: list[Scripte
             b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok" + ScriptedServer.CLOSE,
             b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nok",
             OK + b"HTTP/1.1 200 OK\r\n",  # more than it announced: where it ends is in doubt
+            b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
             OK,
         ],
     )
-    for n in range(5):
+    for n in range(6):
         hooks.send([str(n)])
-    assert [number for number, _ in server.requests] == [1, 2, 3, 3, 4]
+    assert [number for number, _ in server.requests] == [1, 2, 3, 3, 4, 5]
 
 
 def test_a_long_refusal_is_cut_short_and_its_connection_dropped(scripted: list[ScriptedServer]) -> None:
@@ -161,6 +165,8 @@ def test_a_long_refusal_is_cut_short_and_its_connection_dropped(scripted: list[S
         (b"HTTP/1.1 200 OK\r\nContent-Le" + ScriptedServer.CLOSE, "ended inside the answer's headers"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "an invalid Content-Length"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "an invalid chunk size"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-2\r\nok\r\n0\r\n\r\n", "an invalid chunk size"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2, 3\r\n\r\nok", "an invalid Content-Length"),
         (b"HTTP/1.1 200 OK\r\nX-Big: " + b"y" * 70_000, "longer than 65536 bytes"),
     ],
 )

@@ -116,6 +116,40 @@ def test_batches_go_out_in_order_over_kept_alive_connections_with_signature_and_
     assert len(recorder.connections) == 1  # one connection, kept alive
 
 
+def test_configured_headers_replace_the_clients_own_whatever_their_case(
+    recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hooks = client(
+        f"http://u:p@127.0.0.1:{recorder.port}/hook",
+        secret="s3cret",
+        headers={
+            "content-type": "application/cloudevents+json",
+            "AUTHORIZATION": "Bearer t",
+            "x-sequin-signature": "x",
+        },
+    )
+    hooks.send(["1"])
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{recorder.port}")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("http_proxy", raising=False)
+    client("http://hooks.invalid:8080/hook", headers={"host": "virtual.example"}).send(["2"])
+    first, proxied = recorder.requests
+    sent = {(name.lower(), value) for name, value in first["headers"].items()}
+    assert {
+        (name, value) for name, value in sent if name in ("content-type", "authorization", "x-sequin-signature")
+    } == {
+        ("authorization", "Bearer t"),
+        ("content-type", "application/cloudevents+json"),
+        ("x-sequin-signature", signature("s3cret", first["body"])),  # the client's own
+    }
+    assert len(first["headers"]) == len({name.lower() for name in first["headers"]})  # none sent twice
+    proxied_headers = {name.lower(): value for name, value in proxied["headers"].items()}
+    # through a proxy the request still names the URL's host; the Host header is the configured one
+    assert proxied["path"] == "http://hooks.invalid:8080/hook"
+    assert proxied_headers["host"] == "virtual.example"
+
+
 def test_a_connection_the_server_closed_while_idle_is_replaced_and_nothing_is_lost_or_doubled() -> None:
     server = Recorder(drop_every=3)
     try:
