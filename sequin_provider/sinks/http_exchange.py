@@ -71,8 +71,8 @@ class HttpChannel:
         while 100 <= head.status < 200 and head.status != 101:  # interim answers (100 Continue...)
             head = self._read_head(first=False)
         if head.status in (101, 204, 304):  # no body (101: the server switched protocols, never reused)
-            return Answer(head.status, b"", head.status != 101 and not head.closes and not self._buffer)
-        if head.chunked:
+            body, whole = b"", head.status != 101
+        elif head.chunked:
             body, whole = self._read_chunked(limit)
         elif head.length is not None:
             body, whole = self._read_exactly(min(head.length, limit)), head.length <= limit

@@ -258,7 +258,7 @@ class WebhookClient(PushSink):
         if self.secret:
             head += f"{SIGNATURE_HEADER}: {signature(self.secret, body)}\r\n".encode()
         try:
-            status, text = self._post(head + b"\r\n" + body)
+            status, text = self._post(b"".join((head, b"\r\n", body)))  # one copy of the body
         except (socket.timeout, TimeoutError):
             raise DeliveryError(f"webhook {self.sink}: timed out after {self.timeout:g}s") from None
         except ssl.SSLError as exc:
