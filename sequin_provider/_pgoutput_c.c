@@ -1,7 +1,7 @@
 /*
  * Compiled hot path of the pgoutput decoder (sequin_provider/pgoutput.py).
  *
- * Seven functions, each the exact counterpart of a pure-Python reference in pgoutput.py (or
+ * Eight functions, each the exact counterpart of a pure-Python reference in pgoutput.py (or
  * messages.py, message_render.py), which stays the definition (tests/test_pgoutput_c.py and
  * tests/test_message_render.py hold both equal on the same inputs, hostile ones included):
  *
@@ -12,6 +12,10 @@
  *                          ~ pgoutput.change_row: an insert, an update without old values or a
  *                            full-row delete straight to its change row (pgoutput.render_tuple's
  *                            record, pks and missing, and the row's tuple), with no Python frame
+ *   read_rows(specs, head, conn, get_copy_data, free_memory, pending, max_rows, max_bytes)
+ *                          ~ replication_protocol.ReplicationStream.read() and change_row() one message
+ *                            at a time: libpq's copy data straight to change rows, until a message
+ *                            change_row() does not take
  *   render_copy(data, kinds, prefixes, converters, columns, pk_positions)
  *                          ~ pgoutput.render_copy: a backfill page's COPY text lines straight to the
  *                            rows' record JSON and record_pks JSON, as Arrow string buffers
@@ -485,6 +489,8 @@ fail:
  * nothing adds to them after: they leave the cyclic GC's lists at once (as CPython does by itself
  * for such tuples and dicts, not for lists), so that a batch of 400,000 rows costs its collections
  * nothing to walk. */
+static PyObject *change_row_at(PyObject *specs, PyObject *head, const unsigned char *buf, Py_ssize_t size);
+
 static PyObject *change_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3 || !PyDict_Check(args[0]) || !PyList_Check(args[1]) || PyList_GET_SIZE(args[1]) != 4) {
         PyErr_SetString(PyExc_TypeError, "change_row(specs: dict, head: list of 4, buf)");
@@ -492,9 +498,12 @@ static PyObject *change_row(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     if (!PyBytes_Check(args[2]))
         Py_RETURN_NONE; /* another buffer: the decoder's own path */
-    const unsigned char *buf = (const unsigned char *)PyBytes_AS_STRING(args[2]);
-    Py_ssize_t size = PyBytes_GET_SIZE(args[2]);
-    PyObject *specs = args[0], *head = args[1];
+    return change_row_at(args[0], args[1], (const unsigned char *)PyBytes_AS_STRING(args[2]), PyBytes_GET_SIZE(args[2]));
+}
+
+/* The core of change_row() (and of read_rows()): the change row of the pgoutput message buf[0:size],
+ * None for a message it does not take, NULL with an exception set. */
+static PyObject *change_row_at(PyObject *specs, PyObject *head, const unsigned char *buf, Py_ssize_t size) {
     const char *action;
     PyObject *changes;
     if (size < 6)
@@ -575,6 +584,85 @@ static PyObject *change_row(PyObject *self, PyObject *const *args, Py_ssize_t na
     PyObject_GC_UnTrack(missing);
     PyObject_GC_UnTrack(row);
     return row;
+}
+
+/* read_rows(specs, head, conn, get_copy_data, free_memory, pending, max_rows, max_bytes): the reader's
+ * loop over a replication connection in COPY BOTH mode (replication_protocol.ReplicationStream.read_rows,
+ * whose reference is its read() and change_row() one message at a time). conn is libpq's PGconn *, and
+ * get_copy_data and free_memory the addresses of PQgetCopyData and PQfreemem of the libpq that made
+ * it, as integers. It appends to pending the change row of each XLogData message that change_row()
+ * takes, in order, until one of:
+ *   0: max_rows rows were appended, or their payloads reached max_bytes (checked before each read);
+ *   1: no whole message is buffered (PQgetCopyData's 0: the caller consumes input and calls again);
+ *   2: a message it does not take (a keepalive, or a data message change_row() does not take or
+ *      fails on: the caller decodes it, and so raises what is wrong with it), returned whole as bytes;
+ *   -1, -2: PQgetCopyData's end of the copy and error (the caller asks libpq why).
+ * Returns (rows appended, their payloads' bytes, code, the message of code 2 or None). It never
+ * blocks: the connection is nonblocking and PQgetCopyData is called with async = 1. */
+typedef int (*get_copy_data_fn)(void *conn, char **buffer, int async);
+typedef void (*free_memory_fn)(void *ptr);
+
+#define XLOGDATA_HEAD 25 /* 'w', dataStart, walEnd, sendTime */
+
+static PyObject *read_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8 || !PyDict_Check(args[0]) || !PyList_Check(args[1]) || PyList_GET_SIZE(args[1]) != 4 ||
+        !PyList_Check(args[5])) {
+        PyErr_SetString(PyExc_TypeError, "read_rows(specs: dict, head: list of 4, conn, get_copy_data, free_memory, "
+                                         "pending: list, max_rows, max_bytes)");
+        return NULL;
+    }
+    void *conn = PyLong_AsVoidPtr(args[2]);
+    get_copy_data_fn get_copy_data = (get_copy_data_fn)PyLong_AsVoidPtr(args[3]);
+    free_memory_fn free_memory = (free_memory_fn)PyLong_AsVoidPtr(args[4]);
+    Py_ssize_t max_rows = PyLong_AsSsize_t(args[6]), max_bytes = PyLong_AsSsize_t(args[7]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (conn == NULL || get_copy_data == NULL || free_memory == NULL) {
+        PyErr_SetString(PyExc_ValueError, "read_rows: a null connection or libpq function");
+        return NULL;
+    }
+    PyObject *specs = args[0], *head = args[1], *pending = args[5], *message = NULL;
+    Py_ssize_t rows = 0, bytes = 0;
+    int code;
+    for (;;) {
+        if (rows >= max_rows || bytes >= max_bytes) {
+            code = 0;
+            break;
+        }
+        char *data = NULL;
+        int size = get_copy_data(conn, &data, 1);
+        if (size <= 0) {
+            code = size == 0 ? 1 : size;
+            break;
+        }
+        if (size > XLOGDATA_HEAD && data[0] == 'w') {
+            PyObject *row =
+                change_row_at(specs, head, (const unsigned char *)data + XLOGDATA_HEAD, size - XLOGDATA_HEAD);
+            if (row == NULL)
+                PyErr_Clear(); /* the caller's decode raises it again, as the error that says what is wrong */
+            else if (row == Py_None)
+                Py_DECREF(row);
+            else {
+                int rc = PyList_Append(pending, row);
+                Py_DECREF(row);
+                if (rc < 0) {
+                    free_memory(data);
+                    return NULL;
+                }
+                rows++;
+                bytes += size - XLOGDATA_HEAD;
+                free_memory(data);
+                continue;
+            }
+        }
+        message = PyBytes_FromStringAndSize(data, size);
+        free_memory(data);
+        if (message == NULL)
+            return NULL;
+        code = 2;
+        break;
+    }
+    return Py_BuildValue("nniN", rows, bytes, code, message ? message : Py_NewRef(Py_None));
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -1153,6 +1241,9 @@ static PyMethodDef methods[] = {
     {"change_row", (PyCFunction)(void (*)(void))change_row, METH_FASTCALL,
      "change_row(specs, head, buf) -> the change row of an insert, an update without old values or a full-row "
      "delete, else None; see pgoutput.change_row."},
+    {"read_rows", (PyCFunction)(void (*)(void))read_rows, METH_FASTCALL,
+     "read_rows(specs, head, conn, get_copy_data, free_memory, pending, max_rows, max_bytes) -> (rows, bytes, code, "
+     "message); see replication_protocol.ReplicationStream.read_rows."},
     {"render", render, METH_VARARGS,
      "render(values, kinds, prefixes, converters, columns, only, fill) -> (record, missing); see pgoutput.render_record."},
     {"render_copy", render_copy, METH_VARARGS,

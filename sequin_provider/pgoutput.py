@@ -618,6 +618,12 @@ class PgOutputDecoder:
         """``change_row`` of this stream: ``decode``'s result for an insert, an update without old
         values or a full-row delete of an announced relation, in one call; None for any other
         message, which ``decode`` then takes. The reader's loop calls it first."""
+        self.take_rows: Callable[..., tuple[int, int, int, bytes | None]] | None = (
+            partial(hot_path.read_rows, self._specs, self._head) if compiled else None
+        )
+        """``change_row`` over many messages of a replication connection in one call
+        (``replication_protocol.ReplicationStream.read_rows``, ``_pgoutput_c.read_rows``); None with
+        the Python references, whose reader takes one message at a time."""
 
     # -- framing --------------------------------------------------------------------------
     def decode(self, buf: bytes) -> object:

@@ -22,6 +22,7 @@ from psycopg import sql
 from sequin_provider.config import TableConfig
 from sequin_provider.exceptions import ReplicationError, SourceUnavailableError
 from sequin_provider.pgoutput import (
+    COMPILED,
     Commit,
     LogicalMessage,
     PgOutputDecoder,
@@ -31,7 +32,7 @@ from sequin_provider.pgoutput import (
     int_to_lsn,
     lsn_to_int,
 )
-from sequin_provider.replication_protocol import ReplicationProtocolError, ReplicationStream
+from sequin_provider.replication_protocol import ReplicationProtocolError, ReplicationStream, libpq_copy_functions
 
 log = logging.getLogger(__name__)
 
@@ -441,8 +442,12 @@ class ChangeReader:
         buffer_bytes: int = 512 * 1024 * 1024,
         chunk_rows: int = CHUNK_ROWS,
         chunk_bytes: int = CHUNK_BYTES,
+        compiled: bool = COMPILED,
     ) -> None:
         self.dsn = dsn
+        self.compiled = compiled
+        """Decode with the compiled hot path (``pgoutput.PgOutputDecoder``) and read with its loop
+        (``ReplicationStream.read_rows``), or with their Python references (tests compare the two)."""
         self.slot = slot
         self.publication = publication
         self.buffer_rows = buffer_rows
@@ -497,7 +502,7 @@ class ChangeReader:
         self.close()
         self._catalog = Catalog(self.dsn)
         self._version = server_version(self._catalog.conn)
-        decoder = PgOutputDecoder(TypeRegistry(self._catalog.type_info), self._catalog.primary_key)
+        decoder = PgOutputDecoder(TypeRegistry(self._catalog.type_info), self._catalog.primary_key, self.compiled)
         options = {"proto_version": "1", "publication_names": self.publication}
         if self._version >= 140000:
             options["messages"] = "true"
@@ -594,6 +599,18 @@ class ChangeReader:
         acked = 0
         stall = self.test_stall
         change_row = decoder.change_row
+        take_rows = decoder.take_rows if libpq_copy_functions() is not None else None
+
+        def wait_for_data() -> None:
+            """Until the socket is readable (then ``ARRIVAL_PAUSE`` more) or ``acknowledge``/``close`` wake us."""
+            readable = select.select([stream, wake[0]], [], [], 0.05)[0]
+            if wake[0] in readable:
+                try:
+                    os.read(wake[0], 4096)
+                except BlockingIOError:
+                    pass
+            else:
+                time.sleep(ARRIVAL_PAUSE)
 
         def hand_on(commit_lsn: int = 0) -> None:
             nonlocal first_idx, pending, pending_bytes
@@ -631,18 +648,30 @@ class ChangeReader:
                         cond.wait(0.05)
                     stream.send_status_if_due(PAUSED_STATUS_INTERVAL)  # we read nothing while paused
                     continue
-                for _ in range(MESSAGES_PER_CHECK):  # the checks above take the lock: not per message
-                    message = stream.read()
-                    if message is None:
-                        readable = select.select([stream, wake[0]], [], [], 0.05)[0]
-                        if wake[0] in readable:
-                            try:
-                                os.read(wake[0], 4096)
-                            except BlockingIOError:
-                                pass
-                        else:
-                            time.sleep(ARRIVAL_PAUSE)
-                        break
+                budget = MESSAGES_PER_CHECK  # the checks above take the lock: not per message
+                while budget > 0:
+                    if take_rows is not None and not skip and not stall and len(pending) < chunk_rows:
+                        # the compiled loop takes the plain rows (nearly every message) until a limit,
+                        # an empty buffer or a message it leaves to the lines below
+                        before = len(pending)
+                        room, room_bytes = min(budget, chunk_rows - before), chunk_bytes - pending_bytes
+                        added, message = stream.read_rows(take_rows, pending, room, room_bytes)
+                        taken = len(pending) - before
+                        budget -= taken
+                        pending_bytes += added
+                        if len(pending) >= chunk_rows or pending_bytes >= chunk_bytes:
+                            hand_on()
+                        if message is None:
+                            if taken >= room or added >= room_bytes:  # a limit, not an empty buffer
+                                continue
+                            wait_for_data()
+                            break
+                    else:
+                        message = stream.read()
+                        if message is None:
+                            wait_for_data()
+                            break
+                    budget -= 1
                     data_start, payload = message
                     if stall and data_start <= self._ack_sent < received:
                         stream.send_status()  # the walsender's timeout counts from the stall's start

@@ -16,9 +16,14 @@ reply gets that same position. That is the invariant DESIGN §2.8 asks for, kept
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import struct
+import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
 
 import psycopg
 from psycopg import pq
@@ -34,6 +39,45 @@ _W, _K = ord("w"), ord("k")
 
 class ReplicationProtocolError(psycopg.OperationalError):
     """The replication connection failed; the text is the server's or libpq's own message."""
+
+
+RowTaker = Callable[[int, int, int, list[Any], int, int], tuple[int, int, int, bytes | None]]
+"""The compiled reading loop bound to a decoder (``PgOutputDecoder.take_rows``): called with libpq's
+``PGconn *``, the addresses of ``PQgetCopyData`` and ``PQfreemem``, the list to append change rows
+to and its limits; returns (rows appended, their bytes, code, message) (``_pgoutput_c.read_rows``)."""
+
+
+@functools.cache
+def libpq_copy_functions() -> tuple[int, int] | None:
+    """The addresses of ``PQgetCopyData`` and ``PQfreemem`` in the libpq psycopg's connections use, for
+    the compiled reading loop; None when that library cannot be told for sure (then the reader reads
+    one message at a time through psycopg, as its reference does).
+
+    psycopg's binary wheel carries its own libpq (``psycopg_binary.libs``), which is the one loaded
+    into this process from there; another libpq may be loaded beside it (psycopg2's wheel carries one
+    too), so the library is found by its folder, never by name alone, and must report the version
+    psycopg reports (``PQlibVersion``: the same build, so the same ``PGconn``)."""
+    if pq.__impl__ != "binary" or "psycopg_binary" not in sys.modules:
+        return None
+    wheel_libs = Path(sys.modules["psycopg_binary"].__file__ or "").resolve().parent.parent / "psycopg_binary.libs"
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            loaded = {line.split(maxsplit=5)[-1].strip() for line in maps if "/libpq" in line}
+    except OSError:
+        return None
+    found = sorted(p for p in loaded if Path(p).parent == wheel_libs and Path(p).name.startswith("libpq"))
+    if len(found) != 1:
+        return None
+    try:
+        libpq = ctypes.CDLL(found[0])  # already loaded: the same handle, nothing loaded again
+    except OSError:
+        return None
+    libpq.PQlibVersion.restype = ctypes.c_int
+    if libpq.PQlibVersion() != pq.version():
+        return None
+    get_copy_data = ctypes.cast(libpq.PQgetCopyData, ctypes.c_void_p).value
+    free_memory = ctypes.cast(libpq.PQfreemem, ctypes.c_void_p).value
+    return (get_copy_data, free_memory) if get_copy_data and free_memory else None
 
 
 def quote_option(value: str) -> str:
@@ -87,27 +131,77 @@ class ReplicationStream:
         while True:
             size, data = conn.get_copy_data(1)
             if size > 0:
-                kind = data[0]
-                if kind == _W:  # the hot path: one per change
+                if data[0] == _W:  # the hot path: one per change
                     return _DATA_START(data, 1)[0], data[25:].tobytes()
-                if kind == _K:
-                    self.wal_end, _, reply = _KEEPALIVE.unpack_from(data, 1)
-                    if reply:
-                        self.send_status()
-                    continue
-                raise ReplicationProtocolError(f"unexpected replication message type {chr(kind)!r}")
+                self._control(data)
+                continue
             if size == 0:
                 if consumed:
                     return None
-                try:
-                    conn.consume_input()
-                except psycopg.OperationalError as exc:
-                    raise ReplicationProtocolError(str(exc).strip() or self._error()) from None
+                self._consume_input()
                 consumed = True
                 continue
-            # -1: the server ended the copy (an error or a shutdown); -2: libpq's own error
-            result = conn.get_result()
-            raise ReplicationProtocolError(self._error(result))
+            self._ended()
+
+    def read_rows(
+        self, take: RowTaker, pending: list[Any], max_rows: int, max_bytes: int
+    ) -> tuple[int, tuple[int, bytes] | None]:
+        """``read()`` and ``take``'s decoder's ``change_row`` in a compiled loop: appends to ``pending``
+        the change row of each data message ``change_row`` takes, until ``max_rows`` rows or
+        ``max_bytes`` bytes of payload were appended, nothing is buffered, or a message comes that
+        it does not take. Returns (the bytes appended, that message as ``read()`` returns it, or
+        None). ``libpq_copy_functions()`` must not be None."""
+        functions = libpq_copy_functions()
+        assert functions is not None, "read_rows() without the compiled loop's libpq functions"
+        get_copy_data, free_memory = functions
+        conn = self._conn
+        pointer = conn.pgconn_ptr
+        consumed = False
+        appended = 0
+        while True:
+            rows, nbytes, code, message = take(
+                pointer, get_copy_data, free_memory, pending, max_rows, max_bytes - appended
+            )
+            max_rows -= rows
+            appended += nbytes
+            if rows:
+                consumed = False  # as read(), which consumes input again once the buffer ran dry
+            if code == 2:
+                assert message is not None
+                if message[0] == _W:
+                    return appended, (_DATA_START(message, 1)[0], message[25:])
+                self._control(memoryview(message))
+                continue
+            if code == 0:
+                return appended, None
+            if code == 1:
+                if consumed:
+                    return appended, None
+                self._consume_input()
+                consumed = True
+                continue
+            self._ended()
+
+    def _control(self, data: memoryview) -> None:
+        """A message other than XLogData: a keepalive, answered when it asks."""
+        kind = data[0]
+        if kind == _K:
+            self.wal_end, _, reply = _KEEPALIVE.unpack_from(data, 1)
+            if reply:
+                self.send_status()
+            return
+        raise ReplicationProtocolError(f"unexpected replication message type {chr(kind)!r}")
+
+    def _consume_input(self) -> None:
+        try:
+            self._conn.consume_input()
+        except psycopg.OperationalError as exc:
+            raise ReplicationProtocolError(str(exc).strip() or self._error()) from None
+
+    def _ended(self) -> NoReturn:
+        """-1 from the copy: the server ended it (an error or a shutdown); -2: libpq's own error."""
+        result = self._conn.get_result()
+        raise ReplicationProtocolError(self._error(result))
 
     def send_status_if_due(self, interval: float | None = None) -> None:
         """Send a status update (the same position) when none went out for ``interval`` seconds
