@@ -155,12 +155,12 @@ class ReplicationStream:
         assert functions is not None, "read_rows() without the compiled loop's libpq functions"
         get_copy_data, free_memory = functions
         conn = self._conn
-        pointer = conn.pgconn_ptr
         consumed = False
         appended = 0
         while True:
+            # the pointer is asked for each time: None (a TypeError, never a freed pointer) once closed
             rows, nbytes, code, message = take(
-                pointer, get_copy_data, free_memory, pending, max_rows, max_bytes - appended
+                conn.pgconn_ptr, get_copy_data, free_memory, pending, max_rows, max_bytes - appended
             )
             max_rows -= rows
             appended += nbytes
