@@ -63,7 +63,7 @@ def _chunks(dsn: str, start: int | tuple[int, int], count: int, compiled: bool, 
     return chunks
 
 
-def test_the_compiled_loop_hands_out_what_the_reference_hands_out(dsn: str) -> None:
+def test_the_compiled_loop_hands_out_what_the_reference_hands_out(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
     execute(
         dsn,
         "CREATE TABLE kv (id int PRIMARY KEY, v text, n numeric)",
@@ -98,6 +98,10 @@ def test_the_compiled_loop_hands_out_what_the_reference_hands_out(dsn: str) -> N
     assert sum(len(c[0]) for c in reference) == total > 2500 + 50 + 300
     assert [c[1:] for c in compiled] == [c[1:] for c in reference]  # the same chunks, ending at the same positions
     assert compiled == reference
+    # a compiled decoder without the loop's libpq (another psycopg implementation): one message at a time
+    monkeypatch.setattr("sequin_provider.replication.libpq_copy_functions", lambda: None)
+    assert _chunks(dsn, start, total, True, **limits) == reference
+    monkeypatch.undo()
     # resumed inside the first (large) transaction: the rows handed out before are skipped, then the loop takes over
     resume = reference[2][1]
     assert resume[1] > 0  # a position inside a transaction
