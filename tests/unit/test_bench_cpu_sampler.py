@@ -1,0 +1,45 @@
+"""The backfill benchmark's CPU sampler classifies a process once, and again when it execs another
+program (spark-submit's launcher becomes java with the same pid and start time): the per-process
+CPU figures it prints rest on both. A real child process, exec'd for real."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from bench import backfill_throughput
+
+EXECS_LATER = (
+    "import os, sys, time\n"
+    "time.sleep(1.0)\n"
+    "os.execv(sys.executable, ['launched-program', '-c', 'import time; time.sleep(60)', 'after'])\n"
+)
+
+
+def test_a_process_is_classified_once_then_again_after_it_execs(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+
+    def by_last_argument(proc: psutil.Process) -> str:
+        calls.append(proc.cmdline()[-1])
+        return proc.cmdline()[-1]
+
+    monkeypatch.setattr(backfill_throughput, "backfill_process_class", by_last_argument)
+    child = subprocess.Popen([sys.executable, "-c", EXECS_LATER, "before"])
+    try:
+        proc = psutil.Process(child.pid)
+        sampler = backfill_throughput.CpuSampler()
+        assert [sampler.classify(proc) for _ in range(3)] == ["before"] * 3
+        assert calls == ["before"]  # classified once
+        deadline = time.monotonic() + 30
+        while proc.cmdline()[0] != "launched-program":
+            assert time.monotonic() < deadline, "the child never exec'd"
+            time.sleep(0.05)
+        assert [sampler.classify(proc) for _ in range(3)] == ["after"] * 3
+        assert calls == ["before", "after"]
+    finally:
+        child.kill()
+        child.wait()
