@@ -39,7 +39,6 @@ from sequin_provider.config import load_config  # noqa: E402
 from sequin_provider.pgoutput import int_to_lsn, lsn_to_int  # noqa: E402
 from sequin_provider.provisioning import initialize  # noqa: E402
 from sequin_provider.replication import ChangeReader, create_slot  # noqa: E402
-from sequin_provider.spark.driver_batch import DEFAULT_DRIVER_BATCH_ROWS  # noqa: E402
 from sequin_provider.store import READ_DATA, TEMPLATE_JOIN  # noqa: E402
 
 TABLE = (
@@ -385,8 +384,8 @@ def main() -> int:
     parser.add_argument(
         "--driver-batch-rows",
         type=int,
-        default=DEFAULT_DRIVER_BATCH_ROWS,
-        help="the app's stream.driver_batch_rows (0: every micro-batch runs its Spark job)",
+        default=None,
+        help="the app's stream.driver_batch_rows (default: the app's own; 0: every micro-batch runs its Spark job)",
     )
     parser.add_argument(
         "--trigger-interval",
@@ -418,7 +417,7 @@ sinks:
   - name: events
     tables: [events]
     destination: {{type: sequin_stream}}
-stream: {{checkpoint_location: {work / "ckpt"}, driver_batch_rows: {args.driver_batch_rows}, trigger_interval: {args.trigger_interval}}}
+stream: {{checkpoint_location: {work / "ckpt"}, driver_batch_rows: {"null" if args.driver_batch_rows is None else args.driver_batch_rows}, trigger_interval: {args.trigger_interval}}}
 """)
         initialize(load_config(config_path))
         app = StreamAppProcess(config_path, work / "app.log").start()

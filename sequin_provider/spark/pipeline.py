@@ -55,7 +55,7 @@ from sequin_provider.metrics.stream import COMMIT_TIMESTAMP_PRECISION_MS, BatchR
 from sequin_provider.sinks.sequin_stream import SequinStreamSink
 from sequin_provider.sinks.stored import StoredSinkWriter, StreamTableWriter
 from sequin_provider.spark.arrow_map import ArrowMap
-from sequin_provider.spark.driver_batch import DEFAULT_DRIVER_BATCH_ROWS, batch_spool_file
+from sequin_provider.spark.driver_batch import batch_spool_file, default_driver_batch_rows
 from sequin_provider.spark.poison import (
     JSON_COLUMNS,
     engine_error,
@@ -589,12 +589,17 @@ class Pipeline:
         """Have the driver write a ``payload=spool`` batch of at most ``stream.driver_batch_rows``
         changes itself, from its spool file (``driver_batch.batch_spool_file``), instead of running a
         Spark job for it: the same writer as a task's (``StreamWriter``), without the job's scheduling,
-        Python workers and report, which cost a small batch most of its time. Unset, the limit is
-        ``DEFAULT_DRIVER_BATCH_ROWS`` on a local master and 0 on a cluster (whose driver may not
-        reach the sinks the executors do). Not for sinks whose kind commits a batch on the driver
-        from Spark (``batch_sinks``)."""
+        Python workers and report, which cost a small batch most of its time, and under load on a
+        local master more than its parallel tasks gain. Unset, the limit is
+        ``driver_batch.default_driver_batch_rows``: every batch on a local master, 20,000 changes
+        there with a push sink, 0 on a cluster (whose driver may not reach the sinks the executors
+        do). Not for sinks whose kind commits a batch on the driver from Spark (``batch_sinks``)."""
         configured = self.config.stream.driver_batch_rows
-        limit = configured if configured is not None else DEFAULT_DRIVER_BATCH_ROWS if local_master else 0
+        limit = (
+            configured
+            if configured is not None
+            else default_driver_batch_rows(local_master, bool(self.push_sinks), self.config.stream.max_batch_rows)
+        )
         if self.payload == "spool" and not self.batch_sinks and limit > 0:
             self._batch_files = (checkpoint, spool)
             self.driver_batch_rows = limit

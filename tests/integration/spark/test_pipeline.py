@@ -343,18 +343,22 @@ def test_a_batch_the_driver_fails_after_its_copy_is_left_to_the_job_whose_rewrit
 
 
 def test_on_a_cluster_the_driver_writes_nothing_unless_told_to(tmp_path: Path) -> None:
-    """Unset, ``stream.driver_batch_rows`` is 20,000 on a local master and 0 on a cluster, whose
-    driver may not reach what the executors do; set, it holds on a cluster too."""
-    from sequin_provider.spark.driver_batch import DEFAULT_DRIVER_BATCH_ROWS
+    """Unset, ``stream.driver_batch_rows`` is every batch (``max_batch_rows``) on a local master,
+    20,000 there for an app with a push sink (a job has a task's lanes per task), and 0 on a cluster,
+    whose driver may not reach what the executors do; set, it holds on a cluster too."""
+    from sequin_provider.spark.driver_batch import PUSH_DRIVER_BATCH_ROWS
     from sequin_provider.spark.pipeline import Pipeline
 
-    def limit(stream: str, local_master: bool) -> int:
+    stored = "{name: changes, tables: [public.t], destination: {type: sequin_stream}}"
+    pushed = '{name: hook, tables: [public.t], destination: {type: webhook, url: "http://127.0.0.1:9/h"}}'
+
+    def limit(stream: str, local_master: bool, sinks: str = stored) -> int:
         config = load_config(
             write_config(
                 tmp_path / "sequin.yaml",
                 f"""
             databases: [{{name: app, dsn: "postgresql://u@localhost/app"}}]
-            sinks: [{{name: changes, tables: [public.t], destination: {{type: sequin_stream}}}}]
+            sinks: [{sinks}]
             {stream}
             """,
             )
@@ -363,7 +367,10 @@ def test_on_a_cluster_the_driver_writes_nothing_unless_told_to(tmp_path: Path) -
         pipeline.write_small_batches(str(tmp_path / "ckpt"), str(tmp_path / "spool"), local_master)
         return pipeline.driver_batch_rows
 
-    assert limit("", local_master=True) == DEFAULT_DRIVER_BATCH_ROWS
+    assert limit("", local_master=True) == 200_000  # stream.max_batch_rows' default
+    assert limit("stream: {max_batch_rows: 5000}", local_master=True) == 5000
+    assert limit("", local_master=True, sinks=f"{stored}, {pushed}") == PUSH_DRIVER_BATCH_ROWS == 20_000
     assert limit("", local_master=False) == 0
+    assert limit("", local_master=False, sinks=pushed) == 0
     assert limit("stream: {driver_batch_rows: 500}", local_master=False) == 500
     assert limit("stream: {driver_batch_rows: 0}", local_master=True) == 0
