@@ -60,7 +60,25 @@ def _chunks(dsn: str, start: int | tuple[int, int], count: int, compiled: bool, 
                 chunks.append((result.rows, (result.end_lsn, result.end_idx), result.transactions))
     finally:
         reader.close()
-    return chunks
+    return _folded(chunks)
+
+
+def _folded(chunks: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """``chunks`` with each chunk of no rows (a transaction with nothing for us) folded into the next
+    one: ``read`` takes such a chunk together with the next only if that one had already arrived, so
+    where they part depends on the walsender's pace (a loaded CI machine parted them differently in
+    two reads of the same slot); every other chunk ends where the limits or a transaction end it."""
+    out: list[tuple[Any, ...]] = []
+    carried = 0
+    for rows, end, transactions in chunks:
+        if not rows and transactions:
+            carried += transactions
+            continue
+        out.append((rows, end, transactions + carried))
+        carried = 0
+    if carried:
+        out.append(([], chunks[-1][1], carried))
+    return out
 
 
 def test_the_compiled_loop_hands_out_what_the_reference_hands_out(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
