@@ -377,21 +377,29 @@ def _stale_pages(dsn: str, backfill_id: int) -> list[int]:
 def test_stream_app_killed_mid_backfill_then_restarted_completes_with_nothing_missing(
     app_db: tuple[str, StreamApp, Path], spark: Any
 ) -> None:
-    """SIGKILL the module's stream app twice while pages are in flight (it is started again each time)."""
+    """SIGKILL the module's stream app twice while pages are in flight (it is started again each time).
+
+    A restarted app releases every page waiting for it at once, so the backfill may end before a
+    second kill: the loop stops killing then (a kill after the end tests nothing), but the first kill
+    must land while the backfill runs."""
     dsn, app, config = app_db
     created = backfill(dsn, config, "killed_sink", "killed")
     result: dict[str, Backfill] = {}
     runner = threading.Thread(target=lambda: result.update(final=run(spark, config, created.id, max_page_rows=10_000)))
     runner.start()
     seen = 0
+    kills_mid_backfill = 0
     try:
         for _ in range(2):  # kill it twice while pages are in flight
             wait_for(
-                lambda at_least=seen + 5_000: count_messages(dsn, "killed_sink") > at_least,
+                lambda at_least=seen + 5_000: count_messages(dsn, "killed_sink") > at_least or not runner.is_alive(),
                 240,
                 what="backfill progress",
             )
+            if not runner.is_alive():
+                break
             app.kill()
+            kills_mid_backfill += 1
             time.sleep(1.0)
             app.start()
             app.wait_streaming(dsn)
@@ -400,6 +408,7 @@ def test_stream_app_killed_mid_backfill_then_restarted_completes_with_nothing_mi
     finally:
         if app.proc is None:  # killed and not started again: the module's next tests need it
             app.start()
+    assert kills_mid_backfill >= 1
     assert result["final"].state == "completed", result["final"].error
     ids = [m["record"]["id"] for m in reads_of(dsn, "killed_sink")]
     assert set(ids) == set(range(1, 150_001))  # nothing missing
@@ -410,7 +419,12 @@ def test_stream_app_killed_mid_backfill_then_restarted_completes_with_nothing_mi
         stale = conn.execute(
             "SELECT count(*) FROM sequin.backfill_pages WHERE backfill_id = %s AND state = 'stale'", (created.id,)
         ).fetchone()[0]
-    logging.getLogger(__name__).info("kill test: %d reads for 150000 rows, %d stale pages", len(ids), stale)
+    logging.getLogger(__name__).info(
+        "kill test: %d kills mid-backfill, %d reads for 150000 rows, %d stale pages",
+        kills_mid_backfill,
+        len(ids),
+        stale,
+    )
 
 
 def test_backfill_app_killed_mid_run_resumes_from_its_cursors_with_nothing_missing(
