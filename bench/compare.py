@@ -327,7 +327,11 @@ def drop_slot(dsn: str, slot: str) -> None:
         )
 
 
-def config_text(dsn: str, store_dsn: str, slot: str, sink: str, work: Path) -> str:
+def config_text(
+    dsn: str, store_dsn: str, slot: str, sink: str, work: Path, driver_batch_rows: int | None = None
+) -> str:
+    """The app's config; ``driver_batch_rows`` None leaves ``stream.driver_batch_rows`` to the app's default."""
+    driver = "" if driver_batch_rows is None else f", driver_batch_rows: {driver_batch_rows}"
     return f"""
 databases:
   - name: bench
@@ -339,7 +343,7 @@ sinks:
   - name: events
     tables: [events]
     destination: {sink}
-stream: {{checkpoint_location: {work / ("ckpt-" + slot)}}}
+stream: {{checkpoint_location: {work / ("ckpt-" + slot)}{driver}}}
 """
 
 
@@ -369,7 +373,12 @@ def stream_section(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]
             stream_config = here / "stream.yaml"
             stream_config.write_text(
                 config_text(
-                    dsn, store_pg.create_database(f"bench_store_{n}"), "stream_slot", "{type: sequin_stream}", here
+                    dsn,
+                    store_pg.create_database(f"bench_store_{n}"),
+                    "stream_slot",
+                    "{type: sequin_stream}",
+                    here,
+                    args.driver_batch_rows,
                 )
             )
             hook_port = free_port()
@@ -381,6 +390,7 @@ def stream_section(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]
                     "hook_slot",
                     f'{{type: webhook, url: "http://127.0.0.1:{hook_port}/hook", batch_size: 100, concurrency: 8}}',
                     here,
+                    args.driver_batch_rows,
                 )
             )
             if n == 1:  # the publication, used by every contender of every round
@@ -656,6 +666,12 @@ def main() -> int:
         type=int,
         default=SETTLE_SECONDS,
         help="seconds at the steady rate before each latency run measures (stream_throughput.SETTLE_SECONDS)",
+    )
+    parser.add_argument(
+        "--driver-batch-rows",
+        type=int,
+        default=None,
+        help="the stream apps' stream.driver_batch_rows (default: the app's own; 0: every micro-batch runs its Spark job)",
     )
     parser.add_argument("--backfill-rows", type=int, default=1_000_000)
     parser.add_argument("--api-seconds", type=float, default=5.0)

@@ -289,7 +289,9 @@ def run_stream_app(
         spark.stop()
         return 2
     use_local_checkpoint_manager(spark, checkpoint_dir)
-    pipeline.write_small_batches(checkpoint_dir, spool, spark.sparkContext.master.startswith("local"))
+    pipeline.write_small_batches(
+        checkpoint_dir, spool, spark.sparkContext.master.startswith("local"), spark.sparkContext.defaultParallelism
+    )
     changes = (
         spark.readStream.format("sequin_replication")
         .option("config", path)

@@ -18,30 +18,21 @@ import logging
 import os
 from typing import Any
 
-from sequin_provider.spark.source import MIN_ROWS_PER_SLICE, offset_position
+from sequin_provider.spark.source import offset_position
 from sequin_provider.spark.spool import local_path, spool_path
 
 log = logging.getLogger(__name__)
 
-PUSH_DRIVER_BATCH_ROWS = 2 * MIN_ROWS_PER_SLICE
-"""``stream.driver_batch_rows`` when unset, on a local master, for an app with a push sink: below twice
-``source.MIN_ROWS_PER_SLICE`` Spark runs a batch as one task anyway, so the driver does what one Python
-worker would have done. Larger batches keep the job: a push sink's requests go out of each task's
-``concurrency`` lanes, and a job of N tasks has N times the lanes of the driver, which is what a slow
-endpoint's throughput is bound by."""
 
-
-def default_driver_batch_rows(local_master: bool, pushes: bool, max_batch_rows: int) -> int:
+def default_driver_batch_rows(local_master: bool, max_batch_rows: int) -> int:
     """``stream.driver_batch_rows`` when unset. On a cluster 0: its driver may not reach what the
-    executors do. On a local master, every batch (``max_batch_rows``) when no sink pushes: the job's
-    tasks run on the same machine's cores as the driver, the decoder and often the databases, so
-    under load its parallel tasks found no idle core, and its scheduling, Python workers and reports
-    cost more than they gained (2 cores: 15-16 against 17-18 us of CPU per change, 8-20 % more
-    changes/s; docs/performance.md, "The driver writes every batch"). With a push sink,
-    ``PUSH_DRIVER_BATCH_ROWS``."""
-    if not local_master:
-        return 0
-    return PUSH_DRIVER_BATCH_ROWS if pushes else max_batch_rows
+    executors do. On a local master, every batch (``max_batch_rows``): the job's tasks run on the
+    same machine's cores as the driver, the decoder and often the databases, so under load its
+    parallel tasks found no idle core, and its scheduling, Python workers and reports cost more than
+    they gained (2 cores: 15-16 against 17-18 us of CPU per change, 8-20 % more changes/s;
+    docs/performance.md, "The driver writes every batch"). A push sink loses no lanes by it: the
+    driver sends over as many as the job's tasks together (``Pipeline.write_small_batches``)."""
+    return max_batch_rows if local_master else 0
 
 
 _unreadable_warned = False

@@ -186,12 +186,13 @@ assert COMMIT_TIMESTAMP_PRECISION_MS == 10, "CommitTimes.TEXT_LENGTH cuts the te
 class StreamWriter:
     """Executor side: one COPY of a partition's stream rows, for every stored sink of a database
     (``sinks.stored.StreamTableWriter``, each sink's share made by its kind); with
-    ``payload=spool``, also the push sinks' share of the batch that falls to this partition."""
+    ``payload=spool``, also the push sinks' share of the batch that falls to this partition, over
+    ``lane_factor`` times each sink's lanes (``PushWriter``)."""
 
-    def __init__(self, config_path: str, database: str) -> None:
+    def __init__(self, config_path: str, database: str, lane_factor: int = 1) -> None:
         config = load_config(config_path)
         db = config.database(database)
-        self.config_path, self.database = config_path, db.name
+        self.config_path, self.database, self.lane_factor = config_path, db.name, lane_factor
         self.sinks = config.sinks_of(db.name)
         self.copies = any(s.destination.kind.stored for s in self.sinks)
         self.pushes = any(s.destination.kind.pushed and "truncate" in selected_actions(s) for s in self.sinks)
@@ -273,7 +274,8 @@ class StreamWriter:
         sink_parked = [set_aside.get(s.name, 0) for s in self.sinks]
         for i, sink in enumerate(self.sinks) if slices else ():
             if sink.destination.kind.pushed:
-                sent, held = push_writer(self.config_path, self.database, sink.name).write_share(slices)
+                pusher = push_writer(self.config_path, self.database, sink.name, self.lane_factor)
+                sent, held = pusher.write_share(slices)
                 delivered, pushed_parked = delivered + sent, pushed_parked + held
                 sink_delivered[i] += sent
                 sink_parked[i] += held
@@ -372,9 +374,10 @@ def first_of_group(groups: pa.Array) -> np.ndarray:
 
 class PushWriter:
     """Executor side: one partition's messages of a pushed sink (``DestinationKind.pusher``), sent in
-    order per group."""
+    order per group. ``lane_factor`` multiplies the sink's lanes: the driver writing a whole batch
+    (``Pipeline.deliver_on_driver``) sends over as many lanes as the batch's tasks would have together."""
 
-    def __init__(self, config_path: str, database: str, sink_name: str) -> None:
+    def __init__(self, config_path: str, database: str, sink_name: str, lane_factor: int = 1) -> None:
         config = load_config(config_path)
         self.schema = config.store.schema
         self.sink_config = config.sink(sink_name)
@@ -383,6 +386,7 @@ class PushWriter:
         self.transform = load_transform(self.sink_config.transform)
         self.rendering = SinkRendering.of(self.sink_config, database)
         self.pusher = self.sink_config.destination.kind.pusher(self.sink_config)
+        self.pusher.lanes *= max(1, lane_factor)
         self.store = SequinStreamSink(
             config.store_dsn(database), config.store.schema, config.stream.store_retry_timeout
         )
@@ -486,7 +490,7 @@ def sink_report(sinks: int, index: int, delivered: int, parked: int) -> dict[str
 
 
 _WRITERS: dict[tuple[str, str], StreamWriter] = {}
-_PUSHERS: dict[tuple[str, str, str], PushWriter] = {}
+_PUSHERS: dict[tuple[str, str, str, int], PushWriter] = {}
 
 
 def log_writer_ready(what: str) -> None:
@@ -522,12 +526,12 @@ def stream_writer(config_path: str, database: str) -> StreamWriter:
     return writer
 
 
-def push_writer(config_path: str, database: str, sink: str) -> PushWriter:
+def push_writer(config_path: str, database: str, sink: str, lane_factor: int = 1) -> PushWriter:
     """This Python worker's writer of push sink ``sink`` (as ``stream_writer``)."""
-    key = (config_path, database, sink)
+    key = (config_path, database, sink, lane_factor)
     writer = _PUSHERS.get(key)
     if writer is None:
-        writer = _PUSHERS[key] = PushWriter(config_path, database, sink)
+        writer = _PUSHERS[key] = PushWriter(config_path, database, sink, lane_factor)
         log_writer_ready(f"the writer of push sink {sink!r}")
     freeze_long_lived()
     return writer
@@ -581,28 +585,34 @@ class Pipeline:
         """(checkpoint, spool) once ``write_small_batches`` is called: the driver writes small batches."""
         self.driver_batch_rows = 0
         """The most changes of a batch the driver writes (``write_small_batches``); 0: none."""
+        self.driver_lane_factor = 1
+        """The tasks a batch's job runs (``write_small_batches``): the driver's push lanes are that many
+        times a sink's ``concurrency``, as many as the job's tasks send over together."""
         self._driver_writer: StreamWriter | None = None
         self._driver_written: dict[int, int] = {}
         """Changes of the recent batches the driver wrote, by batch id (``driver_changes``)."""
 
-    def write_small_batches(self, checkpoint: str, spool: str, local_master: bool) -> None:
+    def write_small_batches(self, checkpoint: str, spool: str, local_master: bool, tasks: int = 1) -> None:
         """Have the driver write a ``payload=spool`` batch of at most ``stream.driver_batch_rows``
         changes itself, from its spool file (``driver_batch.batch_spool_file``), instead of running a
         Spark job for it: the same writer as a task's (``StreamWriter``), without the job's scheduling,
         Python workers and report, which cost a small batch most of its time, and under load on a
         local master more than its parallel tasks gain. Unset, the limit is
-        ``driver_batch.default_driver_batch_rows``: every batch on a local master, 20,000 changes
-        there with a push sink, 0 on a cluster (whose driver may not reach the sinks the executors
-        do). Not for sinks whose kind commits a batch on the driver from Spark (``batch_sinks``)."""
+        ``driver_batch.default_driver_batch_rows``: every batch on a local master, 0 on a cluster
+        (whose driver may not reach the sinks the executors do). ``tasks`` is how many tasks the
+        batch's job would run (the source's partitions): the driver sends each push sink's messages
+        over that many times its ``concurrency`` lanes, as the job's tasks would together. Not for
+        sinks whose kind commits a batch on the driver from Spark (``batch_sinks``)."""
         configured = self.config.stream.driver_batch_rows
         limit = (
             configured
             if configured is not None
-            else default_driver_batch_rows(local_master, bool(self.push_sinks), self.config.stream.max_batch_rows)
+            else default_driver_batch_rows(local_master, self.config.stream.max_batch_rows)
         )
         if self.payload == "spool" and not self.batch_sinks and limit > 0:
             self._batch_files = (checkpoint, spool)
             self.driver_batch_rows = limit
+            self.driver_lane_factor = max(1, tasks)
 
     def validate(self, spark: Any) -> None:
         """Analyse every sink's SQL on an empty batch, so a bad filter fails at start with its sink named."""
@@ -731,7 +741,7 @@ class Pipeline:
         if path is None or rows is None or rows > self.driver_batch_rows:
             return None
         if self._driver_writer is None:
-            self._driver_writer = StreamWriter(self.config.source, self.database.name)
+            self._driver_writer = StreamWriter(self.config.source, self.database.name, self.driver_lane_factor)
         try:
             return pa.Table.from_batches(
                 list(self._driver_writer.write(spool_slice(path, 0, rows))), WRITE_RESULT_SCHEMA

@@ -33,6 +33,9 @@ class Receiver:
         self.stalled: list[dict[str, Any]] = []  # answered after the client's timeout: delivery was ambiguous
         self.refused = 0
         self.bad_signatures = 0
+        self.in_flight = 0
+        self.peak_in_flight = 0
+        """The most requests it was answering at once."""
         self.lock = threading.Lock()
         self.server: ThreadingHTTPServer | None = None
 
@@ -55,9 +58,13 @@ class Receiver:
                 payload = json.loads(body, parse_float=Decimal if receiver.exact else float)
                 messages = payload["data"] if isinstance(payload, dict) and "data" in payload else [payload]
                 status, stall = receiver.policy(messages)
+                with receiver.lock:
+                    receiver.in_flight += 1
+                    receiver.peak_in_flight = max(receiver.peak_in_flight, receiver.in_flight)
                 if stall:
                     time.sleep(stall)
                 with receiver.lock:
+                    receiver.in_flight -= 1
                     if 200 <= status < 300:
                         receiver.accepted.extend(messages)
                         if stall:

@@ -281,6 +281,65 @@ def test_the_driver_writes_a_small_spooled_batch_and_hands_a_broken_one_to_spark
         assert len(store.stream_messages(conn, "sequin", "changes", visible_only=False)) == len(taken)
 
 
+def test_the_driver_sends_a_push_sink_over_the_lanes_of_all_the_jobs_tasks(dsn: str, tmp_path: Path) -> None:
+    """A spooled batch the driver writes goes to a webhook over ``concurrency`` lanes times the tasks
+    its job would run (``write_small_batches(tasks=...)``), as the job's tasks would send it together:
+    a real endpoint holding every request sees that many at once, and every message, each group's
+    in position order."""
+    import psycopg
+
+    from sequin_provider import store
+    from sequin_provider.spark.pipeline import Pipeline
+    from sequin_provider.spark.spool import spool_path, write_spool
+    from tests.support.receiver import Receiver
+
+    with psycopg.connect(dsn) as conn:
+        store.migrate(conn, "sequin")
+        conn.commit()
+    receiver = Receiver().start()
+    receiver.policy = lambda messages: (200, 0.3)
+    try:
+        config = load_config(
+            write_config(
+                tmp_path / "sequin.yaml",
+                f"""
+            databases: [{{name: app, dsn: "{dsn}"}}]
+            sinks:
+              - name: hook
+                tables: [public.t]
+                destination: {{type: webhook, url: "{receiver.url}", batch_size: 1, concurrency: 2}}
+            """,
+            )
+        )
+        checkpoint, spool = tmp_path / "ckpt", tmp_path / "ckpt" / "spool"
+        spool.mkdir(parents=True)
+        logged_batch(checkpoint, 1, {"lsn": 1000})
+        logged_batch(checkpoint, 2, {"lsn": 2000})
+        changes = [r for r in rows() if r[4:6] == ("public", "t")]
+        write_spool(spool_path(str(spool), (1000, 0), (2000, 0)), rows_to_arrow(changes))
+        expected = [
+            r[0]
+            for r, wanted in zip(
+                changes, selection(rows_to_arrow(changes), SinkRendering.of(config.sinks[0], "app")).to_pylist()
+            )
+            if wanted
+        ]
+        assert len(expected) >= 8  # more groups than lanes
+
+        pipeline = Pipeline(config, "app")
+        pipeline.write_small_batches(str(checkpoint), str(spool), local_master=True, tasks=2)
+        try:
+            report = pipeline.deliver_on_driver(2)
+        finally:
+            pipeline.close()
+        assert report is not None
+        assert report.column("delivered").to_pylist() == [len(expected)]
+        assert sorted(m["metadata"]["commit_lsn"] for m in receiver.messages()) == expected
+        assert receiver.peak_in_flight == 4  # 2 lanes x 2 tasks
+    finally:
+        receiver.stop()
+
+
 def test_a_batch_the_driver_fails_after_its_copy_is_left_to_the_job_whose_rewrite_adds_nothing(
     dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -343,16 +402,17 @@ def test_a_batch_the_driver_fails_after_its_copy_is_left_to_the_job_whose_rewrit
 
 
 def test_on_a_cluster_the_driver_writes_nothing_unless_told_to(tmp_path: Path) -> None:
-    """Unset, ``stream.driver_batch_rows`` is every batch (``max_batch_rows``) on a local master,
-    20,000 there for an app with a push sink (a job has a task's lanes per task), and 0 on a cluster,
-    whose driver may not reach what the executors do; set, it holds on a cluster too."""
-    from sequin_provider.spark.driver_batch import PUSH_DRIVER_BATCH_ROWS
-    from sequin_provider.spark.pipeline import Pipeline
+    """Unset, ``stream.driver_batch_rows`` is every batch (``max_batch_rows``) on a local master, push
+    sink or not, and 0 on a cluster, whose driver may not reach what the executors do; set, it holds
+    on a cluster too. The driver's push writer sends over the lanes of all the job's tasks together."""
+    from sequin_provider.spark.pipeline import Pipeline, StreamWriter, push_writer
 
     stored = "{name: changes, tables: [public.t], destination: {type: sequin_stream}}"
-    pushed = '{name: hook, tables: [public.t], destination: {type: webhook, url: "http://127.0.0.1:9/h"}}'
+    pushed = (
+        '{name: hook, tables: [public.t], destination: {type: webhook, url: "http://127.0.0.1:9/h", concurrency: 3}}'
+    )
 
-    def limit(stream: str, local_master: bool, sinks: str = stored) -> int:
+    def pipeline_of(stream: str, local_master: bool, sinks: str = stored, tasks: int = 1) -> Pipeline:
         config = load_config(
             write_config(
                 tmp_path / "sequin.yaml",
@@ -364,13 +424,23 @@ def test_on_a_cluster_the_driver_writes_nothing_unless_told_to(tmp_path: Path) -
             )
         )
         pipeline = Pipeline(config, "app")
-        pipeline.write_small_batches(str(tmp_path / "ckpt"), str(tmp_path / "spool"), local_master)
-        return pipeline.driver_batch_rows
+        pipeline.write_small_batches(str(tmp_path / "ckpt"), str(tmp_path / "spool"), local_master, tasks)
+        return pipeline
+
+    def limit(stream: str, local_master: bool, sinks: str = stored) -> int:
+        return pipeline_of(stream, local_master, sinks).driver_batch_rows
 
     assert limit("", local_master=True) == 200_000  # stream.max_batch_rows' default
     assert limit("stream: {max_batch_rows: 5000}", local_master=True) == 5000
-    assert limit("", local_master=True, sinks=f"{stored}, {pushed}") == PUSH_DRIVER_BATCH_ROWS == 20_000
+    assert limit("", local_master=True, sinks=f"{stored}, {pushed}") == 200_000
     assert limit("", local_master=False) == 0
     assert limit("", local_master=False, sinks=pushed) == 0
     assert limit("stream: {driver_batch_rows: 500}", local_master=False) == 500
     assert limit("stream: {driver_batch_rows: 0}", local_master=True) == 0
+
+    pipeline = pipeline_of("", local_master=True, sinks=f"{stored}, {pushed}", tasks=2)
+    assert pipeline.driver_lane_factor == 2
+    config_path = str(tmp_path / "sequin.yaml")
+    assert push_writer(config_path, "app", "hook").pusher.lanes == 3  # a task's: the sink's concurrency
+    assert StreamWriter(config_path, "app", pipeline.driver_lane_factor).lane_factor == 2
+    assert push_writer(config_path, "app", "hook", pipeline.driver_lane_factor).pusher.lanes == 6  # the driver's
