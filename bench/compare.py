@@ -327,11 +327,15 @@ def drop_slot(dsn: str, slot: str) -> None:
         )
 
 
-def config_text(
-    dsn: str, store_dsn: str, slot: str, sink: str, work: Path, driver_batch_rows: int | None = None
-) -> str:
-    """The app's config; ``driver_batch_rows`` None leaves ``stream.driver_batch_rows`` to the app's default."""
-    driver = "" if driver_batch_rows is None else f", driver_batch_rows: {driver_batch_rows}"
+def app_settings(args: argparse.Namespace) -> str:
+    """The stream apps' ``stream`` settings the command line sets (``--driver-batch-rows``,
+    ``--trigger-interval``), as YAML flow-mapping items; empty: the apps' defaults."""
+    items = [("driver_batch_rows", args.driver_batch_rows), ("trigger_interval", args.trigger_interval)]
+    return "".join(f", {key}: {value}" for key, value in items if value is not None)
+
+
+def config_text(dsn: str, store_dsn: str, slot: str, sink: str, work: Path, settings: str = "") -> str:
+    """The app's config; ``settings`` (``app_settings``) are added to its ``stream`` section."""
     return f"""
 databases:
   - name: bench
@@ -343,7 +347,7 @@ sinks:
   - name: events
     tables: [events]
     destination: {sink}
-stream: {{checkpoint_location: {work / ("ckpt-" + slot)}{driver}}}
+stream: {{checkpoint_location: {work / ("ckpt-" + slot)}{settings}}}
 """
 
 
@@ -378,7 +382,7 @@ def stream_section(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]
                     "stream_slot",
                     "{type: sequin_stream}",
                     here,
-                    args.driver_batch_rows,
+                    app_settings(args),
                 )
             )
             hook_port = free_port()
@@ -390,7 +394,7 @@ def stream_section(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]
                     "hook_slot",
                     f'{{type: webhook, url: "http://127.0.0.1:{hook_port}/hook", batch_size: 100, concurrency: 8}}',
                     here,
-                    args.driver_batch_rows,
+                    app_settings(args),
                 )
             )
             if n == 1:  # the publication, used by every contender of every round
@@ -438,7 +442,9 @@ def backfill_section(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         dsn, store_dsn = pg.create_database("bench"), pg.create_database("bench_store")
         seed_events(dsn, rows)
         config = work / "backfill.yaml"
-        config.write_text(config_text(dsn, store_dsn, "backfill_slot", "{type: sequin_stream}", work))
+        config.write_text(
+            config_text(dsn, store_dsn, "backfill_slot", "{type: sequin_stream}", work, app_settings(args))
+        )
         initialize(load_config(config))
         copies = [rows / copy_seconds(dsn) for _ in range(args.runs)]
         print(f"bench: COPY: {statistics.median(copies):,.0f} rows/s", flush=True)
@@ -497,9 +503,9 @@ def pull_api_section(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             conn.execute("CREATE TABLE events (id bigint PRIMARY KEY)")
         config = work / "api.yaml"
         config.write_text(
-            config_text(dsn, store_dsn, "api_slot", "{type: sequin_stream, max_ack_pending: 1000000}", work).replace(
-                "name: events\n", "name: bench\n"
-            )
+            config_text(
+                dsn, store_dsn, "api_slot", "{type: sequin_stream, max_ack_pending: 1000000}", work, app_settings(args)
+            ).replace("name: events\n", "name: bench\n")
         )
         initialize(load_config(config))
         with psycopg.connect(store_dsn) as conn:
@@ -672,6 +678,11 @@ def main() -> int:
         type=int,
         default=None,
         help="the stream apps' stream.driver_batch_rows (default: the app's own; 0: every micro-batch runs its Spark job)",
+    )
+    parser.add_argument(
+        "--trigger-interval",
+        default=None,
+        help="the stream apps' stream.trigger_interval (e.g. 50ms; default: the app's own; 0: back to back)",
     )
     parser.add_argument("--backfill-rows", type=int, default=1_000_000)
     parser.add_argument("--api-seconds", type=float, default=5.0)

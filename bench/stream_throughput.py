@@ -389,8 +389,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--trigger-interval",
-        default="0",
-        help="the app's stream.trigger_interval (e.g. 100ms; 0: each micro-batch as soon as the last one ends)",
+        default=None,
+        help="the app's stream.trigger_interval (e.g. 100ms; default: the app's own; 0: each micro-batch as soon as"
+        " the last one ends)",
     )
     add_pg_setting_argument(parser)
     args = parser.parse_args()
@@ -399,7 +400,6 @@ def main() -> int:
         "changes": args.changes,
         "runs": args.runs,
         "pg_settings": dict(args.pg_setting),
-        "trigger_interval": args.trigger_interval,
     }
     with EmbeddedPostgres(use_env_dsn=False, settings=dict(args.pg_setting)) as pg:
         dsn, store_dsn = pg.create_database("bench"), pg.create_database("bench_store")
@@ -417,9 +417,11 @@ sinks:
   - name: events
     tables: [events]
     destination: {{type: sequin_stream}}
-stream: {{checkpoint_location: {work / "ckpt"}, driver_batch_rows: {"null" if args.driver_batch_rows is None else args.driver_batch_rows}, trigger_interval: {args.trigger_interval}}}
+stream: {{checkpoint_location: {work / "ckpt"}, driver_batch_rows: {"null" if args.driver_batch_rows is None else args.driver_batch_rows}{"" if args.trigger_interval is None else f", trigger_interval: {args.trigger_interval}"}}}
 """)
-        initialize(load_config(config_path))
+        config = load_config(config_path)
+        results["trigger_interval"] = f"{config.stream.trigger_interval * 1000:g}ms"  # the app's, set or default
+        initialize(config)
         app = StreamAppProcess(config_path, work / "app.log").start()
         try:
             app.wait_streaming(store_dsn)
@@ -536,7 +538,7 @@ stream: {{checkpoint_location: {work / "ckpt"}, driver_batch_rows: {"null" if ar
         app = {k: v for k, v in lat_cpu.items() if k.startswith(APP_CLASSES)}
         print(
             f"\nCPU during (c) ({lat_changes:,} changes at the steady rate, its settle included; trigger_interval "
-            f"{args.trigger_interval}): the app's processes {1e6 * sum(app.values()) / lat_changes:.1f} us per change, "
+            f"{results['trigger_interval']}): the app's processes {1e6 * sum(app.values()) / lat_changes:.1f} us per change, "
             f"all processes {1e6 * sum(lat_cpu.values()) / lat_changes:.1f}:"
         )
         print_cpu_by_class(lat_cpu, lat_changes)

@@ -149,10 +149,11 @@ class StreamConfig:
     max_batch_bytes: int = 256 * 1024 * 1024
     max_batch_wait: float = 0.25
     # the least time between micro-batch starts (Spark's processing-time trigger; 0: each batch starts
-    # when the one before it ends): fewer, larger batches at steady rates, for some latency
-    trigger_interval: float = 0.0
+    # when the one before it ends): fewer, larger batches at steady rates, for some latency. 50 ms: at
+    # 5,000 changes/s the app's CPU -41 % for p99 39 -> 67 ms (docs/performance.md, the trigger interval)
+    trigger_interval: float = 0.05
     store_retry_timeout: float = 300.0
-    # batches of up to this many changes are written by the driver (None: 20,000 on a local master, 0 on a cluster)
+    # batches of up to this many changes are written by the driver (None: every batch on a local master, 0 on a cluster)
     driver_batch_rows: int | None = None
 
 

@@ -340,14 +340,16 @@ def test_durations(value: object, seconds: float) -> None:
     assert parse_duration(value) == seconds
 
 
-def test_the_trigger_interval_is_a_duration_and_zero_by_default() -> None:
-    """``stream.trigger_interval``: unset, each micro-batch starts when the one before it ends (0);
-    a duration sets the least time between starts; a negative one is refused with its path."""
+def test_the_trigger_interval_is_a_duration_and_50ms_by_default() -> None:
+    """``stream.trigger_interval``: unset, micro-batches start at most every 50 ms; 0 starts each when
+    the one before it ends; a duration sets the least time between starts; a negative one is refused
+    with its path."""
     base = {
         "databases": [{"name": "a", "dsn": "postgresql://x/y"}],
         "sinks": [{"name": "s", "tables": ["t"], "destination": {"type": "sequin_stream"}}],
     }
-    assert parse_config(base).stream.trigger_interval == 0.0
+    assert parse_config(base).stream.trigger_interval == 0.05
+    assert parse_config({**base, "stream": {"trigger_interval": 0}}).stream.trigger_interval == 0.0
     assert parse_config({**base, "stream": {"trigger_interval": "250ms"}}).stream.trigger_interval == 0.25
     with pytest.raises(ConfigError, match=r"stream\.trigger_interval.*negative"):
         parse_config({**base, "stream": {"trigger_interval": -1}})
