@@ -587,14 +587,23 @@ def fmt_ratio(f: dict[str, Any]) -> str:
     return f"{f['median']:.2f}× ({f['min']:.2f}–{f['max']:.2f})"
 
 
-def _touched_text(touched: dict[str, float] | None) -> str:
+def _touched_text(touched: dict[str, Any] | None) -> str:
     if not touched or not touched.get("gib"):
-        return " The machine's RAM was not written before the runs."
+        sections = ", ".join(touched.get("sections", [])) if touched else ""
+        return f" The machine's RAM was not written before the {sections + ' ' if sections else ''}runs."
     return (
         f" {touched['gib']:.1f} GiB of the machine's RAM written once before the"
         f" {', '.join(touched.get('sections', []))} runs ({touched['us_per_page']:.2f} µs per 4 KiB page;"
         " bench/machine_memory.py says why)."
     )
+
+
+def _sections_text(run_at: dict[str, str]) -> str:
+    """Which run each section is of, when ``--only`` left some from an earlier one (the settings
+    and memory above are the last run's)."""
+    if len(set(run_at.values())) <= 1:
+        return ""
+    return " Sections of separate runs: " + ", ".join(f"{name} {at}" for name, at in run_at.items()) + "."
 
 
 def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
@@ -606,7 +615,8 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
         f" the stream's {args.runs} rounds run every contender once each, fresh, and its ratios are taken within each round."
         + ("".join(f" Server setting `{k}={v}`." for k, v in args.pg_setting))
         + (" The store in a cluster of its own." if args.store_cluster == "own" else "")
-        + _touched_text(results.get("memory_touched")),
+        + _touched_text(results.get("memory_touched"))
+        + _sections_text(results.get("run_at", {})),
         "",
         "| pipeline | changes/s | vs Debezium | vs pg_recvlogical | latency p50 | latency p99 |",
         "|---|---:|---:|---:|---:|---:|",
@@ -717,6 +727,9 @@ def main() -> int:
     results: dict[str, Any] = json.loads(previous.read_text()) if args.only and previous.exists() else {}
     results["settings"] = {k: v for k, v in vars(args).items() if k != "only"}
     results["memory_touched"] = {**touch_memory_for(args), "sections": sections}
+    started = time.strftime("%Y-%m-%d %H:%M")
+    ran = [*sections, *(["destinations"] if args.destinations and (not args.only or "stream" in sections) else [])]
+    results["run_at"] = {**results.get("run_at", {}), **dict.fromkeys(ran, started)}
     try:
         if "stream" in sections:
             results["stream"] = stream_section(args, work)
