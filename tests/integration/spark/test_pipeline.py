@@ -117,7 +117,9 @@ def test_a_worker_keeps_its_writers_across_tasks(tmp_path: Path) -> None:
     for _task in range(3):
         write, push = (pickle.loads(p) for p in shipped)
         write(iter([])), push(iter([]))  # generators: the writers are made, nothing is written yet
-        seen.append((id(pipeline._WRITERS[(config_path, "app")]), id(pipeline._PUSHERS[(config_path, "app", "hook")])))
+        seen.append(
+            (id(pipeline._WRITERS[(config_path, "app")]), id(pipeline._PUSHERS[(config_path, "app", "hook", 1)]))
+        )
     assert len(set(seen)) == 1
 
 
