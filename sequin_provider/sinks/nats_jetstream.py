@@ -10,58 +10,53 @@ connection and succeeds when JetStream acknowledged every message: the server st
 order they were published on one connection, and a group's next request is published only after
 this one's acknowledgements.
 
-The client, ``nats-py``, is asyncio-based while the executors call ``send`` from their threads:
-each pusher runs a private event loop in a daemon thread (``_LoopThread``) and every wait on it is
-bounded by ``timeout``. The connection does not reconnect by itself: a connection that was lost
-fails its requests at once (parked, retried) and the next request opens a new one, so nothing
-buffered while disconnected is published behind the caller's back.
+The sink speaks the NATS client protocol itself (``sinks.nats_protocol``: nats-py's asyncio publish
+cost five times the CPU per message): a pool of blocking connections, one per lane at most, each
+used by one thread at a time, every wait bounded by ``timeout``. A connection does not reconnect by
+itself: one that was lost fails its request at once (parked, retried) and the next request opens a
+new one, so nothing buffered while disconnected is published behind the caller's back. The start
+checks use the same connection for JetStream's API (``$JS.API.STREAM.INFO``/``CREATE``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import logging
+import json
+import queue
 import re
 import threading
 import urllib.parse
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Mapping, TypeVar
+from typing import Any, Mapping
 
 from sequin_provider.config import SinkConfig
 from sequin_provider.exceptions import DeliveryError, DestinationError
 from sequin_provider.sinks.base import DestinationKind, OptionReader
+from sequin_provider.sinks.nats_protocol import (
+    NO_RESPONDERS,
+    ExchangeFailed,
+    NatsConnection,
+    ServerAddress,
+    Status,
+    describe,
+)
 from sequin_provider.sinks.push import PushSink
 from sequin_provider.sinks.registry import register
 from sequin_provider.sinks.routing import Route, parse_route
 
-if TYPE_CHECKING:
-    from nats.aio.client import Client
-    from nats.js import JetStreamContext
-
-log = logging.getLogger(__name__)
-T = TypeVar("T")
-
 DEFAULT_SERVER = "nats://127.0.0.1:4222"
-MSG_ID_HEADER = "Nats-Msg-Id"
-EXPECTED_STREAM_HEADER = "Nats-Expected-Stream"
-SCHEMES = ("nats", "tls", "ws", "wss")
+MSG_ID_HEADER = b"Nats-Msg-Id"
+EXPECTED_STREAM_HEADER = b"Nats-Expected-Stream"
+JS_API = "$JS.API"
+SCHEMES = ("nats", "tls")
 STREAM_NAME = re.compile(r"^[^\s.*>/\\\x00-\x1f\x7f]+$")
 """A JetStream stream name: no whitespace, dots, wildcards or path separators."""
 _TOKEN = re.compile(r"^[^\s.\x00-\x1f\x7f]+$")
+_ACK_ERROR = re.compile(rb'"error"\s*:')
+"""An acknowledgement that refuses its message (a JSON key: a stream's name is quoted with its own quotes escaped)."""
+_ACK_DUPLICATE = re.compile(rb'"duplicate"\s*:\s*true')
+"""An acknowledgement of a message the stream already had (``{"stream":"S", "seq":1,"duplicate": true}``)."""
 HEALTH_TIMEOUT = 2.0
 """Seconds ``health`` waits at most (``sequin status`` and the Airflow view)."""
-
-
-def _client() -> Any:
-    """The ``nats`` package, or an error naming the extra that installs it."""
-    try:
-        import nats
-    except ImportError:
-        raise DeliveryError(
-            "the nats_jetstream destination needs nats-py: pip install 'sequin-provider[nats_jetstream]'"
-        ) from None
-    return nats
 
 
 def valid_subject(subject: str, wildcards: bool = False) -> bool:
@@ -224,7 +219,7 @@ class NatsJetStreamKind(DestinationKind):
 
 
 def _servers(reader: OptionReader, value: Any, path: str) -> tuple[str, ...]:
-    """``servers``: a URL or a list of them (``nats://``, ``tls://``, ``ws://``, ``wss://``)."""
+    """``servers``: a URL or a list of them (``nats://``, ``tls://``: the sink speaks NATS over TCP)."""
     items = value if isinstance(value, list) else [value]
     servers = tuple(reader.string(s, path) for s in items)
     if not servers:
@@ -237,7 +232,8 @@ def _servers(reader: OptionReader, value: Any, path: str) -> tuple[str, ...]:
             ok = False
         if not ok or re.search(r"[\s\x00-\x1f\x7f]", server):
             raise reader.fail(
-                path, f"expected a nats://host:port URL (or tls://, ws://, wss://), got {_redacted(server)!r}"
+                path,
+                f"expected a nats://host:port URL (or tls://; websockets are not supported), got {_redacted(server)!r}",
             )
     return servers
 
@@ -257,133 +253,72 @@ def known_subjects(sink: SinkConfig) -> list[str]:
     return list(dict.fromkeys("".join(text + (v[n] if n else "") for text, n in route.parts) for v in values))
 
 
-class _LoopThread:
-    """A private asyncio event loop running in a daemon thread: the synchronous callers' way into
-    the asyncio client. ``run`` waits at most ``timeout`` seconds for a coroutine's result."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name=name)
-        self._thread.start()
-
-    def run(self, work: Awaitable[T], timeout: float) -> T:
-        """The result of ``work`` run on the loop; ``TimeoutError`` (and ``work`` cancelled) past ``timeout``."""
-        future = asyncio.run_coroutine_threadsafe(work, self.loop)  # type: ignore[arg-type]
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise TimeoutError(f"timed out after {timeout:g}s") from None
-
-    def stop(self) -> None:
-        """Stop the loop and its thread."""
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
-        if not self._thread.is_alive():
-            self.loop.close()
-
-
-@dataclass
-class _Connection:
-    """One client connection and its JetStream context; ``lost`` is set when it closed."""
-
-    client: Client
-    js: JetStreamContext
-    lost: asyncio.Event
-
-
-async def _connect(options: NatsJetStreamOptions, name: str, max_pending: int = 4000) -> _Connection:
-    """A connection to the first of the servers (in order) that takes one, which does not reconnect
-    by itself. nats-py tries a server again at once after a failure (its pool counts attempts
-    after the first): each server is tried at most twice, within ``timeout`` each."""
-    nats = _client()
-    lost = asyncio.Event()
+def connect(options: NatsJetStreamOptions, name: str, timeout: float | None = None) -> NatsConnection:
+    """A connection to the first of the servers (in order) that takes one, each tried once within
+    ``timeout`` (the sink's by default); ``ConnectionError`` naming every server and why it failed."""
+    seconds = options.timeout if timeout is None else timeout
     failures: list[str] = []
-    last: list[BaseException] = []
-
-    async def on_error(exc: Exception) -> None:
-        last.append(exc)
-        log.debug("nats %s: %s", name, _describe(exc))
-
-    async def on_closed() -> None:
-        lost.set()
-
     for server in options.servers:
-        last.clear()
         try:
-            client = await asyncio.wait_for(
-                nats.connect(
-                    server,
-                    name=name,
-                    user=options.user,
-                    password=options.password,
-                    token=options.token,
-                    connect_timeout=options.timeout,
-                    allow_reconnect=False,
-                    max_reconnect_attempts=1,
-                    reconnect_time_wait=0,
-                    error_cb=on_error,
-                    disconnected_cb=on_closed,
-                    closed_cb=on_closed,
-                ),
-                options.timeout * 2 + 1,
-            )
-        except Exception as exc:  # noqa: BLE001  # any failure to connect is reported with the server
-            failures.append(f"{_redacted(server)}: {_describe(last[-1] if last else exc)}")
-            continue
-        js = client.jetstream(timeout=options.timeout, publish_async_max_pending=max_pending)
-        return _Connection(client, js, lost)
+            address = ServerAddress.parse(server, options.user, options.password, options.token)
+            return NatsConnection.open(address, seconds, name)
+        except (OSError, ValueError) as exc:  # ConnectionError is an OSError; a bad INFO a ValueError
+            failures.append(f"{_redacted(server)}: {describe(exc)}")
     raise ConnectionError("cannot connect (" + "; ".join(failures) + ")")
 
 
-def _describe(exc: BaseException) -> str:
-    """An exception as a short text (nats-py's errors often have none of their own)."""
-    text = str(exc).strip()
-    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)) and not text:
-        return "timed out"
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+def api_request(conn: NatsConnection, what: str, body: Mapping[str, Any] | None, timeout: float) -> dict[str, Any]:
+    """A JetStream API request (``$JS.API.<what>``) and its JSON answer; ``DestinationError``-free:
+    ``JetStreamUnavailable`` when no server answers the API (JetStream not enabled)."""
+    payload = b"" if body is None else json.dumps(body).encode()
+    (reply,) = conn.exchange([(f"{JS_API}.{what}".encode(), None, payload)], timeout)
+    if isinstance(reply, Status):
+        raise JetStreamUnavailable(f"JetStream did not answer ({reply.code} {reply.description})".rstrip())
+    answer: dict[str, Any] = json.loads(reply)
+    return answer
+
+
+class JetStreamUnavailable(ConnectionError):
+    """No JetStream answered the API on the server (not enabled there)."""
 
 
 def _checked(sink: SinkConfig, timeout: float, create: bool) -> list[str]:
     """``prepare``/``health``: the stream there (or created, with ``create`` and ``create_stream``)
     and capturing the sink's known subjects; returns what was created."""
     options: NatsJetStreamOptions = sink.destination.options
-    runner = _LoopThread(f"nats-check-{sink.name}")
     try:
-        return runner.run(_check(sink, options, create), timeout * 3)
-    except DestinationError:
-        raise
-    except Exception as exc:  # noqa: BLE001  # every failure is the destination's: named with the sink
-        raise DestinationError(sink.name, f"NATS at {options.where}: {_describe(exc)}") from None
-    finally:
-        runner.stop()
-
-
-async def _check(sink: SinkConfig, options: NatsJetStreamOptions, create: bool) -> list[str]:
-    nats = _client()
-    conn = await _connect(options, f"sequin-{sink.name}-check")
+        conn = connect(options, f"sequin-{sink.name}-check", timeout)
+    except ConnectionError as exc:
+        raise DestinationError(sink.name, f"NATS at {options.where}: {describe(exc)}") from None
     created: list[str] = []
     try:
-        jsm = conn.client.jsm(timeout=options.timeout)
-        try:
-            info = await jsm.stream_info(options.stream)
-        except nats.js.errors.NotFoundError:
+        info = api_request(conn, f"STREAM.INFO.{options.stream}", None, timeout)
+        error = info.get("error")
+        if error and error.get("code") == 404:
             if not (create and options.create_stream):
                 why = "" if options.create_stream else " (create_stream is false)"
                 raise DestinationError(
                     sink.name, f"JetStream stream {options.stream!r} does not exist on {options.where}{why}"
-                ) from None
-            info = await jsm.add_stream(
-                name=options.stream, subjects=list(options.capture), duplicate_window=options.duplicate_window
+                )
+            config = {
+                "name": options.stream,
+                "subjects": list(options.capture),
+                "duplicate_window": int(options.duplicate_window * 1e9),
+                "retention": "limits",
+                "storage": "file",
+                "num_replicas": 1,
+            }
+            info = api_request(conn, f"STREAM.CREATE.{options.stream}", config, timeout)
+            error = info.get("error")
+            if not error:
+                created.append(
+                    f"JetStream stream {options.stream!r} (subjects {', '.join(options.capture)}) for sink {sink.name!r}"
+                )
+        if error:
+            raise DestinationError(
+                sink.name, f"JetStream stream {options.stream!r} on {options.where}: {_api_error(error)}"
             )
-            created.append(
-                f"JetStream stream {options.stream!r} (subjects {', '.join(options.capture)}) for sink {sink.name!r}"
-            )
-        except nats.js.errors.ServiceUnavailableError:
-            raise DestinationError(sink.name, f"JetStream is not enabled on {options.where}") from None
-        captured = list(info.config.subjects or [])
+        captured = list(info.get("config", {}).get("subjects") or [])
         for subject in known_subjects(sink):
             if not any(subject_matches(pattern, subject) for pattern in captured):
                 raise DestinationError(
@@ -392,14 +327,24 @@ async def _check(sink: SinkConfig, options: NatsJetStreamOptions, create: bool) 
                     f" does not capture subject {subject!r}",
                 )
         return created
+    except JetStreamUnavailable:
+        raise DestinationError(sink.name, f"JetStream is not enabled on {options.where}") from None
+    except (OSError, ValueError) as exc:
+        raise DestinationError(sink.name, f"NATS at {options.where}: {describe(exc)}") from None
     finally:
-        await asyncio.wait_for(conn.client.close(), options.timeout)
+        conn.close()
+
+
+def _api_error(error: Mapping[str, Any]) -> str:
+    """A JetStream API error as text: ``stream not found (404, 10059)``."""
+    codes = ", ".join(str(error[k]) for k in ("code", "err_code") if error.get(k) is not None)
+    return f"{error.get('description') or 'error'}" + (f" ({codes})" if codes else "")
 
 
 class JetStreamPublisher(PushSink):
-    """Publishes one sink's messages to JetStream on one connection (opened on first use, again
-    after it was lost), from any number of threads: each request's publishes go out together and
-    their acknowledgements are awaited, in order, within ``timeout``."""
+    """Publishes one sink's messages to JetStream over a pool of connections (one per lane, opened
+    on first use, again after one was lost): each request's publishes go out together on one
+    connection and their acknowledgements are awaited within ``timeout``."""
 
     def __init__(self, sink: SinkConfig) -> None:
         options: NatsJetStreamOptions = sink.destination.options
@@ -411,16 +356,9 @@ class JetStreamPublisher(PushSink):
         self.timeout = float(options.timeout)
         self.duplicates = 0
         """Messages the stream already had (dropped by its duplicate window): replays."""
-        self._loop: _LoopThread | None = None
-        self._start = threading.Lock()
-        self._conn: _Connection | None = None
-        self._connecting: asyncio.Lock | None = None
-
-    def _runner(self) -> _LoopThread:
-        with self._start:
-            if self._loop is None:
-                self._loop = _LoopThread(f"nats-{self.sink}")
-            return self._loop
+        self._counting = threading.Lock()
+        self._stream = options.stream.encode()
+        self._idle: queue.SimpleQueue[NatsConnection] = queue.SimpleQueue()
 
     def send(self, messages: list[str], keys: list[str]) -> None:
         """Publish ``messages`` (in order) to their subjects with ``Nats-Msg-Id`` = their key and
@@ -430,97 +368,87 @@ class JetStreamPublisher(PushSink):
         for subject in subjects:
             if not valid_subject(subject):
                 raise DeliveryError(f"nats_jetstream {self.sink}: not a NATS subject: {subject!r}")
-        try:
-            self._runner().run(self._publish(subjects, messages, keys), self.timeout * 2 + 1)
-        except DeliveryError:
-            raise
-        except Exception as exc:  # noqa: BLE001  # the client's errors, timeouts: the request failed
-            raise DeliveryError(f"nats_jetstream {self.sink}: {_describe(exc)}") from None
-
-    async def _connection(self) -> _Connection:
-        if self._connecting is None:
-            self._connecting = asyncio.Lock()
-        async with self._connecting:
-            conn = self._conn
-            if conn is not None and not conn.lost.is_set() and conn.client.is_connected:
-                return conn
-            if conn is not None:
-                await self._drop(conn)
-            self._conn = await _connect(
-                self.options, f"sequin-{self.sink}", max_pending=self.batch_size * self.lanes + 100
+        conn = self._take()
+        frames = []
+        for n, (subject, message, key) in enumerate(zip(subjects, messages, keys)):
+            if "\r" in key or "\n" in key:
+                self._idle.put(conn)
+                raise DeliveryError(f"nats_jetstream {self.sink}: message {n + 1}: a line break in its key {key!r}")
+            headers = b"NATS/1.0\r\n%s: %s\r\n%s: %s\r\n\r\n" % (
+                MSG_ID_HEADER,
+                key.encode(),
+                EXPECTED_STREAM_HEADER,
+                self._stream,
             )
-            return self._conn
-
-    async def _drop(self, conn: _Connection) -> None:
-        if self._conn is conn:
-            self._conn = None
-        try:
-            await asyncio.wait_for(conn.client.close(), self.timeout)
-        except Exception as exc:  # noqa: BLE001  # it is being dropped; its error changes nothing
-            log.debug("nats %s: closing a lost connection: %s", self.sink, _describe(exc))
-
-    async def _publish(self, subjects: list[str], messages: list[str], keys: list[str]) -> None:
-        conn = await self._connection()
-        nats = _client()
-        acks: list[asyncio.Future[Any]] = []
-        try:
-            for subject, message, key in zip(subjects, messages, keys):
-                headers = {MSG_ID_HEADER: key, EXPECTED_STREAM_HEADER: self.options.stream}
-                acks.append(
-                    await conn.js.publish_async(subject, message.encode(), wait_stall=self.timeout, headers=headers)
+            payload = message.encode()
+            if len(headers) + len(payload) > conn.max_payload:
+                self._idle.put(conn)
+                raise DeliveryError(
+                    f"nats_jetstream {self.sink}: message {n + 1} of {len(messages)} is"
+                    f" {len(headers) + len(payload):,} bytes, over the server's max_payload ({conn.max_payload:,})"
                 )
-            everything = asyncio.gather(*acks, return_exceptions=True)
-            lost = asyncio.ensure_future(conn.lost.wait())
+            frames.append((subject.encode(), headers, payload))
+        try:
+            replies = conn.exchange(frames, self.timeout)
+        except ExchangeFailed as exc:  # the connection is closed: the next request opens another
+            if exc.lost:
+                what = f"the connection was lost before the acknowledgements ({exc.reason})"
+            else:
+                what = f"no acknowledgement within {self.timeout:g}s"
+            raise DeliveryError(
+                f"nats_jetstream {self.sink}: {what} ({exc.received} of {exc.total} acknowledged)"
+            ) from None
+        self._idle.put(conn)
+        duplicates = 0
+        for n, reply in enumerate(replies):
+            if isinstance(reply, Status):
+                reason = (
+                    f"no JetStream stream captures subject {subjects[n]!r}"
+                    if reply.code == NO_RESPONDERS
+                    else f"{reply.code} {reply.description}".rstrip()
+                )
+            elif _ACK_ERROR.search(reply):
+                reason = _ack_error(reply)
+            else:
+                duplicates += _ACK_DUPLICATE.search(reply) is not None
+                continue
+            raise DeliveryError(
+                f"nats_jetstream {self.sink}: message {n + 1} of {len(replies)} ({subjects[n]}): {reason}"
+            )
+        if duplicates:
+            with self._counting:
+                self.duplicates += duplicates
+
+    def _take(self) -> NatsConnection:
+        """An idle connection still open, else a new one; ``DeliveryError`` when none can be had."""
+        while True:
             try:
-                await asyncio.wait({everything, lost}, timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                lost.cancel()
-            if not everything.done():
-                acked, was_lost = sum(a.done() for a in acks), conn.lost.is_set()
-                everything.cancel()
-                await self._drop(conn)  # lost, or a server that stopped answering: the next request reconnects
-                if was_lost:
-                    raise DeliveryError(
-                        f"nats_jetstream {self.sink}: the connection was lost before the acknowledgements"
-                        f" ({acked} of {len(acks)} acknowledged)"
-                    )
-                raise DeliveryError(
-                    f"nats_jetstream {self.sink}: no acknowledgement within {self.timeout:g}s"
-                    f" ({acked} of {len(acks)} acknowledged)"
-                )
-            results = everything.result()
-        except DeliveryError:
-            raise
-        except Exception:
-            for ack in acks:
-                ack.cancel()
-            if conn.lost.is_set() or not conn.client.is_connected:
-                await self._drop(conn)
-            raise
-        for n, result in enumerate(results):
-            if isinstance(result, BaseException):
-                if isinstance(result, nats.js.errors.NoStreamResponseError):
-                    reason = f"no JetStream stream captures subject {subjects[n]!r}"
-                else:
-                    reason = _describe(result)
-                raise DeliveryError(
-                    f"nats_jetstream {self.sink}: message {n + 1} of {len(results)} ({subjects[n]}): {reason}"
-                )
-        self.duplicates += sum(1 for r in results if r.duplicate)
+                conn = self._idle.get_nowait()
+            except queue.Empty:
+                break
+            if conn.usable():
+                return conn
+        try:
+            return connect(self.options, f"sequin-{self.sink}")
+        except ConnectionError as exc:
+            raise DeliveryError(f"nats_jetstream {self.sink}: {describe(exc)}") from None
 
     def close(self) -> None:
-        """Close the connection and stop the loop."""
-        loop = self._loop
-        if loop is None:
-            return
-        conn = self._conn
-        if conn is not None:
+        """Close the idle connections."""
+        while True:
             try:
-                loop.run(self._drop(conn), self.timeout + 1)
-            except Exception as exc:  # noqa: BLE001  # closing: nothing to deliver any more
-                log.debug("nats %s: close: %s", self.sink, _describe(exc))
-        loop.stop()
-        self._loop = None
+                self._idle.get_nowait().close()
+            except queue.Empty:
+                return
+
+
+def _ack_error(reply: bytes) -> str:
+    """The reason of a JetStream acknowledgement that refused its message."""
+    try:
+        error = json.loads(reply).get("error") or {}
+    except ValueError:
+        return f"an unreadable acknowledgement: {reply[:200]!r}"
+    return _api_error(error)
 
 
 KIND = register(NatsJetStreamKind())

@@ -222,6 +222,7 @@ def _sink(destination: dict[str, Any]) -> Any:
         ({"subject": "a", "stream": "S.1"}, "stream", "not a JetStream stream name"),
         ({"subject": "a", "stream": "S", "servers": "http://h:4222"}, "servers", "expected a nats://host:port URL"),
         ({"subject": "a", "stream": "S", "servers": ["nats://h:0"]}, "servers", "expected a nats://host:port URL"),
+        ({"subject": "a", "stream": "S", "servers": "ws://h:8080"}, "servers", "websockets are not supported"),
         ({"subject": "a", "stream": "S", "stream_subjects": ["a.>.b"]}, "stream_subjects", "not NATS subject filters"),
         (
             {"subject": "tests.support.transforms:route", "stream": "S", "create_stream": True},
