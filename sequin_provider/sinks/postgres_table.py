@@ -10,8 +10,9 @@ a truncate leaves its position in ``<schema>._sequin_truncates`` so nothing from
 
 Within one request the changes of a row are collapsed to its last one (the earlier ones are overwritten
 anyway), so a request costs one set-based statement per target table and action: the rows go to the
-server as the messages' own JSON and Postgres converts each value with the target column's type
-(``json_to_record``: a json column keeps its text), never through Python floats.
+server as the records' own JSON text (``sinks.change_message``) beside arrays of their positions, and
+Postgres converts each value with the target column's type (``json_to_recordset``: a json column keeps
+its text), never through Python floats.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import psycopg
 from sequin_provider.config import SinkConfig
 from sequin_provider.exceptions import DeliveryError, DestinationError
 from sequin_provider.sinks.base import DestinationKind, OptionReader
+from sequin_provider.sinks.change_message import parse_change
 from sequin_provider.sinks.changelog import ChangelogSelection, Retention, parse_retention
 from sequin_provider.sinks.push import PushSink
 from sequin_provider.sinks.registry import register
@@ -218,6 +220,8 @@ class _Change:
     key: tuple[str, ...] = ()
     partial: bool = False
     """An update that left unchanged TOAST columns out of its record (it sets only the others)."""
+    record_text: str = "null"
+    """The record's JSON text as the message holds it (what the server parses)."""
 
 
 class PostgresTableSink(PushSink):
@@ -245,7 +249,7 @@ class PostgresTableSink(PushSink):
                     self._append(conn, messages)
                 else:
                     for segment in self._segments(conn, messages):
-                        self._apply(conn, segment, messages)
+                        self._apply(conn, segment)
         except DeliveryError:
             self._give_back(conn)
             raise
@@ -323,37 +327,40 @@ class PostgresTableSink(PushSink):
 
     def _parse(self, conn: psycopg.Connection[Any], i: int, text: str) -> _Change:
         try:
-            data = json.loads(text)
-            action, metadata, record = data["action"], data["metadata"], data["record"]
-            position = (int(metadata["commit_lsn"]), int(metadata["commit_idx"]))
-        except (ValueError, KeyError, TypeError) as exc:
+            message = parse_change(text)
+        except ValueError as exc:
             raise DeliveryError(
-                f"postgres_table {self.sink}: not a change message (needs action, record, metadata): {exc!r}"
+                f"postgres_table {self.sink}: not a change message (needs action, record, metadata): {exc}"
             ) from None
-        target = self.options.table.target_of(data)
+        route = self.options.table
+        target = route.target_of(json.loads(text) if route.function is not None else message.routing_view())
+        action, record, position = message.action, message.record, message.position
         if action == "truncate":
             self.targets.get(conn, target, self.sink)
             return _Change(i, action, target, position)
         if action not in (*UPSERT_ACTIONS, "delete") or not isinstance(record, dict):
             raise DeliveryError(f"postgres_table {self.sink}: cannot apply action {action!r}")
         table = self.targets.get(conn, target, self.sink)
-        partial = bool(metadata.get("unchanged_toast_columns"))
-        return _Change(i, action, target, position, frozenset(record), table.key_of(record, self.sink), partial)
+        key = table.key_of(record, self.sink)
+        partial = bool(message.unchanged_toast_columns)
+        return _Change(i, action, target, position, frozenset(record), key, partial, message.record_text)
 
-    def _apply(self, conn: psycopg.Connection[Any], changes: list[_Change], messages: list[str]) -> None:
+    def _apply(self, conn: psycopg.Connection[Any], changes: list[_Change]) -> None:
         from sequin_provider.sinks import postgres_table_schema as schema
 
         if changes[0].action == "truncate":
             (change,) = changes
             schema.truncate(conn, self.targets.get(conn, change.target, self.sink), change.position)
             return
-        groups: dict[tuple[str, bool, frozenset[str]], list[int]] = {}
+        groups: dict[tuple[str, bool, frozenset[str]], schema.Rows] = {}
         for c in changes:
             delete = c.action == "delete"
-            groups.setdefault((c.target, delete, frozenset() if delete else c.columns), []).append(c.index)
-        for (target, delete, columns), indices in groups.items():
+            rows = groups.setdefault((c.target, delete, frozenset() if delete else c.columns), schema.Rows([], [], []))
+            rows.records.append(c.record_text)
+            rows.lsns.append(c.position[0])
+            rows.idxs.append(c.position[1])
+        for (target, delete, columns), rows in groups.items():
             table = self.targets.get(conn, target, self.sink)
-            rows = "[" + ",".join(messages[i] for i in indices) + "]"
             if delete:
                 schema.delete_rows(conn, table, rows, self.sink)
             else:

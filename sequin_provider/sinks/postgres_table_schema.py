@@ -26,9 +26,8 @@ if TYPE_CHECKING:
 
 LSN, IDX = "_sequin_lsn", "_sequin_idx"
 TOMBSTONES, TRUNCATES = "_sequin_tombstones", "_sequin_truncates"
-_POSITION = sql.SQL(
-    "(m.v->'metadata'->>'commit_lsn')::bigint AS _sequin_lsn, (m.v->'metadata'->>'commit_idx')::int AS _sequin_idx"
-)
+ORDINAL = "_sequin_ord"
+"""The ordinal joining a request's records to their positions (``Target.source``)."""
 _SIDE_TABLES_LOCK = 0x5E9_7AB1E
 """The advisory lock (with the schema's hash) under which a schema's side tables are created."""
 
@@ -228,14 +227,20 @@ class Target:
         except KeyError as exc:
             raise DeliveryError(f"postgres_table {sink}: the record has no key column {exc.args[0]!r}") from None
 
-    def _rows(self, columns: list[str], sink: str) -> sql.Composed:
-        """``FROM`` items: the request's messages, each record typed as the target's columns."""
+    def source(self, columns: list[str], sink: str) -> sql.Composed:
+        """The ``src`` query of a request: each record (``%(records)s``: a JSON array of the
+        messages' records, their text as the messages hold it) typed as the target's columns and
+        paired with its position (``%(lsns)s``, ``%(idxs)s``: arrays in the same order), so the
+        server parses each record once and nothing else of the message."""
         defs = sql.SQL(", ").join(
             sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(self.types[self.column_of(c, sink)])) for c in columns
         )
-        return sql.SQL("json_array_elements(%(rows)s::json) AS m(v), json_to_record(m.v->'record') AS r({})").format(
-            defs
-        )
+        return sql.SQL(
+            "SELECT r.*, p._sequin_lsn, p._sequin_idx"
+            " FROM ROWS FROM (json_to_recordset(%(records)s::json) AS ({defs})) WITH ORDINALITY AS r({names}, {n})"
+            " JOIN unnest(%(lsns)s::bigint[], %(idxs)s::int[]) WITH ORDINALITY AS p(_sequin_lsn, _sequin_idx, {n})"
+            " USING ({n})"
+        ).format(defs=defs, names=sql.SQL(", ").join(map(sql.Identifier, columns)), n=sql.Identifier(ORDINAL))
 
     def _key(self, alias: str) -> sql.Composed:
         return sql.SQL("jsonb_build_array({})").format(
@@ -255,7 +260,7 @@ class Target:
         sets = [sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(n)) for n in names if n not in self.key]
         sets += [sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(c)) for c in (LSN, IDX)]
         statement = sql.SQL(
-            "WITH src AS (SELECT r.*, {position} FROM {rows}),"
+            "WITH src AS ({source}),"
             " cleared AS (DELETE FROM {tomb} tb USING src WHERE tb.table_name = %(t)s AND tb.key = {key}"
             " AND (tb.lsn, tb.idx) < (src._sequin_lsn, src._sequin_idx))"
             " INSERT INTO {target} AS d ({columns}, _sequin_lsn, _sequin_idx)"
@@ -267,8 +272,7 @@ class Target:
             " ON CONFLICT ({pk}) DO UPDATE SET {sets}"
             " WHERE (d._sequin_lsn, d._sequin_idx) < (EXCLUDED._sequin_lsn, EXCLUDED._sequin_idx)"
         ).format(
-            position=_POSITION,
-            rows=self._rows(ordered, sink),
+            source=self.source(ordered, sink),
             tomb=tomb,
             trunc=trunc,
             key=self._key("src"),
@@ -292,7 +296,7 @@ class Target:
             sql.SQL("d.{} = src.{}").format(sql.Identifier(t), sql.Identifier(s)) for t, s in zip(self.key, keys)
         )
         statement = sql.SQL(
-            "WITH src AS (SELECT r.*, {position} FROM {rows}),"
+            "WITH src AS ({source}),"
             " gone AS (DELETE FROM {target} d USING src WHERE {match}"
             " AND (d._sequin_lsn, d._sequin_idx) < (src._sequin_lsn, src._sequin_idx))"
             " INSERT INTO {tomb} AS tb (table_name, key, lsn, idx)"
@@ -300,8 +304,7 @@ class Target:
             " ON CONFLICT (table_name, key) DO UPDATE SET lsn = EXCLUDED.lsn, idx = EXCLUDED.idx"
             " WHERE (tb.lsn, tb.idx) < (EXCLUDED.lsn, EXCLUDED.idx)"
         ).format(
-            position=_POSITION,
-            rows=self._rows(keys, sink),
+            source=self.source(keys, sink),
             target=sql.Identifier(self.schema, self.table),
             match=match,
             tomb=sql.Identifier(self.schema, TOMBSTONES),
@@ -343,14 +346,34 @@ class TargetCache:
         self.changelogs.clear()
 
 
-def upsert_rows(conn: psycopg.Connection[Any], target: Target, columns: frozenset[str], rows: str, sink: str) -> None:
-    """Apply upserts (``rows``: their messages as a JSON array, one per row) to ``target``."""
-    conn.execute(target.upsert(columns, sink), {"rows": rows, "t": target.table})
+@dataclass(frozen=True)
+class Rows:
+    """A request's changes of one target, as the statements take them: the records' JSON texts
+    (as the messages hold them) and each one's position, in the same order."""
+
+    records: list[str]
+    lsns: list[int]
+    idxs: list[int]
+
+    def params(self, target: Target) -> dict[str, Any]:
+        """The statements' parameters (the positions as array literals: psycopg adapts a list of
+        ints one element at a time in Python)."""
+        return {
+            "records": "[" + ",".join(self.records) + "]",
+            "lsns": "{" + ",".join(map(str, self.lsns)) + "}",
+            "idxs": "{" + ",".join(map(str, self.idxs)) + "}",
+            "t": target.table,
+        }
 
 
-def delete_rows(conn: psycopg.Connection[Any], target: Target, rows: str, sink: str) -> None:
-    """Apply deletes (``rows``: their messages as a JSON array, one per row) to ``target``."""
-    conn.execute(target.delete(sink), {"rows": rows, "t": target.table})
+def upsert_rows(conn: psycopg.Connection[Any], target: Target, columns: frozenset[str], rows: Rows, sink: str) -> None:
+    """Apply upserts (one record per row) to ``target``."""
+    conn.execute(target.upsert(columns, sink), rows.params(target))
+
+
+def delete_rows(conn: psycopg.Connection[Any], target: Target, rows: Rows, sink: str) -> None:
+    """Apply deletes (one record per row: its key columns at least) to ``target``."""
+    conn.execute(target.delete(sink), rows.params(target))
 
 
 def truncate(conn: psycopg.Connection[Any], target: Target, position: tuple[int, int]) -> None:

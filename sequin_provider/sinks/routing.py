@@ -22,6 +22,7 @@ import json
 import re
 import string
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable
 
 from sequin_provider.exceptions import DeliveryError
@@ -43,9 +44,10 @@ class Route:
     function: str | None = None
     _resolved: dict[str, Callable[[dict[str, Any]], Any]] = field(default_factory=dict, compare=False, repr=False)
 
-    @property
+    @cached_property
     def fixed(self) -> str | None:
-        """The target when it does not depend on the message, else None."""
+        """The target when it does not depend on the message, else None (computed once: it is
+        asked for every message)."""
         if self.function is None and all(name is None for _, name in self.parts):
             return "".join(text for text, _ in self.parts)
         return None
