@@ -103,13 +103,18 @@ class BatchCollector(PushSink):
         self.tables = tables
         self.batches: dict[tuple[str, str], TableBatch] = {}
         self._shapes: dict[tuple[str, str], RowShape] = {}
+        self._identifiers: dict[tuple[str, str], tuple[str, str]] = {}
+        """Source table -> its Iceberg table (the route rendered once per table, not per message)."""
 
     def send(self, messages: list[str], keys: list[str]) -> None:
         """Keep each message for its table; ``DeliveryError`` if it is no change message or, in a
         mirror, a value does not fit its column."""
         for text in messages:
             message = parse_message(text)
-            identifier = self.options.identifier(message.table_schema, message.table_name)
+            source = (message.table_schema, message.table_name)
+            identifier = self._identifiers.get(source)
+            if identifier is None:
+                identifier = self._identifiers[source] = self.options.identifier(*source)
             batch = self.batches.get(identifier)
             if batch is None:
                 batch = self.batches[identifier] = TableBatch(identifier, (message.table_schema, message.table_name))

@@ -13,7 +13,10 @@ import json
 from dataclasses import dataclass
 from datetime import date, datetime
 from decimal import Decimal, InvalidOperation
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable
+
+import msgspec
 
 from sequin_provider.exceptions import DeliveryError
 
@@ -68,21 +71,86 @@ class Message:
     table_name: str
     commit_timestamp: datetime | None
     record_pks: list[str]
-    record: dict[str, tuple[Any, str]]
-    """Column -> (value, its JSON text)."""
     record_text: str
-    changes: dict[str, tuple[Any, str]] | None
+    """The record's JSON text as the message holds it (``null``: none)."""
     changes_text: str | None
     unchanged_toast: tuple[str, ...]
 
+    @cached_property
+    def record(self) -> dict[str, tuple[Any, str]]:
+        """Column -> (value, its JSON text), read exactly when first asked (a mirror's rows; a
+        changelog keeps the text). ``DeliveryError`` if the record is not a JSON object."""
+        return {} if self.record_text == "null" else _members_of(self.record_text, "record")
+
+    @cached_property
+    def changes(self) -> dict[str, tuple[Any, str]] | None:
+        """The old values of an update's changed columns, read exactly, or None."""
+        return None if self.changes_text is None else _members_of(self.changes_text, "changes")
+
+
+def _members_of(text: str, what: str) -> dict[str, tuple[Any, str]]:
+    try:
+        return members(text)
+    except (TypeError, ValueError) as exc:
+        raise DeliveryError(f"iceberg: not a change message ({what}: {type(exc).__name__}: {exc})") from None
+
+
+class _WireMetadata(msgspec.Struct):
+    commit_lsn: int
+    commit_idx: int
+    idempotency_key: str
+    table_schema: str
+    table_name: str
+    commit_timestamp: str | None = None
+    record_pks: list[str] | None = None
+    unchanged_toast_columns: list[str] | None = None
+
+
+class _Wire(msgspec.Struct):
+    record: msgspec.Raw
+    metadata: _WireMetadata
+    action: str = "record"  # a record sink's message: the row's latest state
+    changes: msgspec.Raw = msgspec.Raw(b"null")
+
+
+_WIRE = msgspec.json.Decoder(_Wire)
+
 
 def parse_message(text: str) -> Message:
-    """A rendered message (docs/messages.md) read exactly; ``DeliveryError`` if it lacks a part
-    (a transform that changed its shape)."""
+    """A rendered message (docs/messages.md) read for its row: typed by msgspec, the record and the
+    changes kept as their own text (read exactly only when a mirror needs their values); a message
+    msgspec's types refuse (a transform's shape) is read the exact way, key by key. ``DeliveryError``
+    if it lacks a part."""
+    try:
+        wire = _WIRE.decode(text)
+    except msgspec.DecodeError:
+        return parse_message_exactly(text)
+    metadata = wire.metadata
+    changes = bytes(wire.changes).decode()
+    try:
+        stamp = None if metadata.commit_timestamp is None else _timestamp(metadata.commit_timestamp, True)
+    except ValueError as exc:
+        raise DeliveryError(f"iceberg: not a change message (ValueError: {exc})") from None
+    return Message(
+        (metadata.commit_lsn, metadata.commit_idx),
+        wire.action,
+        metadata.idempotency_key,
+        metadata.table_schema,
+        metadata.table_name,
+        stamp,
+        metadata.record_pks or [],
+        bytes(wire.record).decode(),
+        None if changes == "null" else changes,
+        tuple(metadata.unchanged_toast_columns or ()),
+    )
+
+
+def parse_message_exactly(text: str) -> Message:
+    """``parse_message`` of any layout and value types, every part read exactly."""
     try:
         top = members(text)
         metadata = top["metadata"][0]
-        record_text = top["record"][1]
+        record_text = top["record"][1] if top["record"][0] is not None else "null"
         changes_text = top["changes"][1] if "changes" in top and top["changes"][0] is not None else None
         stamp = metadata.get("commit_timestamp")
         return Message(
@@ -93,9 +161,7 @@ def parse_message(text: str) -> Message:
             metadata["table_name"],
             None if stamp is None else _timestamp(stamp, True),
             [str(k) for k in metadata.get("record_pks") or []],
-            members(record_text) if top["record"][0] is not None else {},
             record_text,
-            members(changes_text) if changes_text is not None else None,
             changes_text,
             tuple(metadata.get("unchanged_toast_columns") or ()),
         )
