@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from datetime import date, datetime
 from decimal import Decimal, InvalidOperation
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
@@ -283,7 +283,9 @@ def mirror_schema(columns: list[SourceColumn], key: list[str]) -> Schema:
     return Schema(*fields, identifier_field_ids=ids)
 
 
+@lru_cache(maxsize=4096)
 def _timestamp(value: str, aware: bool) -> datetime:
+    """A timestamp's text as a datetime (cached: a transaction's messages share their commit's)."""
     stamp = datetime.fromisoformat(value.replace("Z", "+00:00") if aware else value)
     if aware != (stamp.tzinfo is not None):
         raise ValueError(f"timestamp {value!r}")
