@@ -273,15 +273,41 @@ def copy_out(conn: psycopg.Connection[Any], query: sql.Composed, budget_ms: int 
 
     With ``budget_ms``, that statement alone runs under ``statement_timeout`` (a timeout raises
     ``QueryCanceled``): a page's budget must not cancel the watermarks around it, which would
-    fail the backfill on a slow commit instead of reading a smaller page."""
+    fail the backfill on a slow commit instead of reading a smaller page. The connection must be
+    in autocommit: the timeout is set for the session, the COPY runs as its own transaction and
+    the timeout is reset after it, so a cancel can only end one statement. (In a transaction block
+    with ``SET LOCAL``, its COMMIT or ROLLBACK ran under the budget too: a cancel landing there on a
+    loaded machine left the session in an aborted transaction, and the page's high watermark
+    failed the backfill; CI, PostgreSQL 17.)"""
+    if budget_ms is None:
+        return _copy(conn, query)
+    if not conn.autocommit:
+        raise ValueError("copy_out with a budget needs an autocommit connection")
+    conn.execute(sql.SQL("SET statement_timeout = {}").format(sql.Literal(budget_ms)))
+    try:
+        return _copy(conn, query)
+    finally:
+        _reset_statement_timeout(conn)
+
+
+def _copy(conn: psycopg.Connection[Any], query: sql.Composed) -> bytearray:
     out = bytearray()
-    with conn.transaction():
-        if budget_ms is not None:
-            conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(budget_ms)))
-        with conn.cursor() as cur, cur.copy(query) as copy:
-            while data := copy.read():
-                out += data
+    with conn.cursor() as cur, cur.copy(query) as copy:
+        while data := copy.read():
+            out += data
     return out
+
+
+def _reset_statement_timeout(conn: psycopg.Connection[Any]) -> None:
+    """``RESET statement_timeout``, again if the budget still armed for it cancels it (it runs
+    under the budget it resets: a loaded machine can stall it that long)."""
+    for attempt in range(5):
+        try:
+            conn.execute("RESET statement_timeout")
+            return
+        except psycopg.errors.QueryCanceled:
+            if attempt == 4:
+                raise
 
 
 def read_page(
