@@ -1,11 +1,11 @@
-"""A change message read for what a destination that applies changes needs: its action, position,
-table and unchanged TOAST columns, and its record both parsed and as its exact JSON text, without
-building the rest (``changes``, the other metadata) in Python.
+"""A change message read typed, for the destinations that apply changes (postgres_table, Iceberg):
+its position, action, table, keys and unchanged TOAST columns, with its record and changes kept as
+their exact JSON text, without building the rest in Python.
 
-The postgres_table sink hands the server the records' own text (every digit of a numeric, a json
-column's text as it was) and reads the rest itself: ``json.loads`` of a whole message cost it about
-as much CPU as the server's upsert; msgspec's typed decoding (unknown fields skipped, the record kept
-raw) costs a tenth of that (docs/postgres_table.md#cost).
+``json.loads`` of a whole message cost those sinks about as much CPU as the work they exist for;
+msgspec's typed decoding (unknown fields skipped, the record kept raw) costs a tenth of that
+(docs/postgres_table.md#cost). ``decode_wire`` is the one reading; each sink takes what it needs
+from it (``parse_change`` here, ``iceberg_rows.parse_message``).
 """
 
 from __future__ import annotations
@@ -17,21 +17,45 @@ from typing import Any
 import msgspec
 
 
-class _Metadata(msgspec.Struct):
+class WireMetadata(msgspec.Struct):
+    """The metadata of a change message as msgspec reads it (docs/messages.md)."""
+
     commit_lsn: int
     commit_idx: int
+    idempotency_key: str | None = None
     table_schema: str | None = None
     table_name: str | None = None
+    commit_timestamp: str | None = None
+    record_pks: list[str] | None = None
     unchanged_toast_columns: list[str] | None = None
 
 
-class _Message(msgspec.Struct):
+class WireMessage(msgspec.Struct):
+    """A change message as msgspec reads it: the record and changes as their own JSON text
+    (``msgspec.Raw``); ``action`` is absent from a record sink's messages."""
+
     record: msgspec.Raw
-    action: str
-    metadata: _Metadata
+    metadata: WireMetadata
+    action: str | None = None
+    changes: msgspec.Raw = msgspec.Raw(b"null")
 
 
-_DECODER = msgspec.json.Decoder(_Message)
+_DECODER = msgspec.json.Decoder(WireMessage)
+
+
+def decode_wire(text: str | bytes) -> WireMessage:
+    """``text`` read as a change message; ``msgspec.DecodeError`` (a ``ValueError``) if it is not
+    JSON or a part is missing or of another type than ``WireMessage`` says."""
+    return _DECODER.decode(text)
+
+
+def loads_json(text: bytes) -> Any:
+    """``text`` parsed as ``json.loads`` parses it, by msgspec (several times faster); a number
+    beyond a double, which msgspec refuses and ``json.loads`` makes ``inf``, the ``json.loads`` way."""
+    try:
+        return msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return json.loads(text)
 
 
 @dataclass(frozen=True)
@@ -60,14 +84,13 @@ def parse_change(text: str) -> ChangeMessage:
     """``text`` (a message's JSON) read as a change message; ``ValueError`` saying what is wrong
     (not JSON, or ``record``, ``action``, ``metadata.commit_lsn``/``commit_idx`` missing or mistyped)."""
     try:
-        message = _DECODER.decode(text)
+        message = decode_wire(text)
     except msgspec.DecodeError as exc:  # ValidationError is one
         raise ValueError(str(exc)) from None
+    if message.action is None:
+        raise ValueError("Object missing required field `action`")
     raw = bytes(message.record)
-    try:
-        record = msgspec.json.decode(raw)
-    except msgspec.DecodeError:  # a number beyond a double (json.loads makes it inf): as json.loads reads it
-        record = json.loads(raw)
+    record = loads_json(raw)
     metadata = message.metadata
     return ChangeMessage(
         message.action,

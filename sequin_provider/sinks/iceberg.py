@@ -117,8 +117,8 @@ class BatchCollector(PushSink):
                 identifier = self._identifiers[source] = self.options.identifier(*source)
             batch = self.batches.get(identifier)
             if batch is None:
-                batch = self.batches[identifier] = TableBatch(identifier, (message.table_schema, message.table_name))
-            elif self.options.mode == "mirror" and batch.source != (message.table_schema, message.table_name):
+                batch = self.batches[identifier] = TableBatch(identifier, source)
+            elif self.options.mode == "mirror" and batch.source != source:
                 raise DeliveryError(f"iceberg {self.sink}: {'.'.join(identifier)} already mirrors another table")
             if self.options.mode == "mirror" and message.action != "truncate":
                 self._check(identifier, batch, message)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import msgspec
 
 from sequin_provider.exceptions import DeliveryError
+from sequin_provider.sinks.change_message import decode_wire
 
 if TYPE_CHECKING:
     from pyiceberg.schema import Schema
@@ -95,37 +96,18 @@ def _members_of(text: str, what: str) -> dict[str, tuple[Any, str]]:
         raise DeliveryError(f"iceberg: not a change message ({what}: {type(exc).__name__}: {exc})") from None
 
 
-class _WireMetadata(msgspec.Struct):
-    commit_lsn: int
-    commit_idx: int
-    idempotency_key: str
-    table_schema: str
-    table_name: str
-    commit_timestamp: str | None = None
-    record_pks: list[str] | None = None
-    unchanged_toast_columns: list[str] | None = None
-
-
-class _Wire(msgspec.Struct):
-    record: msgspec.Raw
-    metadata: _WireMetadata
-    action: str = "record"  # a record sink's message: the row's latest state
-    changes: msgspec.Raw = msgspec.Raw(b"null")
-
-
-_WIRE = msgspec.json.Decoder(_Wire)
-
-
 def parse_message(text: str) -> Message:
     """A rendered message (docs/messages.md) read for its row: typed by msgspec, the record and the
     changes kept as their own text (read exactly only when a mirror needs their values); a message
     msgspec's types refuse (a transform's shape) is read the exact way, key by key. ``DeliveryError``
     if it lacks a part."""
     try:
-        wire = _WIRE.decode(text)
+        wire = decode_wire(text)
     except msgspec.DecodeError:
         return parse_message_exactly(text)
     metadata = wire.metadata
+    if metadata.idempotency_key is None or metadata.table_schema is None or metadata.table_name is None:
+        return parse_message_exactly(text)  # which names the part missing
     changes = bytes(wire.changes).decode()
     try:
         stamp = None if metadata.commit_timestamp is None else _timestamp(metadata.commit_timestamp, True)
@@ -133,7 +115,7 @@ def parse_message(text: str) -> Message:
         raise DeliveryError(f"iceberg: not a change message (ValueError: {exc})") from None
     return Message(
         (metadata.commit_lsn, metadata.commit_idx),
-        wire.action,
+        wire.action or "record",  # a record sink's message: the row's latest state
         metadata.idempotency_key,
         metadata.table_schema,
         metadata.table_name,

@@ -162,7 +162,7 @@ class NatsConnection:
             raise
         except (socket.timeout, TimeoutError):
             raise self._failed(f"timed out after {timeout:g}s", replies, lost=False) from None
-        except (OSError, ConnectionError, ValueError) as exc:
+        except (OSError, ValueError) as exc:  # ConnectionError is an OSError
             raise self._failed(describe(exc), replies, lost=True) from None
         return replies  # type: ignore[return-value]  # every one filled
 
@@ -178,8 +178,8 @@ class NatsConnection:
                     self.close()
                     return False
                 self._buf += data
-                self._collect(b"\x00", [], time.monotonic())  # answers pings; replies of no request are dropped
-        except (OSError, ConnectionError, ValueError):
+                self._drain()
+        except (OSError, ValueError):  # ConnectionError is an OSError
             self.close()
             return False
         return True
@@ -228,6 +228,10 @@ class NatsConnection:
         if not data:
             raise ConnectionError("the server closed the connection")
         self._buf += data
+
+    def _drain(self) -> None:
+        """Handle the frames already buffered: pings answered, INFO kept, replies of no request dropped."""
+        self._collect(b"", [], time.monotonic())
 
     def _collect(self, prefix: bytes, replies: list[Any], deadline: float) -> None:
         """Read frames until every slot of ``replies`` (for reply subjects ``prefix<n>``) is filled;

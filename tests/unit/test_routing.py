@@ -85,3 +85,28 @@ def test_a_message_without_its_route_raises_delivery_error() -> None:
         route_of("no_such_module_here:f").target(message(id=1))
     with pytest.raises(DeliveryError, match="failed: KeyError"):
         route_of(f"{__name__}:by_region").target(message(id=1))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        message(region="eu", id=1),
+        message(region=1.5e400, id=1),  # Infinity: not JSON to msgspec, json.loads reads it
+        '{"record": {"region": 1e400}, "action": "insert", "metadata": {"table_name": "o"}}',  # beyond a double
+        message(region={"a": [1, 2]}, id=10**30),
+        json.dumps({"record": None, "action": "truncate", "metadata": {"table_schema": "s", "table_name": "t"}}),
+        json.dumps({"order": {"region": "eu"}, "action": 3}),  # a transform's shape: msgspec's types refuse it
+    ],
+)
+def test_a_template_reads_a_message_as_json_loads_does(text: str) -> None:
+    for spec in ("{table_schema}.{table_name}.{action}", "orders-{record.region}"):
+        route = route_of(spec)
+        try:
+            expected: str | type[Exception] = route.target_of(json.loads(text))
+        except DeliveryError:
+            expected = DeliveryError
+        if expected is DeliveryError:
+            with pytest.raises(DeliveryError):
+                route.target(text)
+        else:
+            assert route.target(text) == expected
