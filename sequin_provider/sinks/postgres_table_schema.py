@@ -249,7 +249,9 @@ class Target:
 
     def upsert(self, columns: frozenset[str], sink: str) -> sql.Composed:
         """Insert or replace the rows (of these source columns) unless the target holds a newer
-        position for the row, a newer tombstone, or a newer truncate; older tombstones are dropped."""
+        position for the row, a newer tombstone, or a newer truncate; older tombstones are dropped.
+        The table's truncate position is read once per statement (an initPlan: one comparison per
+        row, not a probe), and the clearing of tombstones is skipped when the table has none."""
         found = self._statements.get(columns)
         if found is not None:
             return found
@@ -261,14 +263,14 @@ class Target:
         sets += [sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(c)) for c in (LSN, IDX)]
         statement = sql.SQL(
             "WITH src AS ({source}),"
-            " cleared AS (DELETE FROM {tomb} tb USING src WHERE tb.table_name = %(t)s AND tb.key = {key}"
+            " cleared AS (DELETE FROM {tomb} tb USING src WHERE EXISTS (SELECT 1 FROM {tomb} WHERE table_name = %(t)s)"
+            " AND tb.table_name = %(t)s AND tb.key = {key}"
             " AND (tb.lsn, tb.idx) < (src._sequin_lsn, src._sequin_idx))"
             " INSERT INTO {target} AS d ({columns}, _sequin_lsn, _sequin_idx)"
             " SELECT {values}, src._sequin_lsn, src._sequin_idx FROM src"
             " WHERE NOT EXISTS (SELECT 1 FROM {tomb} tb WHERE tb.table_name = %(t)s AND tb.key = {key}"
             " AND (tb.lsn, tb.idx) >= (src._sequin_lsn, src._sequin_idx))"
-            " AND NOT EXISTS (SELECT 1 FROM {trunc} tr WHERE tr.table_name = %(t)s"
-            " AND (tr.lsn, tr.idx) >= (src._sequin_lsn, src._sequin_idx))"
+            " AND ((src._sequin_lsn, src._sequin_idx) > (SELECT lsn, idx FROM {trunc} WHERE table_name = %(t)s)) IS NOT FALSE"
             " ON CONFLICT ({pk}) DO UPDATE SET {sets}"
             " WHERE (d._sequin_lsn, d._sequin_idx) < (EXCLUDED._sequin_lsn, EXCLUDED._sequin_idx)"
         ).format(
