@@ -51,10 +51,30 @@ class NatsServer:
                     raise RuntimeError(f"nats-server did not start: {self.process.stderr.read()!r}") from None
                 time.sleep(0.05)
 
+    def freeze(self) -> None:
+        """SIGSTOP the server and wait until every one of its threads is stopped: the kernel stops a
+        multi-threaded process thread by thread, and on a loaded machine a thread that is running
+        answered a request after ``kill`` had returned (CI)."""
+        self.process.send_signal(signal.SIGSTOP)
+        tasks = Path(f"/proc/{self.process.pid}/task")
+        deadline = time.monotonic() + 10
+        while not all(_state(task) in ("T", "t") for task in tasks.iterdir()):
+            if time.monotonic() > deadline:
+                raise RuntimeError("nats-server did not stop within 10 s of SIGSTOP")
+            time.sleep(0.01)
+
     def stop(self) -> None:
         self.process.send_signal(signal.SIGCONT)
         self.process.terminate()
         self.process.wait(10)
+
+
+def _state(task: Path) -> str:
+    """A thread's state letter in ``/proc/<pid>/task/<tid>/stat`` (after the parenthesized name)."""
+    try:
+        return (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:  # the thread ended
+        return "T"
 
 
 @pytest.fixture()
@@ -263,7 +283,7 @@ def test_a_frozen_server_times_the_request_out_and_the_next_one_reconnects(start
     pusher = sink.destination.kind.pusher(sink)
     try:
         pusher.send(*_messages(1, 3))
-        server.process.send_signal(signal.SIGSTOP)
+        server.freeze()
         try:
             with pytest.raises(DeliveryError, match=r"no acknowledgement within 1s \(0 of 4 acknowledged\)"):
                 pusher.send(*_messages(4, 4))
