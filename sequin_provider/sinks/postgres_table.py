@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import queue
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import psycopg
 
@@ -41,6 +41,8 @@ TRUNCATES = "_sequin_truncates"
 """Per target schema: (table_name, lsn, idx) of the last truncate of each target table."""
 UPSERT_ACTIONS = ("insert", "update", "read")
 MODES = ("mirror", "changelog")
+Step = tuple[Callable[..., None], tuple[Any, ...]]
+"""A statement of a request: a ``postgres_table_schema`` function and its arguments after the connection."""
 
 
 @dataclass(frozen=True)
@@ -240,16 +242,26 @@ class PostgresTableSink(PushSink):
 
     def send(self, messages: list[str], keys: list[str] | None = None) -> None:
         """Apply ``messages`` (in order) in one transaction; ``DeliveryError`` unless all committed.
-        (Replays are harmless by position: ``keys`` are unused.)"""
+        (Replays are harmless by position: ``keys`` are unused.) A request of one statement runs
+        as a transaction of its own (the connections are in autocommit), without the round trips of
+        ``BEGIN`` and ``COMMIT``."""
+        from sequin_provider.sinks import postgres_table_schema as schema
+
         conn = self._take()
         ok = False
         try:
-            with conn.transaction():
-                if self.options.mode == "changelog":
+            if self.options.mode == "changelog":
+                with conn.transaction():
                     self._append(conn, messages)
+            else:
+                steps = self._plan(conn, messages)  # every message read before anything is written
+                if len(steps) == 1 and steps[0][0] is not schema.truncate:  # a truncate is several statements
+                    step, args = steps[0]
+                    step(conn, *args)  # one statement: a transaction of its own (autocommit), no BEGIN/COMMIT
                 else:
-                    for segment in self._segments(conn, messages):
-                        self._apply(conn, segment)
+                    with conn.transaction():
+                        for step, args in steps:
+                            step(conn, *args)
         except DeliveryError:
             self._give_back(conn)
             raise
@@ -295,7 +307,7 @@ class PostgresTableSink(PushSink):
         try:
             return self._idle.get_nowait()
         except queue.Empty:
-            return connect(self.options, self.sink)
+            return connect(self.options, self.sink, autocommit=True)
 
     def _give_back(self, conn: psycopg.Connection[Any]) -> None:
         if conn.closed or conn.info.transaction_status != 0:  # not idle: do not reuse
@@ -345,26 +357,34 @@ class PostgresTableSink(PushSink):
         partial = bool(message.unchanged_toast_columns)
         return _Change(i, action, target, position, frozenset(record), key, partial, message.record_text)
 
-    def _apply(self, conn: psycopg.Connection[Any], changes: list[_Change]) -> None:
+    def _plan(self, conn: psycopg.Connection[Any], messages: list[str]) -> list[Step]:
+        """The request's statements, in order, as (function, its arguments after the connection):
+        one per target table and action of each segment, and a truncate's own."""
         from sequin_provider.sinks import postgres_table_schema as schema
 
-        if changes[0].action == "truncate":
-            (change,) = changes
-            schema.truncate(conn, self.targets.get(conn, change.target, self.sink), change.position)
-            return
-        groups: dict[tuple[str, bool, frozenset[str]], schema.Rows] = {}
-        for c in changes:
-            delete = c.action == "delete"
-            rows = groups.setdefault((c.target, delete, frozenset() if delete else c.columns), schema.Rows([], [], []))
-            rows.records.append(c.record_text)
-            rows.lsns.append(c.position[0])
-            rows.idxs.append(c.position[1])
-        for (target, delete, columns), rows in groups.items():
-            table = self.targets.get(conn, target, self.sink)
-            if delete:
-                schema.delete_rows(conn, table, rows, self.sink)
-            else:
-                schema.upsert_rows(conn, table, columns, rows, self.sink)
+        steps: list[Step] = []
+        for changes in self._segments(conn, messages):
+            if changes[0].action == "truncate":
+                (change,) = changes
+                steps.append((schema.truncate, (self.targets.get(conn, change.target, self.sink), change.position)))
+                continue
+            groups: dict[tuple[str, bool, frozenset[str]], schema.Rows] = {}
+            for c in changes:
+                delete = c.action == "delete"
+                key = (c.target, delete, frozenset() if delete else c.columns)
+                rows = groups.get(key)
+                if rows is None:
+                    rows = groups[key] = schema.Rows([], [], [])
+                rows.records.append(c.record_text)
+                rows.lsns.append(c.position[0])
+                rows.idxs.append(c.position[1])
+            for (target, delete, columns), rows in groups.items():
+                table = self.targets.get(conn, target, self.sink)
+                if delete:
+                    steps.append((schema.delete_rows, (table, rows, self.sink)))
+                else:
+                    steps.append((schema.upsert_rows, (table, columns, rows, self.sink)))
+        return steps
 
     def close(self) -> None:
         """Close the idle connections."""
