@@ -23,8 +23,8 @@ from sequin_provider.sinks.iceberg_rows import (
     Message,
     Position,
     RowShape,
-    changelog_row,
     changelog_schema,
+    changelog_table,
     mirror_schema,
     source_columns,
 )
@@ -260,7 +260,7 @@ class IcebergTables:
         txn = table.transaction()
         if self.options.mode == "changelog":
             self._prune(txn, batch.identifier, summary)
-            txn.append(self._arrow(table, [changelog_row(m) for m in messages]), snapshot_properties=summary)
+            txn.append(changelog_table(messages, _arrow_schema(table)), snapshot_properties=summary)
         else:
             self._apply_mirror(txn, table, messages, summary)
         txn.set_properties({POSITION_PROPERTY: position, **OWN_COMMIT_RETRY})
@@ -283,9 +283,8 @@ class IcebergTables:
     @staticmethod
     def _arrow(table: Table, rows: list[dict[str, Any]]) -> Any:
         import pyarrow as pa
-        from pyiceberg.io.pyarrow import schema_to_pyarrow
 
-        return pa.Table.from_pylist(rows, schema=schema_to_pyarrow(table.schema(), include_field_ids=False))
+        return pa.Table.from_pylist(rows, schema=_arrow_schema(table))
 
     def evolve(self, table: Table, source: tuple[str, str], messages: list[Message]) -> Table:
         """Columns the records have and the table not (an ADD COLUMN at the source) added, from the
@@ -368,3 +367,10 @@ def _key_filter(key: list[str], keys: list[tuple[Any, ...]]) -> Any:
         return In(key[0], {k[0] for k in keys})
     terms = [reduce(And, [EqualTo(c, v) for c, v in zip(key, k)]) for k in keys]
     return terms[0] if len(terms) == 1 else reduce(Or, terms)
+
+
+def _arrow_schema(table: Table) -> Any:
+    """The table's schema in pyarrow's terms, without field ids (as ``append`` takes data)."""
+    from pyiceberg.io.pyarrow import schema_to_pyarrow
+
+    return schema_to_pyarrow(table.schema(), include_field_ids=False)

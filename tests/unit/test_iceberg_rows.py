@@ -75,3 +75,22 @@ def test_what_msgspec_refuses_is_read_the_exact_way() -> None:
 def test_a_message_without_its_parts_is_a_delivery_error(text: str) -> None:
     with pytest.raises(DeliveryError, match="iceberg: not a change message"):
         parse_message(text)
+
+
+def test_a_changelog_table_holds_each_message_as_its_row() -> None:
+    from datetime import datetime, timezone
+
+    from pyiceberg.io.pyarrow import schema_to_pyarrow
+
+    from sequin_provider.sinks.iceberg_rows import changelog_schema, changelog_table
+
+    messages = [parse_message(text) for text in MESSAGES[:3]]
+    rows = changelog_table(messages, schema_to_pyarrow(changelog_schema(), include_field_ids=False)).to_pylist()
+    stamp = datetime(2026, 12, 1, 10, 0, 0, 500000, tzinfo=timezone.utc)
+    common = {"commit_lsn": 10, "commit_idx": 2, "idempotency_key": "10:2", "table_schema": "public"}
+    common |= {"table_name": "t", "commit_timestamp": stamp, "record_pks": ["123456789012345678901234567890"]}
+    assert rows == [
+        {**common, "action": "update", "record": RECORD, "changes": '{"amount":1.10}'},
+        {**common, "action": "insert", "record": RECORD, "changes": None},
+        {**common, "action": "truncate", "record": "null", "changes": None},
+    ]
