@@ -76,8 +76,12 @@ class ChangeMessage:
     def routing_view(self) -> dict[str, Any]:
         """What a template route reads of a message (``sinks.routing``): the action, the table and
         the record; a function route needs the whole message (``json.loads``)."""
-        metadata = {"table_schema": self.table_schema, "table_name": self.table_name}
-        return {"action": self.action, "metadata": metadata, "record": self.record}
+        return routing_view(self.action, self.table_schema, self.table_name, self.record)
+
+
+def routing_view(action: str | None, table_schema: str | None, table_name: str | None, record: Any) -> dict[str, Any]:
+    """The parts of a message a template route reads (``sinks.routing``), in the message's layout."""
+    return {"action": action, "metadata": {"table_schema": table_schema, "table_name": table_name}, "record": record}
 
 
 def parse_change(text: str) -> ChangeMessage:

@@ -29,29 +29,12 @@ import msgspec
 
 from sequin_provider.exceptions import DeliveryError
 from sequin_provider.sinks.base import OptionReader
-from sequin_provider.sinks.change_message import loads_json
+from sequin_provider.sinks.change_message import decode_wire, loads_json, routing_view
 
 PLACEHOLDERS = ("table_schema", "table_name", "action")
 """The message fields a template may name, besides ``record.<column>``."""
 FUNCTION = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 RECORD_FIELD = re.compile(r"^record\.(\w+)$")
-
-
-class _RoutedMetadata(msgspec.Struct):
-    table_schema: str | None = None
-    table_name: str | None = None
-
-
-class _Routed(msgspec.Struct):
-    """What a template reads of a message; the record kept as text, parsed only when a template
-    names a column (msgspec reads this several times faster than ``json.loads`` of the message)."""
-
-    action: str | None = None
-    metadata: _RoutedMetadata | None = None
-    record: msgspec.Raw = msgspec.Raw(b"null")
-
-
-_ROUTED = msgspec.json.Decoder(_Routed)
 
 
 @dataclass(frozen=True)
@@ -77,22 +60,15 @@ class Route:
         fixed = self.fixed
         if fixed is not None:
             return fixed
-        if self.function is None:
+        if self.function is None:  # a template reads a few parts: typed by msgspec, the record only if named
             try:
-                routed = _ROUTED.decode(message)
+                wire = decode_wire(message)
             except msgspec.DecodeError:  # not JSON, or a transform's shape: read the whole of it below
                 pass
             else:
-                metadata = routed.metadata
-                return self.target_of(
-                    {
-                        "action": routed.action,
-                        "metadata": {"table_schema": metadata.table_schema, "table_name": metadata.table_name}
-                        if metadata is not None
-                        else None,
-                        "record": loads_json(bytes(routed.record)) if self.reads_record else None,
-                    }
-                )
+                metadata = wire.metadata
+                record = loads_json(bytes(wire.record)) if self.reads_record else None
+                return self.target_of(routing_view(wire.action, metadata.table_schema, metadata.table_name, record))
         try:
             data = json.loads(message)
         except ValueError as exc:
