@@ -40,6 +40,8 @@ TOMBSTONES = "_sequin_tombstones"
 TRUNCATES = "_sequin_truncates"
 """Per target schema: (table_name, lsn, idx) of the last truncate of each target table."""
 UPSERT_ACTIONS = ("insert", "update", "read")
+APPLIED_ACTIONS = frozenset((*UPSERT_ACTIONS, "delete"))
+"""The actions a mirror applies to rows (a truncate empties the table)."""
 MODES = ("mirror", "changelog")
 Step = tuple[Callable[..., None], tuple[Any, ...]]
 """A statement of a request: a ``postgres_table_schema`` function and its arguments after the connection."""
@@ -210,7 +212,7 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"[:500]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Change:
     """One message of a request, parsed."""
 
@@ -345,12 +347,15 @@ class PostgresTableSink(PushSink):
                 f"postgres_table {self.sink}: not a change message (needs action, record, metadata): {exc}"
             ) from None
         route = self.options.table
-        target = route.target_of(json.loads(text) if route.function is not None else message.routing_view())
+        if route.function is not None:  # a function reads the whole message
+            target = route.target_of(json.loads(text))
+        else:
+            target = route.target_of_fields(message.action, message.table_schema, message.table_name, message.record)
         action, record, position = message.action, message.record, message.position
         if action == "truncate":
             self.targets.get(conn, target, self.sink)
             return _Change(i, action, target, position)
-        if action not in (*UPSERT_ACTIONS, "delete") or not isinstance(record, dict):
+        if action not in APPLIED_ACTIONS or not isinstance(record, dict):
             raise DeliveryError(f"postgres_table {self.sink}: cannot apply action {action!r}")
         table = self.targets.get(conn, target, self.sink)
         key = table.key_of(record, self.sink)

@@ -110,3 +110,18 @@ def test_a_template_reads_a_message_as_json_loads_does(text: str) -> None:
                 route.target(text)
         else:
             assert route.target(text) == expected
+
+
+def test_a_template_of_the_table_alone_keeps_each_tables_target_and_never_an_error() -> None:
+    route = route_of("cdc.{table_schema}.{table_name}.{action}")
+    for schema, table, action in [("public", "orders", "insert"), ("public", "orders", "delete"), ("s", "t", "insert")]:
+        view = {"action": action, "metadata": {"table_schema": schema, "table_name": table}, "record": {}}
+        for _ in range(2):  # the second time from what the route kept
+            assert route.target_of_fields(action, schema, table, {}) == route.target_of(view)
+    assert route.target_of_fields("insert", "s", "t", None) == "cdc.s.t.insert"
+    for _ in range(2):  # a message without its table is refused each time: nothing was kept for it
+        with pytest.raises(DeliveryError, match="is null"):
+            route.target_of_fields("insert", "public", None, {})
+    by_record = route_of("orders-{record.region}")
+    assert by_record.target_of_fields("insert", "public", "orders", {"region": "eu"}) == "orders-eu"
+    assert by_record.target_of_fields("insert", "public", "orders", {"region": "us"}) == "orders-us"
