@@ -67,7 +67,7 @@ from sequin_provider.spark.poison import (
 )
 from sequin_provider.spark.source import SPOOL_SLICE_DDL, spool_slice, spool_slice_rows
 from sequin_provider.spark.spool import spool_table
-from sequin_provider.spark.worker_heap import freeze_long_lived
+from sequin_provider.spark.worker_heap import freeze_long_lived, tune_driver_collection
 from sequin_provider.store import ParkRow, park_messages
 
 log = logging.getLogger(__name__)
@@ -626,6 +626,7 @@ class Pipeline:
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         """``foreachBatch`` entry point."""
+        tune_driver_collection()
         started = time.monotonic()
         on_driver = self.deliver_on_driver(batch_id)
         if on_driver is not None:

@@ -7,6 +7,15 @@ first tasks import lazily) and its writer's configuration and renderings. Walkin
 15-50 ms per task; with two Python tasks per partition of every micro-batch, that was two thirds of
 the Python workers' CPU at a steady 5,000 changes/s (docs/architecture.md, "Measured refinements"). Frozen, a collection
 after a task walks the few hundred objects the task left.
+
+The driver runs each micro-batch's ``foreachBatch`` and, for push and batched sinks on a local
+master, their delivery: reading every message back into a few objects each (a postgres_table
+change, an Iceberg row), held until the batch is sent. At Python's default thresholds (a young
+collection every 700 allocations) those objects were walked again and again, and each full
+collection walked the driver's own long-lived heap (pyspark, py4j, pyarrow, pyiceberg): a py-spy
+profile of the driver of an Iceberg sink found the collector in a quarter of its Python time.
+``tune_driver_collection`` freezes the driver's heap after its first batches and collects less
+often, as the reader's process does (``source.READER_GC_THRESHOLDS``).
 """
 
 from __future__ import annotations
@@ -18,6 +27,10 @@ FREEZE_TASKS = 4
 build what the worker keeps (measured: nothing more after the third)."""
 
 _tasks = 0
+
+DRIVER_GC_THRESHOLDS = (100_000, 10, 10)
+"""Cyclic GC thresholds of the stream app's driver: a young collection every 100,000 allocations
+of tracked objects (a batch's messages make no reference cycles in bulk)."""
 
 
 def freeze_long_lived() -> None:
@@ -32,3 +45,12 @@ def freeze_long_lived() -> None:
     if _tasks <= FREEZE_TASKS:
         gc.collect()
         gc.freeze()
+
+
+def tune_driver_collection() -> None:
+    """At the start of each of the driver's first ``FREEZE_TASKS`` micro-batches: the driver's
+    collection thresholds set (``DRIVER_GC_THRESHOLDS``) and its long-lived heap frozen
+    (``freeze_long_lived``: the driver counts its batches as a worker counts its tasks)."""
+    if _tasks < FREEZE_TASKS:
+        gc.set_threshold(*DRIVER_GC_THRESHOLDS)
+    freeze_long_lived()

@@ -1,4 +1,5 @@
-"""worker_heap: a reused Python worker's long-lived objects are frozen in its first tasks only.
+"""worker_heap: a reused Python worker's long-lived objects are frozen in its first tasks only, and the
+driver's in its first micro-batches, with collections less often.
 
 Run in a child interpreter: ``gc.freeze`` is process-wide and would change this test process's own
 collections."""
@@ -10,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 
-from sequin_provider.spark.worker_heap import FREEZE_TASKS
+from sequin_provider.spark.worker_heap import DRIVER_GC_THRESHOLDS, FREEZE_TASKS
 
 CHILD = textwrap.dedent("""
     import gc, json
@@ -51,3 +52,26 @@ def test_a_collection_after_the_freezing_tasks_walks_only_what_came_later() -> N
     # what the last freezing task and the two after it kept (3 x 1,001 lists), plus the little the
     # loop leaves: not the tens of thousands of objects the interpreter and its imports hold
     assert 3003 <= result["unfrozen"] < 3003 + 100
+
+
+DRIVER_CHILD = textwrap.dedent("""
+    import gc, json
+    from sequin_provider.spark import worker_heap
+
+    default = gc.get_threshold()
+    counts = []
+    for batch in range(worker_heap.FREEZE_TASKS + 2):
+        worker_heap.tune_driver_collection()
+        counts.append(gc.get_freeze_count())
+    print(json.dumps({"default": default, "tuned": gc.get_threshold(), "counts": counts}))
+""")
+
+
+def test_the_driver_collects_less_often_and_freezes_its_heap_in_its_first_batches() -> None:
+    out = subprocess.run([sys.executable, "-c", DRIVER_CHILD], capture_output=True, text=True, check=True, timeout=60)
+    result = json.loads(out.stdout)
+    assert result["default"] == [700, 10, 10]
+    assert result["tuned"] == list(DRIVER_GC_THRESHOLDS)
+    counts = result["counts"]
+    assert counts[0] > 1000  # the interpreter's and the imports' objects
+    assert counts[FREEZE_TASKS:] == [counts[FREEZE_TASKS - 1]] * 2
