@@ -13,7 +13,8 @@ appear in its own slice (``PushWriter.write_share``); otherwise each push sink g
 the batch repartitioned by group and sorted by position. The batch completes, and the slot may
 advance, only after every partition has written, delivered or parked. A batched kind's sinks
 (``DestinationKind.batched``: Iceberg) are written last, on the driver: it collects each such sink's
-messages of the batch (``batch_outgoing``) and hands them to ``kind.commit_batch`` at once, so the
+messages of the batch (``batch_outgoing``; ``spooled_outgoing`` from the spool file of a batch the
+driver writes itself, ``deliver_on_driver``) and hands them to ``kind.commit_batch`` at once, so the
 kind can commit the batch as one transaction before the batch completes.
 """
 
@@ -25,7 +26,7 @@ import socket
 import threading
 import time
 from datetime import datetime, timezone
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import psycopg
@@ -302,20 +303,27 @@ class StreamWriter:
 def batch_outgoing(projected: DataFrame, i: int, sink: SinkConfig, database: str) -> Outgoing:
     """Sink ``i``'s messages of a projected batch (``project_batch``), collected on the driver,
     rendered and transformed as a push sink's (``message_render.outgoing``), in position order:
-    a ``payload=spool`` batch's slices are read from its spool file, a ``payload=full`` batch's
-    selected rows are collected."""
-    rendering = SinkRendering.of(sink, database)
+    a ``payload=spool`` batch's slices are read from its spool file (``spooled_outgoing``), a
+    ``payload=full`` batch's selected rows are collected."""
     if "spool_rows" in projected.columns:
-        parts = [
-            with_selections(changes, [rendering])
-            for slices in projected.toArrow().to_batches()
-            for changes in spool_slice_rows(slices)
-        ]
-        column = 0  # the one rendering's ``_select_0``
-    else:
-        wanted = [*RENDER_COLUMNS, f"_select_{i}"] + ([f"_group_{i}"] if f"_group_{i}" in projected.columns else [])
-        parts = projected.where(F.col(f"_select_{i}")).select(*wanted).toArrow().to_batches()
-        column = i
+        return spooled_outgoing(projected.toArrow().to_batches(), sink, database)
+    wanted = [*RENDER_COLUMNS, f"_select_{i}"] + ([f"_group_{i}"] if f"_group_{i}" in projected.columns else [])
+    parts = projected.where(F.col(f"_select_{i}")).select(*wanted).toArrow().to_batches()
+    return _outgoing_in_order(parts, i, SinkRendering.of(sink, database), sink)
+
+
+def spooled_outgoing(slices: Iterable[pa.RecordBatch], sink: SinkConfig, database: str) -> Outgoing:
+    """A sink's messages of the spool slices ``slices`` (``payload=spool`` rows) in position order,
+    selected here for the sink (``with_selections``), rendered and transformed as in ``batch_outgoing``."""
+    rendering = SinkRendering.of(sink, database)
+    parts = [with_selections(changes, [rendering]) for batch in slices for changes in spool_slice_rows(batch)]
+    return _outgoing_in_order(parts, 0, rendering, sink)  # the one rendering's ``_select_0``
+
+
+def _outgoing_in_order(
+    parts: list[pa.RecordBatch], column: int, rendering: SinkRendering, sink: SinkConfig
+) -> Outgoing:
+    """The selected rows of ``parts`` (``_select_<column>``) sorted by position, as ``Outgoing``."""
     parts = [p for p in parts if p.num_rows]
     if not parts:
         return Outgoing()
@@ -601,15 +609,15 @@ class Pipeline:
         ``driver_batch.default_driver_batch_rows``: every batch on a local master, 0 on a cluster
         (whose driver may not reach the sinks the executors do). ``tasks`` is how many tasks the
         batch's job would run (the source's partitions): the driver sends each push sink's messages
-        over that many times its ``concurrency`` lanes, as the job's tasks would together. Not for
-        sinks whose kind commits a batch on the driver from Spark (``batch_sinks``)."""
+        over that many times its ``concurrency`` lanes, as the job's tasks would together, and hands
+        each batched sink (``batch_sinks``) the batch's messages read from the same spool file."""
         configured = self.config.stream.driver_batch_rows
         limit = (
             configured
             if configured is not None
             else default_driver_batch_rows(local_master, self.config.stream.max_batch_rows)
         )
-        if self.payload == "spool" and not self.batch_sinks and limit > 0:
+        if self.payload == "spool" and limit > 0:
             self._batch_files = (checkpoint, spool)
             self.driver_batch_rows = limit
             self.driver_lane_factor = max(1, tasks)
@@ -630,7 +638,7 @@ class Pipeline:
         started = time.monotonic()
         on_driver = self.deliver_on_driver(batch_id)
         if on_driver is not None:
-            results, pushed = on_driver, []
+            results, pushed = on_driver
         else:
             try:
                 results, pushed = self._deliver(project_batch(df, self.sinks))
@@ -727,12 +735,15 @@ class Pipeline:
         them, or too long ago): Spark's progress counts no input rows for such a batch."""
         return self._driver_written.get(batch_id, 0)
 
-    def deliver_on_driver(self, batch_id: int) -> pa.Table | None:
-        """Write a small spooled batch here (``write_small_batches``): the report a task would make,
-        or None to run the batch's Spark job instead (no spool file found or readable, too many rows,
-        or a failure while writing other than the store's outage, which fails the batch as the job's
-        would). The job writes the batch again at the same positions, so the store ignores what the
-        driver wrote before it failed; a push sink may get some messages twice (at least once)."""
+    def deliver_on_driver(self, batch_id: int) -> tuple[pa.Table, list[pa.Table]] | None:
+        """Write a small spooled batch here (``write_small_batches``): the report a task would make
+        and, for each batched sink, its commit's (``_commit_batch``, from the spool file as its job
+        would read it), or None to run the batch's Spark job instead (no spool file found or readable,
+        too many rows, or a failure while writing other than the store's outage, which fails the batch
+        as the job's would). The job writes the batch again at the same positions, so the store
+        ignores what the driver wrote before it failed; a push sink may get some messages twice (at
+        least once). A batched sink's commit is not retried by the job: its failure fails the batch,
+        as in the job's way (``DestinationKind.commit_batch``)."""
         try:
             path = batch_spool_file(*self._batch_files, batch_id) if self._batch_files is not None else None
             rows = spool_table(path).num_rows if path is not None else None
@@ -744,7 +755,7 @@ class Pipeline:
         if self._driver_writer is None:
             self._driver_writer = StreamWriter(self.config.source, self.database.name, self.driver_lane_factor)
         try:
-            return pa.Table.from_batches(
+            results = pa.Table.from_batches(
                 list(self._driver_writer.write(spool_slice(path, 0, rows))), WRITE_RESULT_SCHEMA
             )
         except StoreUnavailableError:
@@ -752,6 +763,12 @@ class Pipeline:
         except Exception as exc:  # noqa: BLE001 - the Spark job is the way every batch can take
             log.warning("batch %d: the driver could not write it (%s); running its Spark job", batch_id, exc)
             return None
+        name = self.database.name
+        committed = [
+            self._commit_batch(i, sink, lambda sink=sink: spooled_outgoing(spool_slice(path, 0, rows), sink, name))
+            for i, sink in self.batch_sinks
+        ]
+        return results, committed
 
     def _deliver(self, projected: DataFrame) -> tuple[pa.Table, list[pa.Table]]:
         """Write and push a projected batch (``project_batch``); the tasks' reports of the stream
@@ -766,18 +783,22 @@ class Pipeline:
             truncated = sorted(set(pc.list_flatten(results.column("truncated")).to_pylist())) if push_jobs else []
             pushed = [self._push_sink(projected, i, sink, truncated) for i, sink in push_jobs]
             # batched kinds last: the driver has the whole batch's messages of the sink, written at once
-            pushed += [self._commit_batch(projected, i, sink) for i, sink in self.batch_sinks]
+            name = self.database.name
+            pushed += [
+                self._commit_batch(i, sink, lambda i=i, sink=sink: batch_outgoing(projected, i, sink, name))
+                for i, sink in self.batch_sinks
+            ]
         finally:
             if reread:
                 projected.unpersist()
         return results, pushed
 
-    def _commit_batch(self, projected: DataFrame, i: int, sink: SinkConfig) -> pa.Table:
-        """Hand a batched sink's messages of the batch (``batch_outgoing``) to its kind
-        (``DestinationKind.commit_batch``: durable, or parked, when it returns; raising fails the
-        batch); a one-row report as the tasks'."""
+    def _commit_batch(self, i: int, sink: SinkConfig, read: Callable[[], Outgoing]) -> pa.Table:
+        """Hand batched sink ``i``'s messages of the batch (``read()``: ``batch_outgoing`` or
+        ``spooled_outgoing``) to its kind (``DestinationKind.commit_batch``: durable, or parked, when
+        it returns; raising fails the batch); a one-row report as the tasks'."""
         started = time.monotonic()
-        messages = batch_outgoing(projected, i, sink, self.database.name)
+        messages = read()
         delivered, parked = sink.destination.kind.commit_batch(self.config, sink, messages, self._visibility)
         return pa.Table.from_pydict(
             {

@@ -266,8 +266,10 @@ def test_the_driver_writes_a_small_spooled_batch_and_hands_a_broken_one_to_spark
     with psycopg.connect(dsn) as conn:
         assert store.stream_messages(conn, "sequin", "changes", visible_only=False) == []
 
-    report = pipeline.deliver_on_driver(5)
-    assert report is not None
+    delivered = pipeline.deliver_on_driver(5)
+    assert delivered is not None
+    report, committed = delivered
+    assert committed == []  # no batched sink
     assert report.column("rows").to_pylist() == [len(changes)]
     assert report.column("written").to_pylist() == [len(taken)]
     with psycopg.connect(dsn) as conn:
@@ -331,15 +333,80 @@ def test_the_driver_sends_a_push_sink_over_the_lanes_of_all_the_jobs_tasks(dsn: 
         pipeline = Pipeline(config, "app")
         pipeline.write_small_batches(str(checkpoint), str(spool), local_master=True, tasks=2)
         try:
-            report = pipeline.deliver_on_driver(2)
+            delivered = pipeline.deliver_on_driver(2)
         finally:
             pipeline.close()
-        assert report is not None
+        assert delivered is not None
+        report, _ = delivered
         assert report.column("delivered").to_pylist() == [len(expected)]
         assert sorted(m["metadata"]["commit_lsn"] for m in receiver.messages()) == expected
         assert receiver.peak_in_flight == 4  # 2 lanes x 2 tasks
     finally:
         receiver.stop()
+
+
+def test_the_driver_commits_a_batched_sinks_share_of_a_small_spooled_batch_once(dsn: str, tmp_path: Path) -> None:
+    """A spooled batch the driver writes also goes to a batched sink (Iceberg, a real SQL catalog in
+    sqlite and a warehouse under tmp_path) from the same spool file, without a Spark job: its changelog
+    holds exactly the sink's messages, in position order, and the batch written again (a replay)
+    commits nothing more."""
+    pytest.importorskip("pyiceberg", reason="needs pip install 'sequin-provider[iceberg]'")
+    import psycopg
+
+    from sequin_provider import store
+    from sequin_provider.sinks.iceberg_tables import open_catalog
+    from sequin_provider.spark.pipeline import Pipeline
+    from sequin_provider.spark.spool import spool_path, write_spool
+
+    with psycopg.connect(dsn) as conn:
+        store.migrate(conn, "sequin")
+        conn.commit()
+    config = load_config(
+        write_config(
+            tmp_path / "sequin.yaml",
+            f"""
+        databases: [{{name: app, dsn: "{dsn}"}}]
+        sinks:
+          - {{name: changes, tables: [public.t], destination: {{type: sequin_stream}}}}
+          - name: lake
+            tables: [public.t]
+            destination:
+              type: iceberg
+              catalog: {{uri: "sqlite:///{tmp_path}/catalog.db", warehouse: "file://{tmp_path}/warehouse"}}
+        """,
+        )
+    )
+    checkpoint, spool = tmp_path / "ckpt", tmp_path / "ckpt" / "spool"
+    spool.mkdir(parents=True)
+    logged_batch(checkpoint, 1, {"lsn": 1000})
+    logged_batch(checkpoint, 2, {"lsn": 2000})
+    changes = [r for r in rows() if r[4:6] == ("public", "t")]
+    write_spool(spool_path(str(spool), (1000, 0), (2000, 0)), rows_to_arrow(changes))
+    lake = config.sink("lake")
+    flags = selection(rows_to_arrow(changes), SinkRendering.of(lake, "app")).to_pylist()
+    expected = [(r[0], r[1], r[6]) for r, wanted in zip(changes, flags) if wanted]
+    assert 0 < len(expected) < len(changes)
+
+    pipeline = Pipeline(config, "app")
+    pipeline.write_small_batches(str(checkpoint), str(spool), local_master=True)
+    options = lake.destination.options
+    catalog = open_catalog(options)
+    try:
+        for attempt in range(2):  # the second: the batch again, as after a crash before Spark's commit
+            delivered = pipeline.deliver_on_driver(2)
+            assert delivered is not None
+            report, [committed] = delivered
+            assert report.column("rows").to_pylist() == [len(changes)]
+            assert committed.column("delivered").to_pylist() == [len(expected)]
+            table = catalog.load_table(options.identifier("public", "t"))
+            landed = table.scan().to_arrow().sort_by([("commit_lsn", "ascending"), ("commit_idx", "ascending")])
+            assert (
+                list(zip(*(landed.column(c).to_pylist() for c in ("commit_lsn", "commit_idx", "action")))) == expected
+            )
+            assert len(table.snapshots()) == 1  # one commit, the replay none
+    finally:
+        catalog.engine.dispose()
+        pipeline.close()
 
 
 def test_a_batch_the_driver_fails_after_its_copy_is_left_to_the_job_whose_rewrite_adds_nothing(
