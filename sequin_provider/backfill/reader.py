@@ -66,6 +66,10 @@ SAMPLE_ROWS = 5_000
 FIRST_PAGE_BYTES = 8 * 1024 * 1024  # a first page of about this much row data (``first_page_rows``)
 FIRST_PAGE_ROWS = 1_000  # when the rows' width is unknown, or a row condition decides how far a page scans
 WIDTH_SAMPLE_ROWS = 100
+POLL_DELAY = 0.1
+"""The longest pause, in seconds, between looks at a staged page's state (they start at 10 ms)."""
+FINAL_POLL_DELAY = 0.02
+"""The same for a range's last page, whose emission the backfill's completion waits for."""
 
 
 @dataclass(frozen=True)
@@ -768,6 +772,9 @@ class RangeReader:
         waiting_since = time.monotonic()
         deadline = waiting_since + self.window_timeout
         delay = 0.01
+        # a range's last page ends the backfill's run once emitted: looked at closely, the rest are
+        # behind pages still being read (pages in flight)
+        longest = FINAL_POLL_DELAY if final else POLL_DELAY
         settled = ("emitted", "stale", "closing") if page.reads_written and not final else ("emitted", "stale")
         while True:
             state = store.get_backfill_page(store_conn, self.schema, page.page_id)
@@ -781,7 +788,7 @@ class RangeReader:
                     " this database?"
                 )
             time.sleep(delay)
-            delay = min(delay * 1.5, 0.1)
+            delay = min(delay * 1.5, longest)
         if not quiet:
             now = time.monotonic()
             log.info(
