@@ -11,7 +11,9 @@ One run on a fresh embedded cluster (source and store in separate databases):
       rows/s from ``sequin backfill start`` to the last read durable in the sink, and from the
       backfill's ``running`` to ``completed`` (without the start of its local Spark);
   (b') the same into a sink with a filter, whose reads go through the stream app's Spark
-      pipeline instead of being written by the backfill task;
+      pipeline instead of being written by the backfill task (measured last, with a stream app
+      restarted with that sink: a filter makes every micro-batch a Spark job, so the other runs
+      get a stream app with the plain sink alone, as a deployment without filters has);
   (c) (b) while a writer updates random rows at ``--write-rate`` changes/s;
   (d) (b) with a backfill server up (``sequin backfill serve``, ``--idle-runs`` times): the same
       command hands it the backfill, which then pays no Spark start of its own;
@@ -63,6 +65,31 @@ def seed_events(dsn: str, rows: int) -> None:
             f"INSERT INTO events (id, account, amount, kind, payload) SELECT {ROW} FROM generate_series(1, {rows}) g"
         )
         conn.execute("VACUUM ANALYZE events")
+
+
+def bench_config(dsn: str, store_dsn: str, checkpoint: Path, filtered: bool) -> str:
+    """The benchmark's ``sequin.yaml``: the plain Sequin Stream sink ``events``, and with ``filtered``
+    also ``events_filtered``, whose filter makes its stream app run every micro-batch as a Spark job
+    (``payload=full``): the plain runs get a stream app without it, as a deployment without filters has."""
+    filtered_sink = """
+  - name: events_filtered
+    tables: [events]
+    filter: "true"
+    actions: [delete]  # the benchmark never deletes: this sink takes its backfill's reads only
+    destination: {type: sequin_stream}"""
+    return f"""
+databases:
+  - name: bench
+    dsn: {dsn}
+    slot: {{name: bench_slot}}
+    publication: {{name: bench_pub}}
+store: {{dsn: {store_dsn}}}
+sinks:
+  - name: events
+    tables: [events]
+    destination: {{type: sequin_stream}}{filtered_sink if filtered else ""}
+stream: {{checkpoint_location: {checkpoint}}}
+"""
 
 
 def empty_stream_table(store_dsn: str) -> None:
@@ -337,26 +364,11 @@ def main() -> int:
     with EmbeddedPostgres(use_env_dsn=False, settings=dict(args.pg_setting)) as pg:
         dsn, store_dsn = pg.create_database("bench"), pg.create_database("bench_store")
         seed_events(dsn, args.rows)
-        config_path = work / "sequin.yaml"
-        config_path.write_text(f"""
-databases:
-  - name: bench
-    dsn: {dsn}
-    slot: {{name: bench_slot}}
-    publication: {{name: bench_pub}}
-store: {{dsn: {store_dsn}}}
-sinks:
-  - name: events
-    tables: [events]
-    destination: {{type: sequin_stream}}
-  - name: events_filtered
-    tables: [events]
-    filter: "true"
-    actions: [delete]  # the benchmark never deletes: this sink takes its backfill's reads only
-    destination: {{type: sequin_stream}}
-stream: {{checkpoint_location: {work / "ckpt"}}}
-""")
-        initialize(load_config(config_path))
+        config_path = work / "sequin.yaml"  # the plain sink alone: (b), (c), (d), (e)
+        config_path.write_text(bench_config(dsn, store_dsn, work / "ckpt", filtered=False))
+        filter_config_path = work / "sequin-filter.yaml"  # and the sink with a filter: (b')
+        filter_config_path.write_text(bench_config(dsn, store_dsn, work / "ckpt-filter", filtered=True))
+        initialize(load_config(filter_config_path))  # both sinks
         copy_s = min(copy_seconds(dsn) for _ in range(3))
         results.update(copy_seconds=copy_s, copy_rate=args.rows / copy_s)
         print(f"bench: COPY of {args.rows:,} rows: {copy_s:.2f}s ({args.rows / copy_s:,.0f} rows/s)", flush=True)
@@ -364,10 +376,10 @@ stream: {{checkpoint_location: {work / "ckpt"}}}
         try:
             app.wait_streaming(store_dsn)
 
-            def measured(key: str, sink: str, label: str) -> float:
+            def measured(key: str, sink: str, label: str, config: Path = config_path) -> float:
                 """Run one backfill into ``sink``, record it under ``key`` and print it; its seconds."""
                 with CpuSampler() as cpu:
-                    seconds, line, started_at = run_backfill(config_path, args.rows, sink)
+                    seconds, line, started_at = run_backfill(config, args.rows, sink)
                 running = running_seconds(store_dsn, sink)
                 in_sink = in_sink_seconds(store_dsn, sink, started_at)
                 per_row = {k: v / args.rows * 1e6 for k, v in sorted(cpu.totals().items(), key=lambda kv: -kv[1])}
@@ -430,10 +442,15 @@ stream: {{checkpoint_location: {work / "ckpt"}}}
                     busy("serve_busy", f"with a backfill server up, {args.write_rate:,} updates/s requested")
                 finally:
                     server.stop()
-            if "spark" in runs:
-                measured("spark", "events_filtered", "into a sink with a filter (reads through Spark)")
             if "busy" in runs:
                 busy("busy", f"{args.write_rate:,} updates/s requested")
+            if "spark" in runs:  # a stream app with a filter sink: every batch of it is a Spark job
+                app.stop()
+                app = StreamAppProcess(filter_config_path, work / "app-filter.log").start()
+                app.wait_streaming(store_dsn)
+                measured(
+                    "spark", "events_filtered", "into a sink with a filter (reads through Spark)", filter_config_path
+                )
         finally:
             app.stop()
     if args.keep:
