@@ -22,7 +22,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import psycopg
 import pyarrow as pa
@@ -66,6 +66,8 @@ SAMPLE_ROWS = 5_000
 FIRST_PAGE_BYTES = 8 * 1024 * 1024  # a first page of about this much row data (``first_page_rows``)
 FIRST_PAGE_ROWS = 1_000  # when the rows' width is unknown, or a row condition decides how far a page scans
 WIDTH_SAMPLE_ROWS = 100
+RENDER_PIECE_BYTES = 1 << 20
+"""Bytes of a page's COPY text rendered at a time as the store takes its reads (``rendered_reads``)."""
 POLL_DELAY = 0.1
 """The longest pause, in seconds, between looks at a staged page's state (they start at 10 ms)."""
 FINAL_POLL_DELAY = 0.02
@@ -337,25 +339,67 @@ class RenderedPage:
     their records alone and the page keeps the rest). One value so the two cannot disagree."""
 
     rows: int
-    chunks: list[bytes | memoryview]
+    chunks: Iterable[bytes | memoryview]
+    """Rendered as the COPY takes them (``rendered_reads``): iterate once."""
     template: ReadMessageTemplate
 
 
 def rendered_reads(
-    decoder: PgOutputDecoder, rel: Relation, data: bytes | bytearray, reads: StoreReads, page_id: int
+    decoder: PgOutputDecoder,
+    rel: Relation,
+    data: bytes | bytearray,
+    reads: StoreReads,
+    page_id: int,
+    rows: int,
+    piece_bytes: int = RENDER_PIECE_BYTES,
 ) -> RenderedPage:
-    """A page of ``PageQuery.sql`` as its reads for a plain Sequin Stream sink, rendered in this
-    task (``PgOutputDecoder.render_copy``, then ``message_render.read_rows_copy_binary``), compact
-    (their records alone: the page keeps ``reads.template``)."""
-    records, record_offsets, pks, pk_offsets, rows = decoder.render_copy(rel, data)
-    body = read_rows_copy_binary(
-        reads,
-        page_id,
-        pa.StringArray.from_buffers(rows, pa.py_buffer(record_offsets), pa.py_buffer(records)),
-        pa.StringArray.from_buffers(rows, pa.py_buffer(pk_offsets), pa.py_buffer(pks)),
-        compact=True,
-    )
-    return RenderedPage(rows, [COPY_BINARY_HEADER, memoryview(body), COPY_BINARY_TRAILER], reads.template)
+    """A page of ``PageQuery.sql`` (``rows`` lines) as its reads for a plain Sequin Stream sink,
+    rendered in this task (``PgOutputDecoder.render_copy``, then ``message_render.read_rows_copy_binary``),
+    compact (their records alone: the page keeps ``reads.template``).
+
+    The page is rendered ``piece_bytes`` of its text at a time, as the COPY takes the chunks, so the
+    store inserts one piece while this task renders the next (rendered whole, the store waited for
+    the whole page, and the task for the store). Rendered lines other than ``rows`` raise
+    ``BackfillError`` before the COPY's end: nothing is staged."""
+    return RenderedPage(rows, _render_pieces(decoder, rel, data, reads, page_id, rows, piece_bytes), reads.template)
+
+
+def _render_pieces(
+    decoder: PgOutputDecoder,
+    rel: Relation,
+    data: bytes | bytearray,
+    reads: StoreReads,
+    page_id: int,
+    rows: int,
+    piece_bytes: int,
+) -> Iterator[bytes | memoryview]:
+    yield COPY_BINARY_HEADER
+    done = 0
+    for piece in line_pieces(data, piece_bytes):
+        records, record_offsets, pks, pk_offsets, n = decoder.render_copy(rel, piece)
+        body = read_rows_copy_binary(
+            replace(reads, commit_idx=reads.commit_idx + done),  # the piece's first read follows the last one's
+            page_id,
+            pa.StringArray.from_buffers(n, pa.py_buffer(record_offsets), pa.py_buffer(records)),
+            pa.StringArray.from_buffers(n, pa.py_buffer(pk_offsets), pa.py_buffer(pks)),
+            compact=True,
+        )
+        done += n
+        yield memoryview(body)
+    if done != rows:  # both count the page's lines; a mismatch would misstate progress
+        raise BackfillError(f"page {page_id}: {done} rows rendered of {rows} read")
+    yield COPY_BINARY_TRAILER
+
+
+def line_pieces(data: bytes | bytearray, size: int) -> Iterator[memoryview]:
+    """``data`` (lines of COPY text) in pieces of about ``size`` bytes, each ending at a line's end
+    (the last one at the data's end), without copying."""
+    view, start, end = memoryview(data), 0, len(data)
+    while start < end:
+        cut = data.find(b"\n", min(start + size, end) - 1)
+        stop = end if cut < 0 else cut + 1
+        yield view[start:stop]
+        start = stop
 
 
 def staged_page_end(data: bytes | bytearray) -> tuple[int, list[str] | None]:
@@ -677,9 +721,7 @@ class RangeReader:
             if in_task and reads is not None:  # reads: set whenever in_task
                 rows, cursor_after = page_end(data, positions)
                 if rows:
-                    rendered = rendered_reads(decoder, rel, data, reads, page_id)
-                    if rendered.rows != rows:  # both count the page's lines; a mismatch would misstate progress
-                        raise BackfillError(f"page {page_id}: {rendered.rows} rows rendered of {rows} read")
+                    rendered = rendered_reads(decoder, rel, data, reads, page_id, rows)
                     staged = store.stage_page_reads_copy(
                         store_conn,
                         self.schema,

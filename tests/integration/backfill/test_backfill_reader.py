@@ -173,3 +173,68 @@ def test_a_first_page_reads_only_the_published_columns(dsn: str) -> None:
     finally:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP OWNED BY {0}; DROP ROLE {0}").format(sql.Identifier(role)))
+
+
+def test_a_page_rendered_piece_by_piece_is_the_page_rendered_whole(dsn: str) -> None:
+    """``rendered_reads`` renders a page's COPY text a piece at a time as the COPY takes it: whatever
+    the piece size (every line its own piece, a few lines, the whole page), the bytes are those of the
+    page rendered at once, the reads numbered on across pieces; a page that renders other than the
+    lines counted raises before its last chunk (the COPY is never completed)."""
+    import pyarrow as pa
+
+    from sequin_provider.backfill.reader import line_pieces, rendered_reads
+    from sequin_provider.backfill.watermarks import page_reads
+    from sequin_provider.config import parse_config
+    from sequin_provider.message_render import COPY_BINARY_HEADER, COPY_BINARY_TRAILER, read_rows_copy_binary
+    from sequin_provider.pgoutput import PgOutputDecoder, TypeRegistry
+    from sequin_provider.replication import Catalog
+    from sequin_provider.store import BackfillError
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE pieces (id int PRIMARY KEY, v text, j jsonb)")
+        conn.execute(  # lines of different lengths; text with a newline and a tab (escaped in COPY text)
+            "INSERT INTO pieces SELECT g, repeat('x', g % 50) || E'\\n\\t' || g, jsonb_build_object('g', g)"
+            " FROM generate_series(1, 300) g"
+        )
+        shape = table_shape(conn, "public", "pieces")
+        data = copy_out(conn, sql.SQL("COPY (SELECT * FROM {} ORDER BY id) TO STDOUT").format(shape.qualified))
+    catalog = Catalog(dsn)
+    try:
+        decoder = PgOutputDecoder(TypeRegistry(catalog.type_info))
+        rel = decoder.make_relation(
+            shape.oid, shape.schema, shape.name, "d", list(shape.columns), list(shape.type_oids),
+            [c in shape.primary_key for c in shape.columns], list(shape.primary_key),
+        )  # fmt: skip
+    finally:
+        catalog.close()
+    config = parse_config(
+        {
+            "databases": [{"name": "app", "dsn": dsn}],
+            "sinks": [{"name": "s", "tables": ["pieces"], "destination": {"type": "sequin_stream"}}],
+        },
+        "sequin.yaml",
+        environ={},
+    )
+    reads = page_reads(config.sinks[0], "app", 7, "public", "pieces", "2026-12-02T07:00:00Z", 5_000, 3)
+    assert reads is not None
+    records, record_offsets, pks, pk_offsets, rows = decoder.render_copy(rel, data)
+    assert rows == 300
+    whole = read_rows_copy_binary(
+        reads,
+        11,
+        pa.StringArray.from_buffers(rows, pa.py_buffer(record_offsets), pa.py_buffer(records)),
+        pa.StringArray.from_buffers(rows, pa.py_buffer(pk_offsets), pa.py_buffer(pks)),
+        compact=True,
+    )
+    expected = COPY_BINARY_HEADER + whole.to_pybytes() + COPY_BINARY_TRAILER
+    for size in (1, 100, 5_000, len(data)):
+        assert b"".join(bytes(p) for p in line_pieces(data, size)) == bytes(data)
+        pieces = list(line_pieces(data, size))
+        assert all(bytes(p).endswith(b"\n") for p in pieces)
+        rendered = rendered_reads(decoder, rel, data, reads, 11, rows, piece_bytes=size)
+        assert rendered.rows == rows and rendered.template == reads.template
+        assert b"".join(bytes(c) for c in rendered.chunks) == expected, size
+    chunks = iter(rendered_reads(decoder, rel, data, reads, 11, rows + 1, piece_bytes=100).chunks)
+    with pytest.raises(BackfillError, match="300 rows rendered of 301"):
+        for chunk in chunks:
+            assert chunk != COPY_BINARY_TRAILER  # the error comes before the trailer
