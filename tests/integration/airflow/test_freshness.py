@@ -40,7 +40,15 @@ def test_a_mark_follows_every_commit_made_before_its_time(dsn: str) -> None:
             # marks only once the writers commit: a first mark taken before any commit has nothing
             # before it to check (CI saw one on a loaded machine)
             wait_for(lambda: conn.execute("SELECT count(*) FROM t").fetchone()[0] >= 3, 30, what="the writers")
+            # at least 30 marks, taken until the writers have committed 150 times around them: CI saw
+            # a loaded machine commit only 57 times in 30 marks, too few to interleave with them
             marks = [take_mark(conn) for _ in range(30)]
+
+            def another_mark_then_enough_commits() -> bool:
+                marks.append(take_mark(conn))
+                return conn.execute("SELECT count(*) FROM t").fetchone()[0] >= 150  # type: ignore[index,no-any-return]
+
+            wait_for(another_mark_then_enough_commits, 60, interval=0.05, what="150 commits among the marks")
     finally:
         stop.set()
         for thread in threads:
