@@ -361,34 +361,26 @@ def rendered_reads(
     store inserts one piece while this task renders the next (rendered whole, the store waited for
     the whole page, and the task for the store). Rendered lines other than ``rows`` raise
     ``BackfillError`` before the COPY's end: nothing is staged."""
-    return RenderedPage(rows, _render_pieces(decoder, rel, data, reads, page_id, rows, piece_bytes), reads.template)
 
+    def pieces() -> Iterator[bytes | memoryview]:
+        yield COPY_BINARY_HEADER
+        done = 0
+        for piece in line_pieces(data, piece_bytes):
+            records, record_offsets, pks, pk_offsets, n = decoder.render_copy(rel, piece)
+            body = read_rows_copy_binary(
+                replace(reads, commit_idx=reads.commit_idx + done),  # the piece's first read follows the last one's
+                page_id,
+                pa.StringArray.from_buffers(n, pa.py_buffer(record_offsets), pa.py_buffer(records)),
+                pa.StringArray.from_buffers(n, pa.py_buffer(pk_offsets), pa.py_buffer(pks)),
+                compact=True,
+            )
+            done += n
+            yield memoryview(body)
+        if done != rows:  # both count the page's lines; a mismatch would misstate progress
+            raise BackfillError(f"page {page_id}: {done} rows rendered of {rows} read")
+        yield COPY_BINARY_TRAILER
 
-def _render_pieces(
-    decoder: PgOutputDecoder,
-    rel: Relation,
-    data: bytes | bytearray,
-    reads: StoreReads,
-    page_id: int,
-    rows: int,
-    piece_bytes: int,
-) -> Iterator[bytes | memoryview]:
-    yield COPY_BINARY_HEADER
-    done = 0
-    for piece in line_pieces(data, piece_bytes):
-        records, record_offsets, pks, pk_offsets, n = decoder.render_copy(rel, piece)
-        body = read_rows_copy_binary(
-            replace(reads, commit_idx=reads.commit_idx + done),  # the piece's first read follows the last one's
-            page_id,
-            pa.StringArray.from_buffers(n, pa.py_buffer(record_offsets), pa.py_buffer(records)),
-            pa.StringArray.from_buffers(n, pa.py_buffer(pk_offsets), pa.py_buffer(pks)),
-            compact=True,
-        )
-        done += n
-        yield memoryview(body)
-    if done != rows:  # both count the page's lines; a mismatch would misstate progress
-        raise BackfillError(f"page {page_id}: {done} rows rendered of {rows} read")
-    yield COPY_BINARY_TRAILER
+    return RenderedPage(rows, pieces(), reads.template)
 
 
 def line_pieces(data: bytes | bytearray, size: int) -> Iterator[memoryview]:
