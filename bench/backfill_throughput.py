@@ -41,6 +41,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.app_config import app_config, sink  # noqa: E402
 from bench.machine_memory import add_touch_memory_argument, touch_memory_for  # noqa: E402
 from bench.stream_throughput import (  # noqa: E402 - the same table as the stream benchmark
     ROW,
@@ -71,25 +72,13 @@ def bench_config(dsn: str, store_dsn: str, checkpoint: Path, filtered: bool) -> 
     """The benchmark's ``sequin.yaml``: the plain Sequin Stream sink ``events``, and with ``filtered``
     also ``events_filtered``, whose filter makes its stream app run every micro-batch as a Spark job
     (``payload=full``): the plain runs get a stream app without it, as a deployment without filters has."""
-    filtered_sink = """
-  - name: events_filtered
-    tables: [events]
-    filter: "true"
-    actions: [delete]  # the benchmark never deletes: this sink takes its backfill's reads only
-    destination: {type: sequin_stream}"""
-    return f"""
-databases:
-  - name: bench
-    dsn: {dsn}
-    slot: {{name: bench_slot}}
-    publication: {{name: bench_pub}}
-store: {{dsn: {store_dsn}}}
-sinks:
-  - name: events
-    tables: [events]
-    destination: {{type: sequin_stream}}{filtered_sink if filtered else ""}
-stream: {{checkpoint_location: {checkpoint}}}
-"""
+    sinks = sink("events", "{type: sequin_stream}")
+    if filtered:
+        # the benchmark never deletes: this sink takes its backfill's reads only
+        sinks += sink(
+            "events_filtered", "{type: sequin_stream}", settings='    filter: "true"\n    actions: [delete]\n'
+        )
+    return app_config(dsn, sinks, checkpoint, store_dsn=store_dsn)
 
 
 def empty_stream_table(store_dsn: str) -> None:

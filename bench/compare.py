@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import webhook_endpoint  # noqa: E402
+from bench.app_config import app_config, sink  # noqa: E402
 from bench.backfill_throughput import (  # noqa: E402
     copy_seconds,
     empty_stream_table,
@@ -334,21 +335,11 @@ def app_settings(args: argparse.Namespace) -> str:
     return "".join(f", {key}: {value}" for key, value in items if value is not None)
 
 
-def config_text(dsn: str, store_dsn: str, slot: str, sink: str, work: Path, settings: str = "") -> str:
+def config_text(dsn: str, store_dsn: str, slot: str, destination: str, work: Path, settings: str = "") -> str:
     """The app's config; ``settings`` (``app_settings``) are added to its ``stream`` section."""
-    return f"""
-databases:
-  - name: bench
-    dsn: {dsn}
-    slot: {{name: {slot}}}
-    publication: {{name: bench_pub}}
-store: {{dsn: {store_dsn}}}
-sinks:
-  - name: events
-    tables: [events]
-    destination: {sink}
-stream: {{checkpoint_location: {work / ("ckpt-" + slot)}{settings}}}
-"""
+    return app_config(
+        dsn, sink("events", destination), work / ("ckpt-" + slot), store_dsn=store_dsn, slot=slot, stream=settings
+    )
 
 
 def stream_section(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:

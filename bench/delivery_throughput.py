@@ -37,6 +37,7 @@ import pyarrow as pa
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.app_config import app_config, sink  # noqa: E402
 from devtools.embedded_postgres import EmbeddedPostgres, free_port  # noqa: E402
 from devtools.stream_process import StreamAppProcess, wait_for  # noqa: E402
 from sequin_provider import store, stream_queue  # noqa: E402
@@ -259,23 +260,13 @@ def main() -> int:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("CREATE TABLE events (id bigint PRIMARY KEY, account int NOT NULL, amount numeric(12,2))")
         config_path = work / "sequin.yaml"
-        config_path.write_text(f"""
-databases:
-  - name: bench
-    dsn: {dsn}
-    slot: {{name: bench_slot}}
-    publication: {{name: bench_pub}}
-store: {{dsn: {store_dsn}}}
-sinks:
-  - name: bench
-    tables: [events]
-    actions: [delete]
-    destination: {{type: sequin_stream, max_ack_pending: 1000000, max_waiting: 100}}
-  - name: hook
-    tables: [events]
-    destination: {{type: webhook, url: "http://127.0.0.1:{hook_port}/hook", batch_size: 100, concurrency: 8}}
-stream: {{checkpoint_location: {work / "ckpt"}}}
-""")
+        hook = f'{{type: webhook, url: "http://127.0.0.1:{hook_port}/hook", batch_size: 100, concurrency: 8}}'
+        sinks = sink(
+            "bench",
+            "{type: sequin_stream, max_ack_pending: 1000000, max_waiting: 100}",
+            settings="    actions: [delete]\n",
+        ) + sink("hook", hook)
+        config_path.write_text(app_config(dsn, sinks, work / "ckpt", store_dsn=store_dsn))
         initialize(load_config(config_path))
         with psycopg.connect(store_dsn) as conn:
             token = stream_queue.create_token(conn, "sequin", "bench")

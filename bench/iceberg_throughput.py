@@ -25,6 +25,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.app_config import app_config, sink  # noqa: E402
 from bench.destination_results import record  # noqa: E402
 from bench.stream_throughput import ROW, TABLE, write_workload  # noqa: E402
 from devtools.embedded_postgres import EmbeddedPostgres  # noqa: E402
@@ -44,18 +45,12 @@ def stream_run(pg: EmbeddedPostgres, work: Path, mode: str, changes: int, warmup
         conn.execute(TABLE)
     config_path = work / f"{mode}.yaml"
     catalog = sqlalchemy_url(dsn)
-    config_path.write_text(f"""
-databases:
-  - name: bench
-    dsn: {dsn}
-    slot: {{name: bench_{mode}}}
-    publication: {{name: bench_{mode}}}
-sinks:
-  - name: lake
-    tables: [events]
-    destination: {{type: iceberg, catalog: {{uri: "{catalog}", warehouse: "file://{work}/{mode}"}}, mode: {mode}}}
-stream: {{checkpoint_location: {work / f"ckpt_{mode}"}}}
-""")
+    destination = f'{{type: iceberg, catalog: {{uri: "{catalog}", warehouse: "file://{work}/{mode}"}}, mode: {mode}}}'
+    config_path.write_text(
+        app_config(
+            dsn, sink("lake", destination), work / f"ckpt_{mode}", slot=f"bench_{mode}", publication=f"bench_{mode}"
+        )
+    )
     config = load_config(config_path)
     initialize(config)
     options = config.sink("lake").destination.options

@@ -35,6 +35,7 @@ from stream_throughput import (  # noqa: E402
     write_workload,
 )
 
+from bench.app_config import app_config, sink  # noqa: E402
 from bench.destination_results import record  # noqa: E402
 from devtools.embedded_postgres import EmbeddedPostgres  # noqa: E402
 from devtools.stream_process import StreamAppProcess, wait_for  # noqa: E402
@@ -114,19 +115,11 @@ def main() -> int:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(TABLE)
         config_path = work / "sequin.yaml"
-        config_path.write_text(f"""
-databases:
-  - name: bench
-    dsn: {dsn}
-    slot: {{name: bench_slot}}
-    publication: {{name: bench_pub}}
-sinks:
-  - name: mirror
-    tables: [events]
-    destination: {{type: postgres_table, dsn: "{target}", table: "mirror.{{table_name}}", create_table: true,
-                   batch_size: {args.batch_size}}}
-stream: {{checkpoint_location: {work / "ckpt"}}}
-""")
+        destination = (
+            f'{{type: postgres_table, dsn: "{target}", table: "mirror.{{table_name}}", create_table: true,'
+            f" batch_size: {args.batch_size}}}"
+        )
+        config_path.write_text(app_config(dsn, sink("mirror", destination), work / "ckpt"))
         initialize(load_config(config_path))
         app = StreamAppProcess(config_path, work / "app.log").start()
         mirrored = Mirrored(dsn, target)

@@ -30,6 +30,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.app_config import app_config, sink  # noqa: E402
 from bench.destination_results import record  # noqa: E402
 from bench.stream_throughput import TABLE, WARMUP_FIRST_ID, insert_rows, write_workload  # noqa: E402 - the stream benchmark's workload
 from devtools.embedded_postgres import EmbeddedPostgres  # noqa: E402
@@ -127,18 +128,10 @@ def main() -> int:
             with psycopg.connect(dsn, autocommit=True) as conn:
                 conn.execute(TABLE)
             config_path = work / "sequin.yaml"
-            config_path.write_text(f"""
-databases:
-  - name: bench
-    dsn: {dsn}
-    slot: {{name: bench_slot}}
-    publication: {{name: bench_pub}}
-sinks:
-  - name: events
-    tables: [events]
-    destination: {{type: rabbitmq, exchange: {reader.exchange}, routing_key: bench.events, batch_size: {BATCH}}}
-stream: {{checkpoint_location: {work / "ckpt"}}}
-""")
+            destination = (
+                f"{{type: rabbitmq, exchange: {reader.exchange}, routing_key: bench.events, batch_size: {BATCH}}}"
+            )
+            config_path.write_text(app_config(dsn, sink("events", destination), work / "ckpt"))
             initialize(load_config(config_path))
             app = StreamAppProcess(config_path, work / "app.log").start()
             try:

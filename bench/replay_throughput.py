@@ -25,6 +25,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.app_config import app_config, sink  # noqa: E402
 from bench.delivery_throughput import answers, free_port, serve_counter, server_limit  # noqa: E402
 from bench.stream_throughput import TABLE  # noqa: E402
 from devtools.embedded_postgres import EmbeddedPostgres  # noqa: E402
@@ -65,21 +66,9 @@ def main() -> int:
                 create_changelog(conn, "cdc.changes")
                 conn.execute(FILL.format(rows=ROWS, last=args.changes - 1))
             config_path = work / "sequin.yaml"
-            config_path.write_text(f"""
-databases:
-  - name: bench
-    dsn: {dsn}
-    slot: {{name: bench_slot}}
-    publication: {{name: bench_pub}}
-sinks:
-  - name: log
-    tables: [events]
-    destination: {{type: postgres_table, mode: changelog, dsn: "{log_dsn}", table: cdc.changes}}
-  - name: hook
-    tables: [events]
-    destination: {{type: webhook, url: "{url}", batch: false}}
-stream: {{checkpoint_location: {work / "ckpt"}}}
-""")
+            sinks = sink("log", f'{{type: postgres_table, mode: changelog, dsn: "{log_dsn}", table: cdc.changes}}')
+            sinks += sink("hook", f'{{type: webhook, url: "{url}", batch: false}}')
+            config_path.write_text(app_config(dsn, sinks, work / "ckpt"))
             config = load_config(config_path)
             before = int(httpx.get(url, timeout=10).text)
             started = time.monotonic()

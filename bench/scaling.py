@@ -36,6 +36,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.app_config import app_config, sink  # noqa: E402
 from bench.stream_throughput import (  # noqa: E402
     APP_CLASSES,
     STORE_BACKENDS,
@@ -139,23 +140,8 @@ class Source:
 def config_text(case: Case, source: Source, store_dsn: str, slot: str, work: Path) -> str:
     """The stream app's config of ``case``: ``case.sinks`` Sequin Stream sinks of every table."""
     tables = ", ".join(f"{{name: {t}, group_column_names: [account]}}" if case.groups else t for t in source.tables)
-    sinks = "".join(
-        f"""
-  - name: sink{n}
-    tables: [{tables}]
-    destination: {{type: sequin_stream}}"""
-        for n in range(1, case.sinks + 1)
-    )
-    return f"""
-databases:
-  - name: scale
-    dsn: {source.dsn}
-    slot: {{name: {slot}}}
-    publication: {{name: bench_pub}}
-store: {{dsn: {store_dsn}}}
-sinks:{sinks}
-stream: {{checkpoint_location: {work / "checkpoint"}}}
-"""
+    sinks = "".join(sink(f"sink{n}", "{type: sequin_stream}", tables=f"[{tables}]") for n in range(1, case.sinks + 1))
+    return app_config(source.dsn, sinks, work / "checkpoint", store_dsn=store_dsn, database="scale", slot=slot)
 
 
 def decode_limit(dsn: str, source: Source, changes: int, inserts_only: bool) -> float:

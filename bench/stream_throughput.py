@@ -33,6 +33,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.app_config import app_config, sink  # noqa: E402
 from devtools.embedded_postgres import EmbeddedPostgres, find_server_bindir  # noqa: E402
 from devtools.stream_process import StreamAppProcess, wait_for  # noqa: E402
 from sequin_provider.config import load_config  # noqa: E402
@@ -406,19 +407,17 @@ def main() -> int:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(TABLE)
         config_path = work / "sequin.yaml"
-        config_path.write_text(f"""
-databases:
-  - name: bench
-    dsn: {dsn}
-    slot: {{name: bench_slot}}
-    publication: {{name: bench_pub}}
-store: {{dsn: {store_dsn}}}
-sinks:
-  - name: events
-    tables: [events]
-    destination: {{type: sequin_stream}}
-stream: {{checkpoint_location: {work / "ckpt"}, driver_batch_rows: {"null" if args.driver_batch_rows is None else args.driver_batch_rows}{"" if args.trigger_interval is None else f", trigger_interval: {args.trigger_interval}"}}}
-""")
+        batch_rows = "null" if args.driver_batch_rows is None else args.driver_batch_rows
+        interval = "" if args.trigger_interval is None else f", trigger_interval: {args.trigger_interval}"
+        config_path.write_text(
+            app_config(
+                dsn,
+                sink("events", "{type: sequin_stream}"),
+                work / "ckpt",
+                store_dsn=store_dsn,
+                stream=f", driver_batch_rows: {batch_rows}{interval}",
+            )
+        )
         config = load_config(config_path)
         results["trigger_interval"] = f"{config.stream.trigger_interval * 1000:g}ms"  # the app's, set or default
         initialize(config)
