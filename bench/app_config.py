@@ -21,6 +21,7 @@ def app_config(
     store's database (default: the source's); ``stream``: further ``stream`` settings as YAML
     flow-mapping items, each ``, key: value``."""
     store = f"store: {{dsn: {store_dsn}}}\n" if store_dsn is not None else ""
+    items = sinks.strip("\n")
     return f"""
 databases:
   - name: {database}
@@ -28,7 +29,7 @@ databases:
     slot: {{name: {slot}}}
     publication: {{name: {publication}}}
 {store}sinks:
-{sinks.strip(chr(10))}
+{items}
 stream: {{checkpoint_location: {checkpoint}{stream}}}
 """
 
