@@ -38,6 +38,41 @@ def test_a_store_migrated_by_a_newer_install_is_refused_with_a_clear_error(dsn: 
             store.migrate(conn, "newer")
 
 
+def test_wide_messages_are_stored_lz4_compressed_and_read_back_whole(dsn: str) -> None:
+    """Migration 19: on PostgreSQL 14+ a message's data over the TOAST threshold is compressed with
+    lz4 (half pglz's cost for the store's backend; docs/performance.md), and reads back byte for byte."""
+    with psycopg.connect(dsn) as conn:
+        store.migrate(conn, "wide")
+        if conn.info.server_version < 140000:
+            pytest.skip("column compression methods came with PostgreSQL 14")
+        (methods_built,) = conn.execute(
+            "SELECT enumvals FROM pg_settings WHERE name = 'default_toast_compression'"
+        ).fetchone()
+        if "lz4" not in methods_built:  # e.g. the embedded builds of SEQUIN_PG_VERSION: pglz, as before
+            assert store.insert_stream_messages(conn, "wide", [("s", 1, 0, "g", "1:0", "{}")]) == 1
+            pytest.skip("this server was built without lz4")
+        methods = dict(
+            conn.execute(
+                "SELECT c.relname || '.' || a.attname, a.attcompression FROM pg_attribute a"
+                " JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace"
+                " WHERE n.nspname = 'wide' AND a.attcompression <> ''"
+            ).fetchall()
+        )
+        assert methods == {
+            "stream_messages.data": "l",
+            "buffered_messages.data": "l",
+            "buffered_messages.source": "l",
+            "backfill_rows.record": "l",
+        }
+        record = ", ".join(f'"c{i}": "{i * 7919 % 10007:05d} value of column {i}"' for i in range(120))
+        wide = [("s", 100, 0, "g", "100:0", f'{{"record": {{{record}}}}}')]
+        assert store.insert_stream_messages(conn, "wide", wide) == 1
+        assert len(wide[0][5]) > 4000
+        stored = conn.execute("SELECT pg_column_compression(data) FROM wide.stream_messages").fetchone()
+        assert stored == ("lz4",)
+        assert [m.data for m in store.stream_messages(conn, "wide", "s")] == [wide[0][5]]
+
+
 def test_replayed_batches_add_nothing_and_keep_position_order(dsn: str) -> None:
     with psycopg.connect(dsn) as conn:
         store.migrate(conn)
