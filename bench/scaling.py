@@ -9,7 +9,9 @@ the same run (the decode limit of that shape), and the CPU per change by process
 stream_throughput.py): the app's (driver, JVM, reader, Python workers, standalone executors'), the
 store's backends, the walsender, and everything (the workload's own writes included). The cases:
 
-  width    rows of ~100 B vs ~1.6 KB (Sequin's published cases), one table, inserts then updates
+  width    rows of ~100 B vs ~1.6 KB (Sequin's published cases), one table, inserts then updates; and
+           ~1.6 KB with REPLICA IDENTITY FULL (an update's message carries the old note too: ~3.3 KB,
+           over the store's TOAST threshold, so its data is stored compressed)
   tables   the same changes over 1 vs 20 tables of one sink
   sinks    1, 2 and 4 Sequin Stream sinks of one table on one stream
   groups   1,000 vs 1,000,000 distinct groups (``group_column_names: [account]``), inserts only
@@ -70,16 +72,18 @@ class Case:
     groups: int | None = None  # None: grouped by primary key (the default); else by account = id % groups
     inserts_only: bool = False
     cluster: tuple[int, int] | None = None  # (workers, cores each); None: local[2]
+    identity_full: bool = False  # REPLICA IDENTITY FULL: an update's message carries the old values too
 
     @property
-    def shape(self) -> tuple[int, str, int | None, bool]:
+    def shape(self) -> tuple[int, str, int | None, bool, bool]:
         """What the source sees: cases of one shape share one decode-limit measurement."""
-        return (self.tables, self.width, self.groups, self.inserts_only)
+        return (self.tables, self.width, self.groups, self.inserts_only, self.identity_full)
 
 
 CASES = [
     Case("width", "rows of ~100 B"),
     Case("width", "rows of ~1.6 KB", width="wide"),
+    Case("width", "rows of ~1.6 KB, replica identity full", width="wide", identity_full=True),
     Case("tables", "1 table"),
     Case("tables", "20 tables", tables=20),
     Case("sinks", "1 sink"),
@@ -112,6 +116,8 @@ class Source:
                 conn.execute(
                     f"CREATE TABLE {table} (id bigint PRIMARY KEY, account bigint NOT NULL, note text NOT NULL)"
                 )
+                if case.identity_full:
+                    conn.execute(f"ALTER TABLE {table} REPLICA IDENTITY FULL")
         return cls(dsn, tables, case.width, case.groups)
 
     def write(self, changes: int, inserts_only: bool) -> float:
