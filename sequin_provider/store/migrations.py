@@ -371,9 +371,10 @@ ALTER TABLE {schema}.stream_messages ADD COLUMN IF NOT EXISTS template integer;
 ALTER TABLE {schema}.stream_messages ADD COLUMN IF NOT EXISTS commit_timestamp text;
 """,
     ),
-    # A message's data over about 2 kB (a 1.6 kB row's message stored compact is 3.3 kB) is compressed
-    # when stored; pglz, the default, cost its backend 36 us per such message, lz4 18 (reading back
-    # is 3 us either way; docs/performance.md, "How cost grows with the work"). lz4 came with
+    # A message's data over about 2 kB (the TOAST threshold; e.g. an update of a 1.6 kB row under
+    # REPLICA IDENTITY FULL, 3.3 kB) is compressed when stored; pglz, the default, cost its backend
+    # 28-34 us per such message, lz4 15-17 (reading back costs the same either way; docs/performance.md,
+    # "A slow hour, and messages over the TOAST threshold"). lz4 came with
     # PostgreSQL 14 and needs a server built with it (every PGDG and Debian build is): elsewhere the
     # columns keep pglz. Only values written afterwards are compressed with lz4; older ones stay
     # readable as they are.
