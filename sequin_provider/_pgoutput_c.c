@@ -9,9 +9,10 @@
  *   render(values, kinds, prefixes, converters, columns, only, fill)
  *                          ~ pgoutput.render_record: a row's record JSON and its unchanged-TOAST columns
  *   change_row(specs, head, buf)
- *                          ~ pgoutput.change_row: an insert, an update without old values or a
- *                            full-row delete straight to its change row (pgoutput.render_tuple's
- *                            record, pks and missing, and the row's tuple), with no Python frame
+ *                          ~ pgoutput.change_row: an insert, an update without old values or with
+ *                            the whole old row, or a full-row delete straight to its change row
+ *                            (pgoutput.render_tuple's or render_update's record, changes, pks and
+ *                            missing, and the row's tuple), with no Python frame
  *   read_rows(specs, head, conn, get_copy_data, free_memory, pending, max_rows, max_bytes)
  *                          ~ replication_protocol.ReplicationStream.read() and change_row() one message
  *                            at a time: libpq's copy data straight to change rows, until a message
@@ -401,63 +402,76 @@ fail:
     return NULL;
 }
 
-/* The TupleData at pos of buf rendered as pgoutput.render_tuple renders it into new references *record_out,
- * *pks_out and *missing_out: 0, or -1 with an exception set. The core of change_row(). */
-static int render_tuple_at(const unsigned char *buf, Py_ssize_t size, Py_ssize_t pos, const Columns *rel,
-                           PyObject *pk_positions, PyObject **record_out, PyObject **pks_out, PyObject **missing_out) {
-    Py_ssize_t npk = PyList_GET_SIZE(pk_positions);
-    PyObject *missing = NULL, *pks = NULL, *record = NULL;
-    Buf out = {NULL, 0, 0};
-    /* per primary-key position: its column, and its value's offset and length in buf (offset -1:
-     * null or unchanged TOAST; -2: not seen, the tuple is shorter than the position) */
-    Py_ssize_t pk_small[3 * 4];
-    Py_ssize_t *pk_col = npk <= 4 ? pk_small : PyMem_Malloc(sizeof(Py_ssize_t) * 3 * (size_t)npk);
-    if (pk_col == NULL) {
+/* A TupleData value in the payload: its kind ('t'/'b', 'n', 'u') and, for text/binary, its bytes
+ * s[0:len] (s NULL for 'n' and 'u'). */
+typedef struct {
+    const char *s;
+    Py_ssize_t len;
+    unsigned char kind;
+} Value;
+
+#define SMALL_TUPLE 32 /* values a tuple holds on the stack; wider ones are allocated */
+
+/* The values of the TupleData at *pos into *values (small, of SMALL_TUPLE, or allocated: the caller
+ * frees it when it is not small) and their count into *n; *pos moves past it. 0, or -1 with an
+ * exception set (pgoutput.parse_tuple's truncation errors). */
+static int read_values(const unsigned char *buf, Py_ssize_t size, Py_ssize_t *pos, Value *small, Value **values,
+                       int *n) {
+    *values = small;
+    if (column_count(buf, size, pos, n) < 0)
+        return -1;
+    if (*n > SMALL_TUPLE && (*values = PyMem_Malloc(sizeof(Value) * (size_t)*n)) == NULL) {
+        *values = small;
         PyErr_NoMemory();
-        goto fail;
+        return -1;
     }
-    Py_ssize_t *offs = pk_col + npk, *lens = pk_col + 2 * npk;
-    for (Py_ssize_t j = 0; j < npk; j++) {
-        pk_col[j] = PyLong_AsSsize_t(PyList_GET_ITEM(pk_positions, j));
-        if (pk_col[j] == -1 && PyErr_Occurred())
-            goto fail;
-        offs[j] = -2;
-        lens[j] = 0;
+    for (int i = 0; i < *n; i++) {
+        Value *v = &(*values)[i];
+        if (next_value(buf, size, pos, &v->kind, &v->s, &v->len) < 0)
+            return -1;
     }
-    int n, first = 1;
-    if ((missing = PyList_New(0)) == NULL || column_count(buf, size, &pos, &n) < 0 || buf_putc(&out, '{') < 0)
-        goto fail;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        unsigned char kind;
-        const char *s;
-        Py_ssize_t len;
-        if (next_value(buf, size, &pos, &kind, &s, &len) < 0)
-            goto fail;
-        for (Py_ssize_t j = 0; j < npk; j++) {
-            if (pk_col[j] == i) {
-                offs[j] = s ? (Py_ssize_t)(s - (const char *)buf) : -1;
-                lens[j] = len;
-            }
-        }
-        if (kind == 'u' ? append_missing(missing, rel, i) < 0 : append_column(&out, &first, rel, i, NULL, s, len) < 0)
-            goto fail;
+    return 0;
+}
+
+static void free_values(Value *values, Value *small) {
+    if (values != small)
+        PyMem_Free(values);
+}
+
+/* The record JSON of values[0:n] into out, as pgoutput.render_record with fill: an unchanged TOAST
+ * value is taken from fill[0:nfill] (fill NULL: none) when that holds one, else its column goes to
+ * missing. 0, or -1 with an exception set. */
+static int render_values(Buf *out, PyObject *missing, const Columns *rel, const Value *values, int n,
+                         const Value *fill, int nfill) {
+    int first = 1;
+    if (buf_putc(out, '{') < 0)
+        return -1;
+    for (int i = 0; i < n; i++) {
+        const Value *v = &values[i];
+        if (v->kind == 'u' && i < nfill && fill[i].kind != 'u')
+            v = &fill[i];
+        if (v->kind == 'u' ? append_missing(missing, rel, i) < 0 : append_column(out, &first, rel, i, NULL, v->s, v->len) < 0)
+            return -1;
     }
-    if (buf_putc(&out, '}') < 0)
-        goto fail;
-    record = PyUnicode_DecodeUTF8(out.data, out.len, "strict");
-    if (record == NULL)
-        goto fail;
-    pks = PyList_New(0);
+    return buf_putc(out, '}');
+}
+
+/* record_pks of values[0:n] (pgoutput.pk_texts): the text of each primary-key value present. */
+static PyObject *pk_list(const Value *values, int n, PyObject *pk_positions) {
+    PyObject *pks = PyList_New(0);
     if (pks == NULL)
-        goto fail;
-    for (Py_ssize_t j = 0; j < npk; j++) {
-        if (offs[j] == -2) {
+        return NULL;
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(pk_positions); j++) {
+        Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(pk_positions, j));
+        if (i == -1 && PyErr_Occurred())
+            goto fail;
+        if (i < 0 || i >= n) {
             index_error();
             goto fail;
         }
-        if (offs[j] < 0)
-            continue;
-        PyObject *text = PyUnicode_DecodeUTF8((const char *)buf + offs[j], lens[j], "strict");
+        if (values[i].s == NULL)
+            continue; /* null or unchanged TOAST */
+        PyObject *text = PyUnicode_DecodeUTF8(values[i].s, values[i].len, "strict");
         if (text == NULL)
             goto fail;
         int rc = PyList_Append(pks, text);
@@ -465,19 +479,98 @@ static int render_tuple_at(const unsigned char *buf, Py_ssize_t size, Py_ssize_t
         if (rc < 0)
             goto fail;
     }
-    if (pk_col != pk_small)
-        PyMem_Free(pk_col);
+    return pks;
+fail:
+    Py_DECREF(pks);
+    return NULL;
+}
+
+/* out's bytes as a str (strict UTF-8: what was copied from the payload unchecked is checked here). */
+static PyObject *buf_str(const Buf *out) { return PyUnicode_DecodeUTF8(out->data, out->len, "strict"); }
+
+/* The TupleData at pos of buf rendered as pgoutput.render_tuple renders it into new references *record_out,
+ * *pks_out and *missing_out: 0, or -1 with an exception set. Inserts, updates without old values and
+ * deletes with the whole old row: the core of change_row(). */
+static int render_tuple_at(const unsigned char *buf, Py_ssize_t size, Py_ssize_t pos, const Columns *rel,
+                           PyObject *pk_positions, PyObject **record_out, PyObject **pks_out, PyObject **missing_out) {
+    Value small[SMALL_TUPLE], *values = small;
+    int n;
+    PyObject *missing = NULL, *record = NULL, *pks = NULL;
+    Buf out = {NULL, 0, 0};
+    if (read_values(buf, size, &pos, small, &values, &n) < 0 || (missing = PyList_New(0)) == NULL ||
+        render_values(&out, missing, rel, values, n, NULL, 0) < 0 || (record = buf_str(&out)) == NULL ||
+        (pks = pk_list(values, n, pk_positions)) == NULL)
+        goto fail;
+    free_values(values, small);
     PyMem_Free(out.data);
     *record_out = record;
     *pks_out = pks;
     *missing_out = missing;
     return 0;
 fail:
-    if (pk_col != pk_small)
-        PyMem_Free(pk_col);
+    free_values(values, small);
     PyMem_Free(out.data);
     Py_XDECREF(record);
-    Py_XDECREF(pks);
+    Py_XDECREF(missing);
+    return -1;
+}
+
+/* Raise UnicodeDecodeError when a value's bytes are not UTF-8 (pgoutput.parse_tuple decodes every
+ * value of the old row, also those that are not rendered). */
+static int check_values_utf8(const Value *values, int n) {
+    for (int i = 0; i < n; i++) {
+        if (values[i].s != NULL && check_utf8(values[i].s, values[i].len) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* An update with the whole old row ('O' at 5 of buf, then 'N' and the new row) rendered as
+ * pgoutput.change_row renders it (pgoutput.render_update without key flags): new references
+ * *record_out, *changes_out (the old values of the columns it changed), *pks_out and *missing_out;
+ * 0, or -1 with an exception set. */
+static int render_update_at(const unsigned char *buf, Py_ssize_t size, const Columns *rel, PyObject *pk_positions,
+                            PyObject **record_out, PyObject **changes_out, PyObject **pks_out,
+                            PyObject **missing_out) {
+    Value old_small[SMALL_TUPLE], new_small[SMALL_TUPLE], *old = old_small, *new = new_small;
+    int nold = 0, nnew = 0;
+    Py_ssize_t pos = 6;
+    PyObject *missing = NULL, *record = NULL, *changes = NULL, *pks = NULL;
+    Buf out = {NULL, 0, 0};
+    if (read_values(buf, size, &pos, old_small, &old, &nold) < 0 || check_values_utf8(old, nold) < 0)
+        goto fail;
+    pos += 1; /* 'N' */
+    if (read_values(buf, size, &pos, new_small, &new, &nnew) < 0 || (missing = PyList_New(0)) == NULL ||
+        render_values(&out, missing, rel, new, nnew, old, nold) < 0 || (record = buf_str(&out)) == NULL)
+        goto fail;
+    out.len = 0;
+    int first = 1, common = nold < nnew ? nold : nnew;
+    if (buf_putc(&out, '{') < 0)
+        goto fail;
+    for (int i = 0; i < common; i++) {
+        const Value *o = &old[i], *v = &new[i];
+        if (o->kind == 'u' || v->kind == 'u')
+            continue;
+        int same = o->s == NULL ? v->s == NULL : v->s != NULL && o->len == v->len && memcmp(o->s, v->s, (size_t)o->len) == 0;
+        if (!same && append_column(&out, &first, rel, i, NULL, o->s, o->len) < 0)
+            goto fail;
+    }
+    if (buf_putc(&out, '}') < 0 || (changes = buf_str(&out)) == NULL || (pks = pk_list(new, nnew, pk_positions)) == NULL)
+        goto fail;
+    free_values(old, old_small);
+    free_values(new, new_small);
+    PyMem_Free(out.data);
+    *record_out = record;
+    *changes_out = changes;
+    *pks_out = pks;
+    *missing_out = missing;
+    return 0;
+fail:
+    free_values(old, old_small);
+    free_values(new, new_small);
+    PyMem_Free(out.data);
+    Py_XDECREF(record);
+    Py_XDECREF(changes);
     Py_XDECREF(missing);
     return -1;
 }
@@ -514,10 +607,10 @@ static PyObject *change_row_at(PyObject *specs, PyObject *head, const unsigned c
         changes = Py_None;
         break;
     case 'U':
-        if (buf[5] == 'K' || buf[5] == 'O')
+        if (buf[5] == 'K')
             Py_RETURN_NONE;
         action = "update";
-        changes = NULL; /* "{}" */
+        changes = NULL; /* "{}", or with the old row ('O') what render_update_at renders */
         break;
     case 'D':
         if (buf[5] == 'K')
@@ -547,8 +640,10 @@ static PyObject *change_row_at(PyObject *specs, PyObject *head, const unsigned c
     PyObject *kinds_obj = PyTuple_GET_ITEM(spec, 2);
     Columns rel = {PyBytes_AS_STRING(kinds_obj), PyBytes_GET_SIZE(kinds_obj), PyTuple_GET_ITEM(spec, 3),
                    PyTuple_GET_ITEM(spec, 4), PyTuple_GET_ITEM(spec, 5)};
-    PyObject *record, *pks, *missing;
-    if (render_tuple_at(buf, size, 6, &rel, PyTuple_GET_ITEM(spec, 6), &record, &pks, &missing) < 0) {
+    PyObject *record, *pks, *missing, *old_changes = NULL;
+    if (buf[0] == 'U' && buf[5] == 'O'
+            ? render_update_at(buf, size, &rel, PyTuple_GET_ITEM(spec, 6), &record, &old_changes, &pks, &missing) < 0
+            : render_tuple_at(buf, size, 6, &rel, PyTuple_GET_ITEM(spec, 6), &record, &pks, &missing) < 0) {
         Py_DECREF(spec);
         return NULL;
     }
@@ -561,6 +656,7 @@ static PyObject *change_row_at(PyObject *specs, PyObject *head, const unsigned c
         Py_XDECREF(next);
         Py_XDECREF(row);
         Py_DECREF(record);
+        Py_XDECREF(old_changes);
         Py_DECREF(pks);
         Py_DECREF(missing);
         return NULL;
@@ -573,7 +669,7 @@ static PyObject *change_row_at(PyObject *specs, PyObject *head, const unsigned c
     PyTuple_SET_ITEM(row, 5, Py_NewRef(PyTuple_GET_ITEM(spec, 1)));
     PyTuple_SET_ITEM(row, 6, action_str);
     PyTuple_SET_ITEM(row, 7, record);
-    PyTuple_SET_ITEM(row, 8, changes ? Py_NewRef(changes) : Py_NewRef(empty_changes));
+    PyTuple_SET_ITEM(row, 8, old_changes ? old_changes : Py_NewRef(changes ? changes : empty_changes));
     PyTuple_SET_ITEM(row, 9, pks);
     PyTuple_SET_ITEM(row, 10, missing);
     PyTuple_SET_ITEM(row, 11, Py_NewRef(Py_None));
@@ -1239,8 +1335,8 @@ static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS, "configure(toast_marker, decode_error): set once by pgoutput.py."},
     {"parse_tuple", parse_tuple, METH_VARARGS, "parse_tuple(buf, pos) -> (values, pos); see pgoutput.parse_tuple."},
     {"change_row", (PyCFunction)(void (*)(void))change_row, METH_FASTCALL,
-     "change_row(specs, head, buf) -> the change row of an insert, an update without old values or a full-row "
-     "delete, else None; see pgoutput.change_row."},
+     "change_row(specs, head, buf) -> the change row of an insert, an update without old values or with the "
+     "whole old row, or a full-row delete, else None; see pgoutput.change_row."},
     {"read_rows", (PyCFunction)(void (*)(void))read_rows, METH_FASTCALL,
      "read_rows(specs, head, conn, get_copy_data, free_memory, pending, max_rows, max_bytes) -> (rows, bytes, code, "
      "message); see replication_protocol.ReplicationStream.read_rows."},

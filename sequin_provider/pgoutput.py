@@ -492,27 +492,60 @@ def row_spec(rel: Relation) -> RowSpec:
 _SIMPLE_ACTIONS = {73: ("insert", None), 85: ("update", "{}"), 68: ("delete", None)}  # I, U, D
 
 
+def render_update(
+    old: list[object],
+    new: list[object],
+    kinds: bytes,
+    prefixes: list[str],
+    converters: list[Converter],
+    columns: list[str],
+    key_flags: list[bool] | None,
+    render: Callable[..., tuple[str, list[str]]] = render_record,
+) -> tuple[str, str, list[str]]:
+    """An update's record JSON, its ``changes`` JSON (the old values of the columns it changed)
+    and its unchanged-TOAST columns, from its ``old`` and ``new`` values. ``old`` is the whole old
+    row ('O', replica identity full), or with ``key_flags`` a key tuple ('K'), whose entries that
+    are not identity columns are null placeholders, not values: they neither fill an unchanged
+    TOAST column of the record nor count as changed. ``render`` is ``render_record`` or its
+    compiled counterpart."""
+    fill = old if key_flags is None else [o if key else UNCHANGED_TOAST for o, key in zip(old, key_flags)]
+    record, missing = render(new, kinds, prefixes, converters, columns, None, fill)
+    changed = [
+        i for i, (o, n) in enumerate(zip(fill, new)) if o is not UNCHANGED_TOAST and n is not UNCHANGED_TOAST and o != n
+    ]
+    changes, _ = render(old, kinds, prefixes, converters, columns, changed, None)
+    return record, changes, missing
+
+
 def change_row(specs: dict[int, RowSpec], head: list[Any], buf: bytes) -> ChangeRow | None:
-    """The change row of an insert, an update without old values or a delete with the full old
-    row (a whole tuple at 6, ``render_tuple``), or None for any other message, or one of a
-    relation not in ``specs``, which ``PgOutputDecoder`` then decodes on its general path. ``head``
-    is the transaction's ``[commit_lsn, idx, commit_ts_iso, xid]``: the row takes ``idx`` and
-    moves it on. Nearly every message of a stream is one of these, so the compiled counterpart
-    does all of it in one call."""
+    """The change row of an insert, an update without old values or with the whole old row ('O',
+    replica identity full: ``render_update``), or a delete with the whole old row (a whole tuple at
+    6, ``render_tuple``); None for any other message (an update or delete with a key tuple, 'K'),
+    or one of a relation not in ``specs``, which ``PgOutputDecoder`` then decodes on its general
+    path. ``head`` is the transaction's ``[commit_lsn, idx, commit_ts_iso, xid]``: the row takes
+    ``idx`` and moves it on. Nearly every message of a stream is one of these, so the compiled
+    counterpart does all of it in one call."""
     if len(buf) < 6:
         return None
     kind = buf[0]
     simple = _SIMPLE_ACTIONS.get(kind)
-    if simple is None or (kind == 85 and buf[5] in (75, 79)) or (kind == 68 and buf[5] == 75):
-        return None  # not a change, or old values ('K' key, 'O' old) before the new tuple
+    if simple is None or (kind in (85, 68) and buf[5] == 75):
+        return None  # not a change, or a key tuple ('K') before the new tuple
     spec = specs.get(_UNPACK_U32(buf, 1)[0])
     if spec is None:
         return None
     schema, name, kinds, prefixes, converters, columns, pk_positions = spec
-    record, pks, missing = render_tuple(buf, 6, kinds, prefixes, converters, columns, pk_positions)
+    changes = simple[1]
+    if kind == 85 and buf[5] == 79:  # 'O': the old row, then 'N' and the new one
+        old, pos = parse_tuple(buf, 6)
+        new, _ = parse_tuple(buf, pos + 1)
+        record, changes, missing = render_update(old, new, kinds, prefixes, converters, columns, None)
+        pks = pk_texts(new, pk_positions)
+    else:
+        record, pks, missing = render_tuple(buf, 6, kinds, prefixes, converters, columns, pk_positions)
     idx = head[1]
     head[1] = idx + 1
-    return (head[0], idx, head[2], head[3], schema, name, simple[0], record, simple[1], pks, missing, None, None)
+    return (head[0], idx, head[2], head[3], schema, name, simple[0], record, changes, pks, missing, None, None)
 
 
 def pk_texts(values: list[object], pk_positions: list[int]) -> list[str]:
@@ -760,26 +793,13 @@ class PgOutputDecoder:
         return (head[0], idx, head[2], head[3], schema, table, action, record, changes, pks, missing, None, None)
 
     def _update(self, rel: Relation, buf: bytes) -> ChangeRow:
-        """An update with old values, 'K' (key) or 'O' (old row) at 5 (``change_row`` takes the others)."""
-        pos = 5
-        old_kind = buf[pos]
-        old, pos = self._parse_tuple(buf, pos + 1)  # 'K' key / 'O' old
+        """An update with a key tuple, 'K' at 5 (``change_row`` takes the others)."""
+        old, pos = self._parse_tuple(buf, 6)
         new, _ = self._parse_tuple(buf, pos + 1)  # 'N'
-        fill = old
-        if old_kind == 75:
-            # a key tuple carries only the replica identity columns; its other entries are null
-            # placeholders, not values, so they must not fill unchanged TOAST columns
-            fill = [o if key else UNCHANGED_TOAST for o, key in zip(old, rel.key_flags)]
-        record, missing = self._render(rel, new, fill=fill)
-        changed = []
-        for i, (o, n) in enumerate(zip(old, new)):
-            if o is UNCHANGED_TOAST or n is UNCHANGED_TOAST:
-                continue
-            if old_kind == 75 and not rel.key_flags[i]:
-                continue  # a key tuple carries only the replica identity columns
-            if o != n:
-                changed.append(i)
-        changes, _ = self._render(rel, old, only=changed)
+        key_flags = rel.key_flags if buf[5] == 75 else None
+        record, changes, missing = render_update(
+            old, new, rel.kinds, rel.prefixes, rel.converters, rel.columns, key_flags, self._render_record
+        )
         return self._row(rel, "update", record, changes, self._pks(rel, new), missing)
 
     def _delete(self, rel: Relation, buf: bytes) -> ChangeRow:

@@ -69,7 +69,9 @@ def outcome(decoder: PgOutputDecoder, payload: bytes) -> object:
 @pytest.fixture
 def corpus(dsn: str) -> tuple[str, list[bytes]]:
     """Payloads of every decoding path: the type matrix, replica identity default/full/key change,
-    unchanged TOAST, a relation change, text needing JSON escapes, NULLs, deletes."""
+    unchanged TOAST, a relation change, text needing JSON escapes, NULLs, deletes; and updates under
+    replica identity full of a row wider than the compiled path's stack tuple (``SMALL_TUPLE``):
+    to and from null, through a Python converter, of the key, and of nothing."""
     columns = ", ".join(f"c{i} {typ}" for i, (typ, _, _) in enumerate(TYPE_MATRIX))
     values = ", ".join(value for _, value, _ in TYPE_MATRIX)
     big = "(SELECT string_agg(md5(i::text), '') FROM generate_series(1, 100) i)"  # 3.2 kB, kept out of line
@@ -86,10 +88,14 @@ def corpus(dsn: str) -> tuple[str, list[bytes]]:
         "ALTER TABLE f REPLICA IDENTITY FULL",
         "ALTER TABLE f ALTER COLUMN big SET STORAGE EXTERNAL",
         "CREATE TABLE k (a text, b int, c text, PRIMARY KEY (b, a))",
+        "CREATE TABLE fw (id int PRIMARY KEY, arr int[], flag bool, t text, "
+        + ", ".join(f"x{i} int" for i in range(40))
+        + ")",
+        "ALTER TABLE fw REPLICA IDENTITY FULL",
     )
     payloads = raw_payloads(
         dsn,
-        ["matrix", "d", "f", "k"],
+        ["matrix", "d", "f", "k", "fw"],
         f"INSERT INTO matrix VALUES (1, {values})",
         f"INSERT INTO d VALUES (1, {big}, 0, {escapes}, '2024-01-02 03:04:05.5+00', true),"
         " (2, NULL, NULL, NULL, NULL, NULL), (3, 'small', 3, '', 'infinity', false)",
@@ -97,6 +103,12 @@ def corpus(dsn: str) -> tuple[str, list[bytes]]:
         "INSERT INTO k VALUES ('x', 1, 'y'), (E'\\\\', 2, NULL)",
         "UPDATE d SET n = 1",
         "UPDATE f SET n = 1",
+        "UPDATE f SET big = big || 'x'",
+        "INSERT INTO fw (id, arr, flag, t) VALUES (1, '{1,2}', true, 'a'), (2, NULL, NULL, NULL)",
+        "UPDATE fw SET arr = '{3}', flag = NULL, t = E'x\"y', x39 = 1 WHERE id = 1",
+        "UPDATE fw SET t = 'set' WHERE id = 2",
+        "UPDATE fw SET id = 3 WHERE id = 2",
+        "UPDATE fw SET x0 = x0 WHERE id = 1",
         "UPDATE d SET id = 10 WHERE id = 1",
         "UPDATE k SET c = 'z'",
         "UPDATE k SET b = 3 WHERE b = 1",
@@ -105,6 +117,7 @@ def corpus(dsn: str) -> tuple[str, list[bytes]]:
         "DELETE FROM d",
         "DELETE FROM f",
         "DELETE FROM k",
+        "DELETE FROM fw",
         "SELECT pg_logical_emit_message(true, 'sequin:x', 'm')",
     )
     return dsn, payloads
@@ -136,11 +149,22 @@ def test_both_implementations_decode_every_payload_identically(corpus: tuple[str
     assert got == want
     # the corpus reaches every path: inserts, updates with and without old values, both deletes,
     # unchanged TOAST flagged, JSON escapes, and the compiled renderer calling Python converters
-    assert [r[6] for r in rows].count("insert") == 7 and [r[6] for r in rows].count("delete") == 6
+    assert [r[6] for r in rows].count("insert") == 9 and [r[6] for r in rows].count("delete") == 8
     assert any(r[10] == ["big"] for r in rows) and any(r[8] not in (None, "{}") for r in rows)
     assert any('"t":"q\\"b\\\\s\\u0001\\u001f\\b\\f\\n\\r\\t \x7f é 日本 😀"' in r[7] for r in rows)
     assert any('"c29":[[1,null],[3,4]]' in r[7] for r in rows)  # int4[] through array_converter
     assert any(r[5] == "k" and r[9] == ["3", "x"] for r in rows)  # composite key in key order
+    # replica identity full: the old row fills unchanged TOAST and gives the changed columns' old values
+    f_updates = [(r[8], r[10], '"big":"' in r[7]) for r in rows if r[5] == "f" and r[6] == "update"]
+    assert f_updates[0] == ('{"n":0}', [], True)
+    assert f_updates[1][0].startswith('{"big":"c4ca4238') and f_updates[1][1:] == ([], True)
+    fw_updates = [(r[8], r[9]) for r in rows if r[5] == "fw" and r[6] == "update"]
+    assert fw_updates == [
+        ('{"arr":[1,2],"flag":true,"t":"a","x39":null}', ["1"]),
+        ('{"t":null}', ["2"]),
+        ('{"id":2}', ["3"]),
+        ("{}", ["1"]),
+    ]
 
 
 def test_hostile_payloads_fail_alike(corpus: tuple[str, list[bytes]]) -> None:
@@ -186,9 +210,10 @@ def change_row_outcome(change_row: Any, payload: bytes, specs: dict, head: list[
 
 
 def test_change_row_takes_the_common_changes_alike(corpus: tuple[str, list[bytes]]) -> None:
-    """The one-call path (``change_row``) takes inserts, updates without old values and full-row
-    deletes, whole and hostile, as its reference does, and leaves every other message to the
-    decoder's general path, with the transaction's change index moved on only by a row."""
+    """The one-call path (``change_row``) takes inserts, updates without old values or with the
+    whole old row, and full-row deletes, whole and hostile, as its reference does, and leaves every
+    other message (a key tuple's) to the decoder's general path, with the transaction's change
+    index moved on only by a row."""
     dsn, payloads = corpus
     catalog = Catalog(dsn)
     rng = random.Random(11)
@@ -220,9 +245,10 @@ def test_change_row_takes_the_common_changes_alike(corpus: tuple[str, list[bytes
                 taken.append((want[5], want[6]))
                 # the compiled row and its lists are left out of the cyclic GC's walks (acyclic)
                 assert not any(gc.is_tracked(o) for o in (got, got[9], got[10]))
-    # default replica identity (d, k): inserts, updates, key-only deletes; full (f): every change
+    # default replica identity (d, k): inserts, updates, key-only deletes; full (f, fw): every change
     assert taken.count(("d", "insert")) == 3 and ("f", "delete") in taken and ("d", "delete") not in taken
-    assert ("d", "update") in taken and ("f", "update") not in taken and ("k", "delete") not in taken
+    assert ("d", "update") in taken and ("k", "delete") not in taken
+    assert taken.count(("f", "update")) == 2 and taken.count(("fw", "update")) == 4
     non_changes = [p for p in payloads if p[:1] not in CHANGE_KINDS]
     assert non_changes and all(pgoutput.hot_path.change_row(specs, [0, 0, "", 0], p) is None for p in non_changes)
 
