@@ -1,6 +1,7 @@
 """How the stream's cost grows with the work: each shape of workload beside its decode limit.
 
     .venv/bin/python bench/scaling.py [--changes 200000] [--groups-changes 1000000] [--only width,tables,...]
+                                      [--touch-memory GIB]
 
 One embedded cluster; per case a fresh source database and store, the stream app into Sequin Stream
 sinks after a warm-up of half the changes, throughput = changes / (first commit -> the last micro-batch
@@ -18,6 +19,9 @@ store's backends, the walsender, and everything (the workload's own writes inclu
   workers  local[2] vs a standalone cluster of 1 worker x 2 cores vs 2 workers x 1 core (on one machine
            the second worker adds no cores: the difference is the parallel overhead, not a speed-up)
 
+Before the runs it writes most of the machine's free RAM once, as compare.py does (``--touch-memory``,
+0 to skip: bench/machine_memory.py): otherwise every new page of the store's table and WAL, and every
+large buffer of the app, is first backed by the host during the runs, and the wide cases pay most.
 Prints a Markdown table and writes bench/results/scaling.json and bench/results/scaling.md. Not a test:
 no thresholds.
 """
@@ -39,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.app_config import app_config, sink  # noqa: E402
+from bench.machine_memory import add_touch_memory_argument, touch_memory_for  # noqa: E402
 from bench.stream_throughput import (  # noqa: E402
     APP_CLASSES,
     STORE_BACKENDS,
@@ -258,6 +263,7 @@ def main() -> int:
     parser.add_argument("--groups-changes", type=int, default=1_000_000, help="changes of the groups cases")
     families = sorted({c.family for c in CASES})
     parser.add_argument("--only", default=",".join(families), help=f"families to run, of {','.join(families)}")
+    add_touch_memory_argument(parser)
     args = parser.parse_args()
     chosen = {f.strip() for f in args.only.split(",") if f.strip()}
     unknown = chosen - set(families)
@@ -265,6 +271,7 @@ def main() -> int:
         parser.error(f"unknown families: {', '.join(sorted(unknown))} (known: {', '.join(families)})")
     results: list[dict[str, Any]] = []
     limits: dict[Any, float] = {}
+    touched = touch_memory_for(args)
     with EmbeddedPostgres(use_env_dsn=False) as pg:
         for n, case in enumerate(c for c in CASES if c.family in chosen):
             changes = args.groups_changes if case.family == "groups" else args.changes
@@ -274,7 +281,7 @@ def main() -> int:
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "scaling.json").write_text(
-        json.dumps({"at": time.strftime("%Y-%m-%dT%H:%M:%S"), "results": results}, indent=2)
+        json.dumps({"at": time.strftime("%Y-%m-%dT%H:%M:%S"), "memory_touched": touched, "results": results}, indent=2)
     )
     (out / "scaling.md").write_text(table + "\n")
     return 0
