@@ -42,6 +42,7 @@ from sequin_provider.backfill.reader import (
 )
 from sequin_provider.config import ConfigError, SequinConfig, load_config
 from sequin_provider.logs import configure_logging
+from sequin_provider.spark.worker_heap import freeze_long_lived
 from sequin_provider.store import BackfillError
 
 log = logging.getLogger("sequin.backfill")
@@ -58,6 +59,7 @@ def read_ranges(config_path: str, database: str, backfill_id: int, max_page_rows
     """The task body: read each range of the partition; yields one summary row per range."""
 
     def run(ranges: Iterator[int]) -> Iterator[tuple[int, int, int, int, bool]]:
+        freeze_long_lived()  # this runs in a reused Python worker (worker_heap)
         configure_logging()
         config = load_config(config_path)
         for range_idx in ranges:

@@ -64,7 +64,7 @@ from sequin_provider.spark.spool import (
     spooled_end,
     write_spool,
 )
-from sequin_provider.spark.worker_heap import freeze_long_lived
+from sequin_provider.spark.worker_heap import freeze_long_lived, keep_heap_pages
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,7 @@ class ReplicationStreamReader(DataSourceStreamReader):
     def __init__(self, options: dict[str, str]) -> None:
         configure_logging()  # this runs in a Python worker of its own, whose records would go nowhere
         gc.set_threshold(*READER_GC_THRESHOLDS)  # the process is the reader's alone
+        keep_heap_pages()  # each batch's strings reuse the last batch's pages
         self.options = options
         self.config_path = options["config"]
         self.database_name = options.get("database") or None

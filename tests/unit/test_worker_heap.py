@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from sequin_provider.spark.worker_heap import DRIVER_GC_THRESHOLDS, FREEZE_TASKS
 
 CHILD = textwrap.dedent("""
@@ -75,3 +77,45 @@ def test_the_driver_collects_less_often_and_freezes_its_heap_in_its_first_batche
     counts = result["counts"]
     assert counts[0] > 1000  # the interpreter's and the imports' objects
     assert counts[FREEZE_TASKS:] == [counts[FREEZE_TASKS - 1]] * 2
+
+
+HEAP_CHILD = textwrap.dedent("""
+    import json, resource, sys
+    from sequin_provider.spark import worker_heap
+
+    kept = False
+    if sys.argv[1] == "keep":
+        kept = worker_heap.keep_heap_pages()
+    elif sys.argv[1] == "first task":                      # a reused worker's first task keeps them too
+        worker_heap.freeze_long_lived()
+        kept = True
+    faults = []
+    for batch in range(3):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        # one 64 MB batch of 1.6 kB rows, above Python's small-object limit: glibc's malloc serves them
+        rows = [b"x" * 1600 + i.to_bytes(4, "little") for i in range(40_000)]
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        del rows
+    print(json.dumps({"kept": kept, "faults": faults}))
+""")
+
+
+def heap_faults(mode: str) -> dict[str, object]:
+    out = subprocess.run(
+        [sys.executable, "-c", HEAP_CHILD, mode], capture_output=True, text=True, check=True, timeout=60
+    )
+    return json.loads(out.stdout)
+
+
+def test_kept_heap_pages_serve_the_next_batch_without_faulting_them_in_again() -> None:
+    default, kept, first_task = heap_faults("default"), heap_faults("keep"), heap_faults("first task")
+    assert default["kept"] is False
+    if not kept["kept"]:
+        pytest.skip("the C library is not glibc: keep_heap_pages has nothing to tune")
+    pages = 40_000 * 1604 // 4096  # the batch's pages: ~15,700
+    # at glibc's defaults each batch's pages are given back when it is freed, and faulted in again
+    assert all(f > pages // 2 for f in default["faults"]), default
+    # kept, the first batch faults them in once and the next batches reuse them
+    for run in (kept, first_task):
+        assert run["faults"][0] > pages // 2, run
+        assert all(f < pages // 50 for f in run["faults"][1:]), run
