@@ -20,9 +20,11 @@ often, as the reader's process does (``source.READER_GC_THRESHOLDS``).
 The reader and the driver also build each batch's strings anew (a 64 MB batch of wide rows is
 tens of thousands of allocations above Python's small-object limit, which glibc's ``malloc``
 serves). At its defaults glibc gives the top of its heap back to the kernel when a batch is
-freed (``free`` trims above 128 KiB), so the next batch's allocations fault fresh zeroed pages
-in again: about 16,000 minor faults per batch, and 40 % of the reader's samples in a ``perf``
-profile of the identity-full case were the kernel zeroing them. ``keep_heap_pages`` raises
+freed (``free`` trims what is free above 128 KiB, or above twice the largest mapped block the
+process has freed so far, at most 64 MiB: the default depends on the process's history), so the
+next batch's allocations fault fresh zeroed pages in again: up to 16,000 minor faults per 64 MB
+batch, and 40 % of the reader's samples in a ``perf`` profile of the identity-full case were the
+kernel zeroing them (``bench/heap_pages.py`` measures it). ``keep_heap_pages`` raises
 glibc's trim and mmap thresholds so the pages freed by one batch serve the next.
 """
 
