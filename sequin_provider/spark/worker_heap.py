@@ -31,7 +31,6 @@ glibc's trim and mmap thresholds so the pages freed by one batch serve the next.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import gc
 
 FREEZE_TASKS = 4
@@ -64,11 +63,9 @@ def keep_heap_pages() -> bool:
     ``HEAP_MMAP_THRESHOLD``). For a process that builds one batch after another: the reader's
     and the driver's. Returns whether it took effect: False where the C library is not glibc
     (musl, macOS), where there is nothing to tune and the defaults stay."""
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own symbols, the C library's among them
+    except (OSError, AttributeError):
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
