@@ -79,11 +79,9 @@ def capture(dsn: str, rows: int) -> tuple[list[bytes], float]:
     return payloads, min(server)
 
 
-def decode_costs(
-    dsn: str, payloads: list[bytes], compiled: bool, repeat: int
-) -> dict[tuple[str, str, str], tuple[float, int]]:
-    """µs per message of each (width, identity, action), best of ``repeat`` passes, and the
-    messages' mean size in bytes."""
+def relations_decoder(dsn: str, payloads: list[bytes], compiled: bool) -> PgOutputDecoder:
+    """A decoder (``compiled``: ``_pgoutput_c``, else the Python references) that has read the
+    Relation messages among ``payloads``, with the cluster's types and keys."""
     catalog = Catalog(dsn)
     try:
         decoder = PgOutputDecoder(TypeRegistry(catalog.type_info), catalog.primary_key, compiled=compiled)
@@ -92,6 +90,15 @@ def decode_costs(
                 decoder.decode(payload)
     finally:
         catalog.close()
+    return decoder
+
+
+def decode_costs(
+    dsn: str, payloads: list[bytes], compiled: bool, repeat: int
+) -> dict[tuple[str, str, str], tuple[float, int]]:
+    """µs per message of each (width, identity, action), best of ``repeat`` passes, and the
+    messages' mean size in bytes."""
+    decoder = relations_decoder(dsn, payloads, compiled)
     by_relid = {rel_id: rel.name for rel_id, rel in decoder.relations.items()}
     shape_of = {table_name(w, i): (w, i) for w, i in SHAPES}
     groups: dict[tuple[str, str, str], list[bytes]] = {}

@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.decode_throughput import SHAPES, capture, table_name  # noqa: E402
+from bench.decode_throughput import SHAPES, capture, relations_decoder, table_name  # noqa: E402
 from devtools.embedded_postgres import EmbeddedPostgres  # noqa: E402
 
 MODES = ("glibc defaults", "pages kept")
@@ -41,25 +41,15 @@ def held_batches(dsn: str, payloads_path: str, table: str, mode: str, batch: int
     import gc
     import pickle
 
-    from sequin_provider.pgoutput import PgOutputDecoder, TypeRegistry
-    from sequin_provider.replication import Catalog
     from sequin_provider.spark import source, worker_heap
 
     gc.set_threshold(*source.READER_GC_THRESHOLDS)
     if mode == MODES[1] and not worker_heap.keep_heap_pages():
         raise SystemExit("keep_heap_pages had no effect: the C library is not glibc")
-    with open(
-        payloads_path, "rb"
-    ) as f:  # read a frame at a time: one big read, freed, would raise glibc's trim threshold
+    # read a frame at a time: one big read, once freed, would raise glibc's trim threshold
+    with open(payloads_path, "rb") as f:
         payloads = pickle.load(f)
-    catalog = Catalog(dsn)
-    try:
-        decoder = PgOutputDecoder(TypeRegistry(catalog.type_info), catalog.primary_key, compiled=True)
-        for payload in payloads:
-            if payload[:1] == b"R":
-                decoder.decode(payload)
-    finally:
-        catalog.close()
+    decoder = relations_decoder(dsn, payloads, compiled=True)
     names = {rel_id: rel.name for rel_id, rel in decoder.relations.items()}
     updates = [p for p in payloads if p[:1] == b"U" and names[int.from_bytes(p[1:5], "big")] == table]
     decoder.decode(next(p for p in payloads if p[:1] == b"B"))

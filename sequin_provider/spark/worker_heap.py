@@ -17,7 +17,7 @@ profile of the driver of an Iceberg sink found the collector in a quarter of its
 ``tune_driver_collection`` freezes the driver's heap after its first batches and collects less
 often, as the reader's process does (``source.READER_GC_THRESHOLDS``).
 
-The reader and the driver also build each batch's strings anew (a 64 MB batch of wide rows is
+The reader, the driver and the workers also build each batch's strings anew (a 64 MB batch of wide rows is
 tens of thousands of allocations above Python's small-object limit, which glibc's ``malloc``
 serves). At its defaults glibc gives the top of its heap back to the kernel when a batch is
 freed (``free`` trims what is free above 128 KiB, or above twice the largest mapped block the
@@ -45,8 +45,8 @@ of tracked objects (a batch's messages make no reference cycles in bulk)."""
 
 
 HEAP_TRIM_THRESHOLD = 256 * 1024 * 1024
-"""Free memory glibc keeps at the top of its heap before it gives any back to the kernel: several
-batches of the largest strings a batch holds (``stream.batch_bytes`` is 64 MB by default)."""
+"""Free memory glibc keeps at the top of its heap before it gives any back to the kernel: what a
+large batch frees (a 64 MB batch of wide rows; ``stream.max_batch_bytes`` caps a batch at 256 MiB)."""
 
 HEAP_MMAP_THRESHOLD = 32 * 1024 * 1024
 """Allocations from this size up get a mapping of their own (and give it back when freed); below
@@ -60,8 +60,8 @@ _M_MMAP_THRESHOLD = -3
 def keep_heap_pages() -> bool:
     """Tell glibc's ``malloc`` to keep the pages a freed batch leaves for the next batch, instead of
     giving them back to the kernel and faulting them in again (``HEAP_TRIM_THRESHOLD``,
-    ``HEAP_MMAP_THRESHOLD``). For a process that builds one batch after another: the reader's
-    and the driver's. Returns whether it took effect: False where the C library is not glibc
+    ``HEAP_MMAP_THRESHOLD``). For a process that builds one batch after another: the reader, the
+    driver and the reused Python workers (``freeze_long_lived``). Returns whether it took effect: False where the C library is not glibc
     (musl, macOS), where there is nothing to tune and the defaults stay."""
     try:
         mallopt = ctypes.CDLL(None).mallopt  # the process's own symbols, the C library's among them
