@@ -18,7 +18,7 @@ import pytest
 from psycopg import pq
 
 from sequin_provider.config import TableConfig
-from sequin_provider.pgoutput import Commit, PgOutputDecoder, TypeRegistry, as_string
+from sequin_provider.pgoutput import Begin, Commit, PgOutputDecoder, TypeRegistry, as_string
 from sequin_provider.replication import (
     REPLICATION_SESSION_OPTIONS,
     ChangeReader,
@@ -220,7 +220,19 @@ def test_the_loop_stops_at_its_row_and_byte_limits(dsn: str) -> None:
     decoder = PgOutputDecoder(TypeRegistry(), compiled=True)
     try:
         deadline = time.monotonic() + 30
-        while True:  # the Begin (and the Relation) come first, through the Python lines
+        begin = None
+        while begin is None:  # the Begin comes first, through the Python lines
+            assert time.monotonic() < deadline
+            _, message = stream.read_rows(decoder.take_rows, [], 4, 1 << 30)  # type: ignore[arg-type]
+            if message is not None:
+                decoded = decoder.decode(message[1])
+                begin = decoded if isinstance(decoded, Begin) else None
+        # The loop takes what is buffered: it stops at four rows only if more had come. The
+        # walsender writes a transaction's messages as it decodes its records; once it is past the
+        # commit record, all ten are on this side of the loopback socket (a loaded CI machine
+        # once handed the loop its first row alone).
+        _wait_until_sent_past(dsn, begin.final_lsn, deadline)
+        while True:  # the Relation comes before the rows, through the Python lines
             assert time.monotonic() < deadline
             pending: list[Any] = []
             _, message = stream.read_rows(decoder.take_rows, pending, 4, 1 << 30)  # type: ignore[arg-type]
@@ -244,3 +256,19 @@ def test_the_loop_stops_at_its_row_and_byte_limits(dsn: str) -> None:
         assert [r[1] for r in pending + one + rest] == list(range(10))  # the transaction's change indexes
     finally:
         stream.close()
+
+
+def _wait_until_sent_past(dsn: str, lsn: int, deadline: float) -> None:
+    """Until the walsender of this test's slot has decoded, and so written out, the record at ``lsn``
+    (``pg_stat_replication.sent_lsn`` is the end of the last record it processed)."""
+    query = (
+        "SELECT r.sent_lsn - %s::pg_lsn FROM pg_stat_replication r"
+        " JOIN pg_replication_slots s ON s.active_pid = r.pid WHERE s.slot_name = %s"
+    )
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while True:
+            row = conn.execute(query, (int_to_lsn(lsn), _slot(dsn))).fetchone()
+            if row is not None and row[0] is not None and row[0] > 0:
+                return
+            assert time.monotonic() < deadline, "the walsender did not send the transaction"
+            time.sleep(0.01)
