@@ -17,9 +17,9 @@ profile of the driver of an Iceberg sink found the collector in a quarter of its
 ``tune_driver_collection`` freezes the driver's heap after its first batches and collects less
 often, as the reader's process does (``source.READER_GC_THRESHOLDS``).
 
-The reader, the driver and the workers also build each batch's strings anew (a 64 MB batch of wide rows is
-tens of thousands of allocations above Python's small-object limit, which glibc's ``malloc``
-serves). At its defaults glibc gives the top of its heap back to the kernel when a batch is
+The reader, the driver and the workers also build each batch's strings anew (a 64 MB batch of
+wide rows is tens of thousands of allocations above Python's small-object limit, which glibc's
+``malloc`` serves). At its defaults glibc gives the top of its heap back to the kernel when a batch is
 freed (``free`` trims what is free above 128 KiB, or above twice the largest mapped block the
 process has freed so far, at most 64 MiB: the default depends on the process's history), so the
 next batch's allocations fault fresh zeroed pages in again: up to 16,000 minor faults per 64 MB
@@ -61,8 +61,9 @@ def keep_heap_pages() -> bool:
     """Tell glibc's ``malloc`` to keep the pages a freed batch leaves for the next batch, instead of
     giving them back to the kernel and faulting them in again (``HEAP_TRIM_THRESHOLD``,
     ``HEAP_MMAP_THRESHOLD``). For a process that builds one batch after another: the reader, the
-    driver and the reused Python workers (``freeze_long_lived``). Returns whether it took effect: False where the C library is not glibc
-    (musl, macOS), where there is nothing to tune and the defaults stay."""
+    driver and the reused Python workers (``freeze_long_lived``). Returns whether it took effect:
+    False where the C library is not glibc (musl, macOS), where there is nothing to tune and the
+    defaults stay."""
     try:
         mallopt = ctypes.CDLL(None).mallopt  # the process's own symbols, the C library's among them
     except (OSError, AttributeError):

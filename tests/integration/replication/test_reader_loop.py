@@ -17,6 +17,7 @@ import psycopg
 import pytest
 from psycopg import pq
 
+from devtools.stream_process import wait_for
 from sequin_provider.config import TableConfig
 from sequin_provider.pgoutput import Begin, Commit, PgOutputDecoder, TypeRegistry, as_string
 from sequin_provider.replication import (
@@ -231,7 +232,7 @@ def test_the_loop_stops_at_its_row_and_byte_limits(dsn: str) -> None:
         # walsender writes a transaction's messages as it decodes its records; once it is past the
         # commit record, all ten are on this side of the loopback socket (a loaded CI machine
         # once handed the loop its first row alone).
-        _wait_until_sent_past(dsn, begin.final_lsn, deadline)
+        _wait_until_sent_past(dsn, begin.final_lsn)
         while True:  # the Relation comes before the rows, through the Python lines
             assert time.monotonic() < deadline
             pending: list[Any] = []
@@ -258,17 +259,16 @@ def test_the_loop_stops_at_its_row_and_byte_limits(dsn: str) -> None:
         stream.close()
 
 
-def _wait_until_sent_past(dsn: str, lsn: int, deadline: float) -> None:
+def _wait_until_sent_past(dsn: str, lsn: int) -> None:
     """Until the walsender of this test's slot has decoded, and so written out, the record at ``lsn``
     (``pg_stat_replication.sent_lsn`` is the end of the last record it processed)."""
     query = (
-        "SELECT r.sent_lsn - %s::pg_lsn FROM pg_stat_replication r"
+        "SELECT r.sent_lsn > %s::pg_lsn FROM pg_stat_replication r"
         " JOIN pg_replication_slots s ON s.active_pid = r.pid WHERE s.slot_name = %s"
     )
     with psycopg.connect(dsn, autocommit=True) as conn:
-        while True:
-            row = conn.execute(query, (int_to_lsn(lsn), _slot(dsn))).fetchone()
-            if row is not None and row[0] is not None and row[0] > 0:
-                return
-            assert time.monotonic() < deadline, "the walsender did not send the transaction"
-            time.sleep(0.01)
+
+        def sent() -> bool:
+            return conn.execute(query, (int_to_lsn(lsn), _slot(dsn))).fetchone() == (True,)
+
+        wait_for(sent, 30, 0.01, what="the walsender to send the whole transaction")
