@@ -213,16 +213,17 @@ def backfill_process_class(proc: psutil.Process) -> str | None:
     klass = process_class(proc)
     if klass in BACKFILL_BACKENDS:
         return BACKFILL_BACKENDS[klass]
-    try:
-        cmd = " ".join(proc.cmdline())
+    try:  # a process can exit (or turn zombie) between any two of these calls
+        argv = proc.cmdline()
         parents = proc.parents()
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
-    if any(_is_backfill_server(_cmdline(p)) for p in parents) or _is_backfill_server(proc.cmdline()):
+    cmd = " ".join(argv)
+    if any(_is_backfill_server(_cmdline(p)) for p in parents) or _is_backfill_server(argv):
         if cmd.split(" ", 1)[0].endswith("java"):
             return "backfill server: JVM"
         return "backfill server: Python (driver, range tasks)"
-    if any(_is_backfill_cli(_cmdline(p)) for p in parents) or _is_backfill_cli(proc.cmdline()):
+    if any(_is_backfill_cli(_cmdline(p)) for p in parents) or _is_backfill_cli(argv):
         if cmd.split(" ", 1)[0].endswith("java"):  # not proc.name(): psutil keeps the launcher's (bash) name
             return "backfill app: JVM"
         return "backfill app: Python (CLI, range tasks)"

@@ -296,12 +296,13 @@ def cpu_by_class(
         klass = classify(proc)
         if klass is None:
             continue
-        try:
+        try:  # a process can exit between its classification and these reads
             times = proc.cpu_times()
+            has_parent = bool(proc.ppid())
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
         out[proc.pid] = (klass, times.user + times.system)
-        if exited and klass.startswith("postgres") and proc.ppid() and _is_postmaster(proc):
+        if exited and klass.startswith("postgres") and has_parent and _is_postmaster(proc):
             # backends that exited in between (per-task store connections, the writer's sessions)
             # are charged to their postmaster once reaped: their CPU would otherwise go unseen
             out[-proc.pid] = (EXITED_BACKENDS, times.children_user + times.children_system)
