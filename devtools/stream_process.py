@@ -29,12 +29,20 @@ BACKFILL_APP = app_path("backfill.py")
 
 
 def wait_for(
-    predicate: Callable[[], Any], timeout: float = 120.0, interval: float = 0.25, what: str = "condition"
+    predicate: Callable[[], Any],
+    timeout: float = 120.0,
+    interval: float = 0.25,
+    what: str = "condition",
+    ignoring: tuple[type[BaseException], ...] = (),
 ) -> Any:
-    """Poll ``predicate`` until it returns something truthy; ``TimeoutError`` naming ``what`` otherwise."""
+    """Poll ``predicate`` until it returns something truthy; ``TimeoutError`` naming ``what`` otherwise.
+    A look that raises one of ``ignoring`` counts as not yet (a page element not rendered yet)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        value = predicate()
+        try:
+            value = predicate()
+        except ignoring:
+            value = None
         if value:
             return value
         time.sleep(interval)

@@ -16,7 +16,6 @@ import json
 import re
 import shutil
 import threading
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -27,6 +26,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse
 
+from devtools import stream_process
 from devtools.embedded_postgres import free_port
 from sequin_provider import store, stream_queue
 from sequin_provider.plugins.sequin import URL_PREFIX, LazySequinApp
@@ -39,19 +39,10 @@ SCREENSHOT = Path(__file__).resolve().parents[3] / "build" / "screenshots" / "se
 ERROR = "HTTP 500: <b>boom</b> & <script>alert(1)</script>"
 
 
-def wait_for(check: Callable[[], Any], timeout: float = 20.0, what: str = "the condition") -> Any:
-    """Poll ``check`` until it returns something truthy; that value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            value = check()
-        except Exception:  # noqa: BLE001 - an element not rendered yet, or gone between the look and the read
-            value = None
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
+def wait_for(check: Callable[[], Any], what: str) -> Any:
+    """Poll ``check`` for 20 s until it returns something truthy; that value. A look that raises (an
+    element not rendered yet, or gone between the look and the read) counts as not yet."""
+    return stream_process.wait_for(check, timeout=20.0, interval=0.1, what=what, ignoring=(Exception,))
 
 
 AIRFLOW_SANDBOX = "allow-scripts allow-same-origin allow-forms allow-downloads"
