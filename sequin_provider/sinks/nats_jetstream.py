@@ -21,7 +21,6 @@ checks use the same connection for JetStream's API (``$JS.API.STREAM.INFO``/``CR
 from __future__ import annotations
 
 import json
-import queue
 import re
 import threading
 import urllib.parse
@@ -31,6 +30,7 @@ from typing import Any, Mapping
 from sequin_provider.config import SinkConfig
 from sequin_provider.exceptions import DeliveryError, DestinationError
 from sequin_provider.sinks.base import DestinationKind, OptionReader
+from sequin_provider.sinks.idle_pool import IdlePool
 from sequin_provider.sinks.nats_protocol import (
     NO_RESPONDERS,
     ExchangeFailed,
@@ -358,7 +358,7 @@ class JetStreamPublisher(PushSink):
         """Messages the stream already had (dropped by its duplicate window): replays."""
         self._counting = threading.Lock()
         self._stream = options.stream.encode()
-        self._idle: queue.SimpleQueue[NatsConnection] = queue.SimpleQueue()
+        self._idle: IdlePool[NatsConnection] = IdlePool(NatsConnection.usable)
 
     def send(self, messages: list[str], keys: list[str]) -> None:
         """Publish ``messages`` (in order) to their subjects with ``Nats-Msg-Id`` = their key and
@@ -372,7 +372,7 @@ class JetStreamPublisher(PushSink):
         frames = []
         for n, (subject, message, key) in enumerate(zip(subjects, messages, keys)):
             if "\r" in key or "\n" in key:
-                self._idle.put(conn)
+                self._idle.give(conn)
                 raise DeliveryError(f"nats_jetstream {self.sink}: message {n + 1}: a line break in its key {key!r}")
             headers = b"NATS/1.0\r\n%s: %s\r\n%s: %s\r\n\r\n" % (
                 MSG_ID_HEADER,
@@ -382,7 +382,7 @@ class JetStreamPublisher(PushSink):
             )
             payload = message.encode()
             if len(headers) + len(payload) > conn.max_payload:
-                self._idle.put(conn)
+                self._idle.give(conn)
                 raise DeliveryError(
                     f"nats_jetstream {self.sink}: message {n + 1} of {len(messages)} is"
                     f" {len(headers) + len(payload):,} bytes, over the server's max_payload ({conn.max_payload:,})"
@@ -398,7 +398,7 @@ class JetStreamPublisher(PushSink):
             raise DeliveryError(
                 f"nats_jetstream {self.sink}: {what} ({exc.received} of {exc.total} acknowledged)"
             ) from None
-        self._idle.put(conn)
+        self._idle.give(conn)
         duplicates = 0
         for n, reply in enumerate(replies):
             if isinstance(reply, Status):
@@ -421,13 +421,9 @@ class JetStreamPublisher(PushSink):
 
     def _take(self) -> NatsConnection:
         """An idle connection still open, else a new one; ``DeliveryError`` when none can be had."""
-        while True:
-            try:
-                conn = self._idle.get_nowait()
-            except queue.Empty:
-                break
-            if conn.usable():
-                return conn
+        conn = self._idle.take()
+        if conn is not None:
+            return conn
         try:
             return connect(self.options, f"sequin-{self.sink}")
         except ConnectionError as exc:
@@ -435,11 +431,7 @@ class JetStreamPublisher(PushSink):
 
     def close(self) -> None:
         """Close the idle connections."""
-        while True:
-            try:
-                self._idle.get_nowait().close()
-            except queue.Empty:
-                return
+        self._idle.close()
 
 
 def _ack_error(reply: bytes) -> str:

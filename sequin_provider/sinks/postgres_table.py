@@ -18,7 +18,6 @@ its text), never through Python floats.
 from __future__ import annotations
 
 import json
-import queue
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
@@ -29,6 +28,7 @@ from sequin_provider.exceptions import DeliveryError, DestinationError
 from sequin_provider.sinks.base import DestinationKind, OptionReader
 from sequin_provider.sinks.change_message import parse_change
 from sequin_provider.sinks.changelog import ChangelogSelection, Retention, parse_retention
+from sequin_provider.sinks.idle_pool import IdlePool
 from sequin_provider.sinks.push import PushSink
 from sequin_provider.sinks.registry import register
 from sequin_provider.sinks.routing import Route, parse_route
@@ -240,7 +240,7 @@ class PostgresTableSink(PushSink):
         self.lanes = self.options.concurrency
         self.targets = TargetCache(self.options.columns)
         self.retention = Retention(self.options.retention)
-        self._idle: queue.SimpleQueue[psycopg.Connection[Any]] = queue.SimpleQueue()
+        self._idle: IdlePool[psycopg.Connection[Any]] = IdlePool()
 
     def send(self, messages: list[str], keys: list[str] | None = None) -> None:
         """Apply ``messages`` (in order) in one transaction; ``DeliveryError`` unless all committed.
@@ -306,16 +306,14 @@ class PostgresTableSink(PushSink):
                 changelog.prune(conn, name, self.retention.seconds)
 
     def _take(self) -> psycopg.Connection[Any]:
-        try:
-            return self._idle.get_nowait()
-        except queue.Empty:
-            return connect(self.options, self.sink, autocommit=True)
+        conn = self._idle.take()
+        return conn if conn is not None else connect(self.options, self.sink, autocommit=True)
 
     def _give_back(self, conn: psycopg.Connection[Any]) -> None:
         if conn.closed or conn.info.transaction_status != 0:  # not idle: do not reuse
             conn.close()
         else:
-            self._idle.put(conn)
+            self._idle.give(conn)
 
     def _segments(self, conn: psycopg.Connection[Any], messages: list[str]) -> Iterator[list[_Change]]:
         """The messages as runs of changes that may be applied as sets (each row once, its last
@@ -393,11 +391,7 @@ class PostgresTableSink(PushSink):
 
     def close(self) -> None:
         """Close the idle connections."""
-        while True:
-            try:
-                self._idle.get_nowait().close()
-            except queue.Empty:
-                return
+        self._idle.close()
 
 
 KIND = register(PostgresTableKind())

@@ -18,7 +18,6 @@ each confirmed before the next run, so that nothing behind a returned message is
 
 from __future__ import annotations
 
-import queue
 import re
 import time
 import urllib.parse
@@ -29,6 +28,7 @@ from sequin_provider.buffer import DeliveryError
 from sequin_provider.config import SinkConfig
 from sequin_provider.exceptions import DestinationError
 from sequin_provider.sinks.base import DestinationKind, OptionReader
+from sequin_provider.sinks.idle_pool import IdlePool
 from sequin_provider.sinks.push import PushSink
 from sequin_provider.sinks.registry import register
 from sequin_provider.sinks.routing import Route, parse_route
@@ -370,7 +370,7 @@ class RabbitMQPublisher(PushSink):
         self.lanes = LANES
         self.route = options.routing_key
         self.delivery_mode = 2 if options.persistent else 1
-        self._idle: queue.SimpleQueue[ConfirmedChannel] = queue.SimpleQueue()
+        self._idle: IdlePool[ConfirmedChannel] = IdlePool(lambda channel: channel.usable)
 
     def properties(self, key: str) -> Any:
         """The AMQP properties of the message with idempotency key ``key``."""
@@ -413,19 +413,14 @@ class RabbitMQPublisher(PushSink):
             if channel.broken:
                 channel.close()
             else:
-                self._idle.put(channel)
+                self._idle.give(channel)
 
     def _take(self) -> ConfirmedChannel:
         """An idle usable channel of the pool, or a new one (``DeliveryError`` when the broker
         cannot be reached)."""
-        while True:
-            try:
-                channel = self._idle.get_nowait()
-            except queue.Empty:
-                break
-            if channel.usable:
-                return channel
-            channel.close()
+        channel = self._idle.take()
+        if channel is not None:
+            return channel
         pika = _pika()
         try:
             return ConfirmedChannel(self.options)
@@ -436,11 +431,7 @@ class RabbitMQPublisher(PushSink):
 
     def close(self) -> None:
         """Close the idle connections."""
-        while True:
-            try:
-                self._idle.get_nowait().close()
-            except queue.Empty:
-                return
+        self._idle.close()
 
 
 KIND = register(RabbitMQKind())

@@ -18,7 +18,6 @@ import hashlib
 import hmac
 import http.client
 import os
-import queue
 import re
 import socket
 import ssl
@@ -31,6 +30,7 @@ from sequin_provider.buffer import DeliveryError
 from sequin_provider.config import SinkConfig
 from sequin_provider.sinks.base import DestinationKind, OptionReader
 from sequin_provider.sinks.http_exchange import HttpChannel
+from sequin_provider.sinks.idle_pool import IdlePool
 from sequin_provider.sinks.push import PushSink
 from sequin_provider.sinks.registry import register
 
@@ -206,7 +206,7 @@ class WebhookClient(PushSink):
             self.target = urllib.parse.urlunsplit((parts.scheme, authority, parts.path or "/", parts.query, ""))
             self.headers = _replaced(self.headers, self._proxy_auth)
         self._context = _tls_context() if self.tls else None
-        self._idle: queue.SimpleQueue[HttpChannel] = queue.SimpleQueue()
+        self._idle: IdlePool[HttpChannel] = IdlePool()
         self._head = (
             f"POST {self.target} HTTP/1.1\r\n" + "".join(f"{name}: {value}\r\n" for name, value in self.headers.items())
         ).encode("latin-1")  # checked by config: an ASCII URL, ISO-8859-1 header values
@@ -281,10 +281,8 @@ class WebhookClient(PushSink):
         for fresh in (False, True):
             channel = None
             if not fresh:
-                try:
-                    channel = self._idle.get_nowait()
-                except queue.Empty:
-                    fresh = True
+                channel = self._idle.take()
+                fresh = channel is None
             if channel is None:
                 channel = self._open()
             try:
@@ -298,7 +296,7 @@ class WebhookClient(PushSink):
                 channel.close()
                 raise
             if answer.reusable:
-                self._idle.put(channel)
+                self._idle.give(channel)
             else:  # the server closes it, or an answer longer than we read
                 channel.close()
             return answer.status, answer.body[:300].decode("utf-8", "replace")
@@ -306,11 +304,7 @@ class WebhookClient(PushSink):
 
     def close(self) -> None:
         """Close the idle connections."""
-        while True:
-            try:
-                self._idle.get_nowait().close()
-            except queue.Empty:
-                return
+        self._idle.close()
 
 
 KIND = register(WebhookKind())

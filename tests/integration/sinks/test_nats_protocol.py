@@ -247,12 +247,13 @@ def test_a_connection_idle_past_the_servers_pings_is_replaced_without_failing_a_
         pusher.send(*_messages(1, 5))
         time.sleep(2)  # about ten pings: the server has closed it (Stale Connection)
         pusher.send(*_messages(6, 5))
-        first = pusher._idle.get_nowait()  # noqa: SLF001  # the pool's one connection
-        pusher._idle.put(first)  # noqa: SLF001
+        first = pusher._idle.take()  # noqa: SLF001  # the pool's one connection
+        assert first is not None
+        pusher._idle.give(first)  # noqa: SLF001
         for _ in range(5):  # taken while the server pings: answered, kept
             time.sleep(0.15)
             pusher.send(*_messages(100 + _, 1))
-        assert pusher._idle.get_nowait() is first  # noqa: SLF001
+        assert pusher._idle.take() is first  # noqa: SLF001
     finally:
         pusher.close()
     assert len(_stored(server.port, "CDC")) == 15
