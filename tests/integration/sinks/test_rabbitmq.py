@@ -4,7 +4,8 @@ its own exchange and a queue bound to it (unique names, deleted afterwards) and 
 it, never the machine's server stopped.
 
 The publisher alone: confirmed messages with their properties, a returned (unroutable) or refused
-(nack) message is a ``DeliveryError``, a connection cut is found and replaced. Through the stream
+(nack) message is a ``DeliveryError``, a connection cut is found and replaced (one cut while idle
+without failing a request). Through the stream
 app: three tables and a backfill in per-group order, an unroutable table parked and retried, a
 SIGKILL mid-run (duplicates only of the same ``message_id``), the broker away and back (parked,
 retried, in order). ``sequin init``: wrong credentials, a missing exchange, no server ->
@@ -184,6 +185,24 @@ def test_a_cut_connection_is_a_delivery_error_then_replaced(reader: QueueReader)
         finally:
             pusher.close()
     assert [r.message_id for r in reader.drain()] == ["1:0", "3:0"]
+
+
+def test_a_connection_cut_while_idle_is_replaced_without_failing_a_request(reader: QueueReader) -> None:
+    """The pool checks an idle channel when it is taken (``sinks.idle_pool``): one whose connection
+    was cut between two requests is closed and a new one opened, and the request goes through."""
+    with TcpProxy(PORT) as proxy:
+        url = URL.replace(f":{PORT}/", f":{proxy.port}/")
+        sink = _sink({"url": url, "exchange": reader.exchange, "routing_key": "cdc.kv", "timeout": "2s"})
+        pusher = sink.destination.kind.pusher(sink)
+        try:
+            pusher.send([_message("kv", 1)], ["1:0"])
+            proxy.down()  # cuts the idle connection
+            proxy.up()
+            time.sleep(0.5)  # the cut reaches the client's socket (loopback: at once)
+            pusher.send([_message("kv", 2)], ["2:0"])  # no DeliveryError: a new connection
+        finally:
+            pusher.close()
+    assert [r.message_id for r in reader.drain()] == ["1:0", "2:0"]
 
 
 def test_the_exchange_deleted_under_the_publisher(reader: QueueReader) -> None:
