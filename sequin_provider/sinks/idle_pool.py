@@ -28,14 +28,11 @@ class IdlePool(Generic[C]):
 
     def take(self) -> C | None:
         """An idle usable connection, or None when there is none (the caller opens one)."""
-        while True:
-            try:
-                conn = self._idle.get_nowait()
-            except queue.Empty:
-                return None
+        while (conn := self._pop()) is not None:
             if self._usable is None or self._usable(conn):
                 return conn
             conn.close()
+        return None
 
     def give(self, conn: C) -> None:
         """Keep ``conn`` for the next request."""
@@ -43,9 +40,11 @@ class IdlePool(Generic[C]):
 
     def close(self) -> None:
         """Close the idle connections (those in use are closed by whoever gives them back)."""
-        while True:
-            try:
-                conn = self._idle.get_nowait()
-            except queue.Empty:
-                return
+        while (conn := self._pop()) is not None:
             conn.close()
+
+    def _pop(self) -> C | None:
+        try:
+            return self._idle.get_nowait()
+        except queue.Empty:
+            return None

@@ -18,6 +18,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -168,40 +169,41 @@ def test_unroutable_and_refused_messages_are_delivery_errors(reader: QueueReader
     assert [(r.message_id, r.delivery_mode) for r in reader.drain()] == [("1:0", 1), ("4:0", 1)]
 
 
-def test_a_cut_connection_is_a_delivery_error_then_replaced(reader: QueueReader) -> None:
+@contextmanager
+def _proxied_pusher(reader: QueueReader) -> Iterator[tuple[TcpProxy, Any]]:
+    """A publisher to ``reader``'s exchange through a ``TcpProxy`` (2 s timeout), closed after."""
     with TcpProxy(PORT) as proxy:
         url = URL.replace(f":{PORT}/", f":{proxy.port}/")
         sink = _sink({"url": url, "exchange": reader.exchange, "routing_key": "cdc.kv", "timeout": "2s"})
         pusher = sink.destination.kind.pusher(sink)
         try:
-            pusher.send([_message("kv", 1)], ["1:0"])
-            proxy.down()
-            started = time.monotonic()
-            with pytest.raises(DeliveryError, match="rabbitmq rabbit: "):
-                pusher.send([_message("kv", 2)], ["2:0"])
-            assert time.monotonic() - started < 5  # bounded by the timeout
-            proxy.up()
-            pusher.send([_message("kv", 3)], ["3:0"])  # the dead connection was dropped, a new one opened
+            yield proxy, pusher
         finally:
             pusher.close()
+
+
+def test_a_cut_connection_is_a_delivery_error_then_replaced(reader: QueueReader) -> None:
+    with _proxied_pusher(reader) as (proxy, pusher):
+        pusher.send([_message("kv", 1)], ["1:0"])
+        proxy.down()
+        started = time.monotonic()
+        with pytest.raises(DeliveryError, match="rabbitmq rabbit: "):
+            pusher.send([_message("kv", 2)], ["2:0"])
+        assert time.monotonic() - started < 5  # bounded by the timeout
+        proxy.up()
+        pusher.send([_message("kv", 3)], ["3:0"])  # the dead connection was dropped, a new one opened
     assert [r.message_id for r in reader.drain()] == ["1:0", "3:0"]
 
 
 def test_a_connection_cut_while_idle_is_replaced_without_failing_a_request(reader: QueueReader) -> None:
     """The pool checks an idle channel when it is taken (``sinks.idle_pool``): one whose connection
     was cut between two requests is closed and a new one opened, and the request goes through."""
-    with TcpProxy(PORT) as proxy:
-        url = URL.replace(f":{PORT}/", f":{proxy.port}/")
-        sink = _sink({"url": url, "exchange": reader.exchange, "routing_key": "cdc.kv", "timeout": "2s"})
-        pusher = sink.destination.kind.pusher(sink)
-        try:
-            pusher.send([_message("kv", 1)], ["1:0"])
-            proxy.down()  # cuts the idle connection
-            proxy.up()
-            time.sleep(0.5)  # the cut reaches the client's socket (loopback: at once)
-            pusher.send([_message("kv", 2)], ["2:0"])  # no DeliveryError: a new connection
-        finally:
-            pusher.close()
+    with _proxied_pusher(reader) as (proxy, pusher):
+        pusher.send([_message("kv", 1)], ["1:0"])
+        proxy.down()  # cuts the idle connection
+        proxy.up()
+        time.sleep(0.5)  # the cut reaches the client's socket (loopback: at once)
+        pusher.send([_message("kv", 2)], ["2:0"])  # no DeliveryError: a new connection
     assert [r.message_id for r in reader.drain()] == ["1:0", "2:0"]
 
 
