@@ -5,6 +5,9 @@ reuse; the sink's ``close`` closes what is idle. One pool per sink: its lanes sh
 from __future__ import annotations
 
 import queue
+import select
+import socket
+import ssl
 from typing import Callable, Generic, Protocol, TypeVar
 
 
@@ -48,3 +51,15 @@ class IdlePool(Generic[C]):
             return self._idle.get_nowait()
         except queue.Empty:
             return None
+
+
+def readable(conn: socket.socket | int) -> bool:
+    """Whether ``conn`` (a socket or a file descriptor) has something to read now, without waiting.
+    On an idle connection that is what its server sent meanwhile: a ping, or its last words and the
+    connection's end, so a pool's ``usable`` finds a closed connection without a round trip. An SSL
+    socket's bytes already decrypted count; ``poll``, not ``select``: any descriptor number."""
+    if isinstance(conn, ssl.SSLSocket) and conn.pending():
+        return True
+    poller = select.poll()
+    poller.register(conn, select.POLLIN)
+    return bool(poller.poll(0))

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import socket
 import ssl
 import time
 import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, Sequence
+
+from sequin_provider.sinks.idle_pool import readable
 
 DEFAULT_PORT = 4222
 LANG = "python-sequin"
@@ -172,7 +173,7 @@ class NatsConnection:
         if self.closed:
             return False
         try:
-            while _readable(self._sock):
+            while readable(self._sock):
                 data = self._sock.recv(_RECV)
                 if not data:
                     self.close()
@@ -316,13 +317,6 @@ def _read_line(sock: socket.socket, deadline: float) -> bytes:
         if len(data) > 1 << 20:
             raise ConnectionError("not a NATS server (no INFO line)")
     return bytes(data[:-2])
-
-
-def _readable(sock: socket.socket) -> bool:
-    if isinstance(sock, ssl.SSLSocket) and sock.pending():
-        return True
-    ready, _, _ = select.select([sock], [], [], 0)
-    return bool(ready)
 
 
 def describe(exc: BaseException) -> str:

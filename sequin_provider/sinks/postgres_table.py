@@ -28,7 +28,7 @@ from sequin_provider.exceptions import DeliveryError, DestinationError
 from sequin_provider.sinks.base import DestinationKind, OptionReader
 from sequin_provider.sinks.change_message import parse_change
 from sequin_provider.sinks.changelog import ChangelogSelection, Retention, parse_retention
-from sequin_provider.sinks.idle_pool import IdlePool
+from sequin_provider.sinks.idle_pool import IdlePool, readable
 from sequin_provider.sinks.push import PushSink
 from sequin_provider.sinks.registry import register
 from sequin_provider.sinks.routing import Route, parse_route
@@ -228,6 +228,14 @@ class _Change:
     """The record's JSON text as the message holds it (what the server parses)."""
 
 
+def idle_connection_usable(conn: psycopg.Connection[Any]) -> bool:
+    """Whether an idle connection of the pool may serve the next request: open, outside a
+    transaction, and its server sent nothing while it sat idle. A server that ends a session (a
+    restart, ``pg_terminate_backend``, ``idle_session_timeout``) sends its FATAL and closes the
+    socket; without this the next request failed on it, and was parked and retried."""
+    return not conn.closed and conn.info.transaction_status == 0 and not readable(conn.fileno())
+
+
 class PostgresTableSink(PushSink):
     """Applies one postgres_table sink's messages to its target tables; a connection per lane (pool)."""
 
@@ -240,7 +248,7 @@ class PostgresTableSink(PushSink):
         self.lanes = self.options.concurrency
         self.targets = TargetCache(self.options.columns)
         self.retention = Retention(self.options.retention)
-        self._idle: IdlePool[psycopg.Connection[Any]] = IdlePool()
+        self._idle: IdlePool[psycopg.Connection[Any]] = IdlePool(idle_connection_usable)
 
     def send(self, messages: list[str], keys: list[str] | None = None) -> None:
         """Apply ``messages`` (in order) in one transaction; ``DeliveryError`` unless all committed.

@@ -4,9 +4,10 @@ with a ``close``; each sink's pool runs against its real server in tests/integra
 
 from __future__ import annotations
 
+import socket
 import threading
 
-from sequin_provider.sinks.idle_pool import IdlePool
+from sequin_provider.sinks.idle_pool import IdlePool, readable
 
 
 class Conn:
@@ -71,3 +72,17 @@ def test_lanes_sharing_the_pool_never_get_the_same_connection() -> None:
         t.join()
     names = [c.name for mine in taken for c in mine]
     assert sorted(names, key=int) == [str(n) for n in range(200)]
+
+
+def test_readable_tells_what_the_peer_sent_or_its_end_without_waiting() -> None:
+    """On a real socket pair: nothing to read, then the peer's bytes, then (read) nothing, then
+    the peer's close; by socket and by file descriptor."""
+    mine, peer = socket.socketpair()
+    with mine, peer:
+        assert not readable(mine) and not readable(mine.fileno())
+        peer.sendall(b"PING\r\n")
+        assert readable(mine) and readable(mine.fileno())
+        assert mine.recv(64) == b"PING\r\n"
+        assert not readable(mine)
+        peer.close()
+        assert readable(mine) and mine.recv(64) == b""  # the end of the connection

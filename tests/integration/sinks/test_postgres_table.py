@@ -244,6 +244,26 @@ def test_what_cannot_be_applied_raises_delivery_error_and_the_batch_is_all_or_no
     assert kv(target) == [(1, "a", None)]
 
 
+def test_a_connection_the_server_closed_while_idle_is_replaced_without_failing_a_request(
+    target: str, writer: PostgresTableSink
+) -> None:
+    """The server ends the writer's idle connection (``pg_terminate_backend``, as a restart or an
+    ``idle_session_timeout`` would): the next request opens another one instead of failing (and
+    being parked) on the dead one."""
+    writer.send([change("insert", 10, 0, {"id": 1, "v": "a", "big": None})], [])
+    others = (
+        "FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        " AND backend_type = 'client backend'"
+    )
+    with psycopg.connect(target, autocommit=True) as conn:
+        ended = conn.execute(f"SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) {others}").fetchone()
+        assert ended == (1,)  # the writer's one idle connection
+        # its backend gone: its FATAL sent and its socket closed
+        wait_for(lambda: conn.execute(f"SELECT count(*) {others}").fetchone() == (0,), 30, what="the backend's exit")
+    writer.send([change("insert", 11, 0, {"id": 2, "v": "b", "big": None})], [])
+    assert kv(target) == [(1, "a", None), (2, "b", None)]
+
+
 # --- sequin init: prepare ------------------------------------------------------------------------
 
 
