@@ -339,6 +339,9 @@ def main() -> int:
         help="which backfill runs, comma-separated: idle (b), serve (d), spark (b'), busy (c)",
     )
     parser.add_argument("--idle-runs", type=int, default=3, help="how many times run (b) is measured")
+    parser.add_argument(
+        "--max-page-rows", type=int, default=None, help="the backfill server's page size ceiling (run d; its default)"
+    )
     add_pg_setting_argument(parser)
     add_touch_memory_argument(parser)
     args = parser.parse_args()
@@ -418,7 +421,8 @@ def main() -> int:
                 print(f"bench: {counter[0]:,} concurrent updates ({counter[0] / seconds_w:,.0f}/s)", flush=True)
 
             if "serve" in runs:
-                server = BackfillServerProcess(config_path, work / "server.log").start()
+                server_args = () if args.max_page_rows is None else ("--max-page-rows", str(args.max_page_rows))
+                server = BackfillServerProcess(config_path, work / "server.log", *server_args).start()
                 try:
                     server.wait_up()
                     for n in range(1, args.idle_runs + 1):
