@@ -1,7 +1,7 @@
 /*
  * Compiled hot path of the pgoutput decoder (sequin_provider/pgoutput.py).
  *
- * Eight functions, each the exact counterpart of a pure-Python reference in pgoutput.py (or
+ * Nine functions, each the exact counterpart of a pure-Python reference in pgoutput.py (or
  * messages.py, message_render.py), which stays the definition (tests/test_pgoutput_c.py and
  * tests/test_message_render.py hold both equal on the same inputs, hostile ones included):
  *
@@ -17,6 +17,9 @@
  *                          ~ replication_protocol.ReplicationStream.read() and change_row() one message
  *                            at a time: libpq's copy data straight to change rows, until a message
  *                            change_row() does not take
+ *   copy_out_into(conn, get_copy_data, free_memory, out)
+ *                          ~ pq_copy.copy_out_text's loop of get_copy_data: the rows of a COPY TO that
+ *                            libpq holds, appended to a bytearray
  *   render_copy(data, kinds, prefixes, converters, columns, pk_positions)
  *                          ~ pgoutput.render_copy: a backfill page's COPY text lines straight to the
  *                            rows' record JSON and record_pks JSON, as Arrow string buffers
@@ -761,6 +764,42 @@ static PyObject *read_rows(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return Py_BuildValue("nniN", rows, bytes, code, message ? message : Py_NewRef(Py_None));
 }
 
+/* copy_out_into(conn, get_copy_data, free_memory, out): the rows of a COPY ... TO STDOUT that libpq
+ * already holds, appended to the bytearray out in order (pq_copy.copy_out_text, whose reference is its
+ * loop of pgconn.get_copy_data). conn, get_copy_data and free_memory as for read_rows. Returns
+ * PQgetCopyData's code that stopped it: 0 (no whole row is buffered: the caller waits, consumes input
+ * and calls again), -1 (the rows' end) or -2 (an error: the caller asks libpq why). Never blocks. */
+static PyObject *copy_out_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyByteArray_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "copy_out_into(conn, get_copy_data, free_memory, out: bytearray)");
+        return NULL;
+    }
+    void *conn = PyLong_AsVoidPtr(args[0]);
+    get_copy_data_fn get_copy_data = (get_copy_data_fn)PyLong_AsVoidPtr(args[1]);
+    free_memory_fn free_memory = (free_memory_fn)PyLong_AsVoidPtr(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (conn == NULL || get_copy_data == NULL || free_memory == NULL) {
+        PyErr_SetString(PyExc_ValueError, "copy_out_into: a null connection or libpq function");
+        return NULL;
+    }
+    PyObject *out = args[3];
+    for (;;) {
+        char *data = NULL;
+        int size = get_copy_data(conn, &data, 1);
+        if (size <= 0)
+            return PyLong_FromLong(size);
+        Py_ssize_t len = PyByteArray_GET_SIZE(out);
+        /* PyByteArray_Resize over-allocates as it grows, as bytearray's += does */
+        if (PyByteArray_Resize(out, len + size) < 0) {
+            free_memory(data);
+            return NULL;
+        }
+        memcpy(PyByteArray_AS_STRING(out) + len, data, (size_t)size);
+        free_memory(data);
+    }
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* Backfill pages: COPY ... TO STDOUT text lines straight to record JSON (see render_copy) */
 
@@ -1340,6 +1379,9 @@ static PyMethodDef methods[] = {
     {"read_rows", (PyCFunction)(void (*)(void))read_rows, METH_FASTCALL,
      "read_rows(specs, head, conn, get_copy_data, free_memory, pending, max_rows, max_bytes) -> (rows, bytes, code, "
      "message); see replication_protocol.ReplicationStream.read_rows."},
+    {"copy_out_into", (PyCFunction)(void (*)(void))copy_out_into, METH_FASTCALL,
+     "copy_out_into(conn, get_copy_data, free_memory, out) -> code: the buffered rows of a COPY TO appended to out; "
+     "see pq_copy.copy_out_text."},
     {"render", render, METH_VARARGS,
      "render(values, kinds, prefixes, converters, columns, only, fill) -> (record, missing); see pgoutput.render_record."},
     {"render_copy", render_copy, METH_VARARGS,

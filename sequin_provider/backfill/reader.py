@@ -57,6 +57,7 @@ from sequin_provider.pgoutput import (
     parse_array_literal,
     parse_copy_line,
 )
+from sequin_provider.pq_copy import copy_out_text
 from sequin_provider.replication import REPLICATION_SESSION_OPTIONS, Catalog, emit_message, primary_key_columns
 from sequin_provider.store import BackfillError, StoreReads
 
@@ -275,7 +276,8 @@ class PageQuery:
 
 def copy_out(conn: psycopg.Connection[Any], query: sql.Composed, budget_ms: int | None = None) -> bytearray:
     """Run a ``COPY … TO STDOUT`` and return its text-format output (one buffer, grown in place:
-    a page is tens of megabytes, and every copy of it costs).
+    a page is tens of megabytes, and every copy of it costs; read at libpq's level,
+    ``pq_copy.copy_out_text``, without psycopg's wait loop per row).
 
     With ``budget_ms``, that statement alone runs under ``statement_timeout`` (a timeout raises
     ``QueryCanceled``): a page's budget must not cancel the watermarks around it, which would
@@ -286,22 +288,14 @@ def copy_out(conn: psycopg.Connection[Any], query: sql.Composed, budget_ms: int 
     loaded machine left the session in an aborted transaction, and the page's high watermark
     failed the backfill; CI, PostgreSQL 17.)"""
     if budget_ms is None:
-        return _copy(conn, query)
+        return copy_out_text(conn, query)
     if not conn.autocommit:
         raise ValueError("copy_out with a budget needs an autocommit connection")
     conn.execute(sql.SQL("SET statement_timeout = {}").format(sql.Literal(budget_ms)))
     try:
-        return _copy(conn, query)
+        return copy_out_text(conn, query)
     finally:
         _reset_statement_timeout(conn)
-
-
-def _copy(conn: psycopg.Connection[Any], query: sql.Composed) -> bytearray:
-    out = bytearray()
-    with conn.cursor() as cur, cur.copy(query) as copy:
-        while data := copy.read():
-            out += data
-    return out
 
 
 def _reset_statement_timeout(conn: psycopg.Connection[Any]) -> None:
