@@ -31,14 +31,15 @@ def copy_out_text(conn: psycopg.Connection[Any], query: sql.Composable, compiled
     ``compiled``: the buffered rows are taken by the compiled hot path where it and libpq's
     functions can be had (``replication_protocol.libpq_copy_functions``), else by the reference loop."""
     if not conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE:
-        return _copy_through_psycopg(conn, query)
+        return psycopg_copy_out(conn, query)
     functions = libpq_copy_functions() if compiled else None
     with conn.lock:
         return _copy_through_libpq(conn.pgconn, query.as_bytes(conn), conn.info.encoding, functions)
 
 
-def _copy_through_psycopg(conn: psycopg.Connection[Any], query: sql.Composable) -> bytearray:
-    """psycopg's own COPY, one row per ``read()``: the reference ``_copy_through_libpq`` is held to."""
+def psycopg_copy_out(conn: psycopg.Connection[Any], query: sql.Composable) -> bytearray:
+    """psycopg's own COPY, one row per ``read()``: the reference ``copy_out_text`` is held to (and
+    what it runs on a connection psycopg would first open a transaction on)."""
     out = bytearray()
     with conn.cursor() as cur, cur.copy(query) as copy:
         while data := copy.read():

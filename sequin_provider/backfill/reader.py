@@ -119,6 +119,21 @@ def table_shape(conn: psycopg.Connection[Any], schema: str, name: str) -> TableS
     )
 
 
+def table_relation(decoder: PgOutputDecoder, shape: TableShape) -> Relation:
+    """``decoder``'s relation of the table (its published columns and key, as pgoutput would send
+    them), so that a read of a row renders exactly as a change of it."""
+    return decoder.make_relation(
+        shape.oid,
+        shape.schema,
+        shape.name,
+        "d",
+        list(shape.columns),
+        list(shape.type_oids),
+        [c in shape.primary_key for c in shape.columns],
+        list(shape.primary_key),
+    )
+
+
 def first_page_rows(
     conn: psycopg.Connection[Any], shape: TableShape, max_rows: int, where: str | None, budget_ms: int
 ) -> int:
@@ -508,16 +523,7 @@ class RangeReader:
         catalog = Catalog(self.database.dsn)
         try:
             decoder = PgOutputDecoder(TypeRegistry(catalog.type_info))
-            rel = decoder.make_relation(
-                shape.oid,
-                shape.schema,
-                shape.name,
-                "d",
-                list(shape.columns),
-                list(shape.type_oids),
-                [c in shape.primary_key for c in shape.columns],
-                list(shape.primary_key),
-            )
+            rel = table_relation(decoder, shape)
             sink = self.config.sink(backfill.sink) if self.config.has_sink(backfill.sink) else None
             # a sink whose reads the task writes itself (``delivery.reads_render_in_store``)
             read_sink = sink if sink is not None and reads_render_in_store(sink, shape.schema, shape.name) else None

@@ -10,7 +10,7 @@ import psycopg
 import pytest
 from psycopg import pq, sql
 
-from sequin_provider.pq_copy import copy_out_text
+from sequin_provider.pq_copy import copy_out_text, psycopg_copy_out
 from sequin_provider.replication_protocol import libpq_copy_functions
 
 BOTH = pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "reference"])
@@ -19,11 +19,7 @@ BOTH = pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "refe
 
 def psycopg_copy(conn: psycopg.Connection[Any], query: sql.Composable) -> bytes:
     """The reference: psycopg's ``Copy``, one row per ``read()``."""
-    out = bytearray()
-    with conn.cursor() as cur, cur.copy(query) as copy:
-        while data := copy.read():
-            out += data
-    return bytes(out)
+    return bytes(psycopg_copy_out(conn, query))
 
 
 AWKWARD = sql.SQL(

@@ -14,7 +14,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from sequin_provider.backfill.reader import PageQuery, staged_page_end, table_shape
+from sequin_provider.backfill.reader import PageQuery, staged_page_end, table_relation, table_shape
 from sequin_provider.backfill.source_sql import record_sql
 from sequin_provider.pgoutput import PgOutputDecoder, Relation, TypeRegistry
 from sequin_provider.replication import REPLICATION_SESSION_OPTIONS, Catalog
@@ -64,16 +64,7 @@ def relation(dsn: str, table: str) -> tuple[Relation, Any]:
     catalog = Catalog(dsn)
     try:
         decoder = PgOutputDecoder(TypeRegistry(catalog.type_info))
-        rel = decoder.make_relation(
-            shape.oid,
-            shape.schema,
-            shape.name,
-            "d",
-            list(shape.columns),
-            list(shape.type_oids),
-            [c in shape.primary_key for c in shape.columns],
-            list(shape.primary_key),
-        )
+        rel = table_relation(decoder, shape)
     finally:
         catalog.close()
     return rel, shape

@@ -384,23 +384,14 @@ def copy_page(dsn: str) -> tuple[str, bytes]:
 
 def page_decoders(dsn: str) -> tuple[PgOutputDecoder, PgOutputDecoder, pgoutput.Relation]:
     """A compiled and a reference decoder, and the ``page`` table's relation as backfills make it."""
-    from sequin_provider.backfill.reader import table_shape
+    from sequin_provider.backfill.reader import table_relation, table_shape
 
     catalog = Catalog(dsn)
     try:
         with psycopg.connect(dsn) as conn:
             shape = table_shape(conn, "public", "page")
         decoders = tuple(PgOutputDecoder(TypeRegistry(catalog.type_info), compiled=c) for c in (True, False))
-        rel = decoders[0].make_relation(
-            shape.oid,
-            shape.schema,
-            shape.name,
-            "d",
-            list(shape.columns),
-            list(shape.type_oids),
-            [c in shape.primary_key for c in shape.columns],
-            list(shape.primary_key),
-        )
+        rel = table_relation(decoders[0], shape)
         for decoder in decoders:  # the converters look their types up once
             decoder.render_copy(rel, b"")
     finally:
