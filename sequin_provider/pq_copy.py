@@ -1,21 +1,22 @@
 """``COPY … TO STDOUT`` read into one buffer at libpq's level (psycopg's ``pq``), for backfill pages.
 
 The server sends a COPY's output one message per row, and psycopg's ``Copy.read()`` returns one
-message per call through its wait loop: about 2 µs of the reading process's CPU per row, more than
-the compiled decoder takes to render that row (a backfill page is 50,000 rows;
+message per call through its wait loop: 1-2 µs of the reading process's CPU per row, more than the
+compiled decoder takes to render that row (a backfill page is 50,000 rows; ``bench/page_read.py``,
 docs/performance.md, "Backfills"). ``copy_out_text`` takes every row libpq already holds in one
-call of the compiled hot path (``_pgoutput_c.copy_out_into``, or its reference, a plain loop of
-``get_copy_data``: 0.6-0.9 µs per row) and waits on the socket only when libpq holds none; the
-same bytes either way. It speaks the protocol as ``replication_protocol`` does for the slot: send the query, take
-results until libpq has no more, so the connection is left idle (or in its transaction) exactly as
-psycopg leaves it after its own COPY. A connection psycopg would first open a transaction on (not
-autocommit, idle) is read through psycopg's ``Copy`` instead, which opens it.
+call of the compiled hot path (``_pgoutput_c.copy_out_into``: 0.2-0.5 µs per row; its reference, a
+plain loop of ``get_copy_data``, 0.4-0.9) and waits on the socket only when libpq holds none; the
+same bytes either way. It speaks the protocol as ``replication_protocol`` does for the slot: send
+the query, take results until libpq has no more, so the connection is left idle (or in its
+transaction) exactly as psycopg leaves it after its own COPY. A connection psycopg would first
+open a transaction on (not autocommit, idle) is read through psycopg's ``Copy`` instead, which
+opens it.
 """
 
 from __future__ import annotations
 
 import select
-from typing import Any
+from typing import Any, Callable
 
 import psycopg
 from psycopg import pq, sql
@@ -96,7 +97,7 @@ def _take_rows(pgconn: pq.abc.PGconn, out: bytearray) -> int:
         out += data
 
 
-def _compiled_take(functions: tuple[int, int]) -> Any:
+def _compiled_take(functions: tuple[int, int]) -> Callable[[pq.abc.PGconn, bytearray], int]:
     """``_take_rows`` by the compiled hot path, through libpq's own functions."""
     get_copy_data, free_memory = functions
     copy_out_into = hot_path.copy_out_into
@@ -105,6 +106,7 @@ def _compiled_take(functions: tuple[int, int]) -> Any:
 
 
 def _wait(pgconn: pq.abc.PGconn, events: int) -> None:
+    """Block until ``pgconn``'s socket is ready for ``events``."""
     poll = select.poll()
     poll.register(pgconn.socket, events)
     poll.poll()
