@@ -10,19 +10,56 @@ same bytes either way. It speaks the protocol as ``replication_protocol`` does f
 the query, take results until libpq has no more, so the connection is left idle (or in its
 transaction) exactly as psycopg leaves it after its own COPY. A connection psycopg would first
 open a transaction on (not autocommit, idle) is read through psycopg's ``Copy`` instead, which
-opens it.
+opens it. ``libpq_copy_functions`` finds libpq's functions for both compiled loops, this one and
+the slot reader's (``replication_protocol``).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import select
+import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import psycopg
 from psycopg import pq, sql
 
 from sequin_provider.pgoutput import COMPILED, hot_path
-from sequin_provider.replication_protocol import libpq_copy_functions
+
+
+@functools.cache
+def libpq_copy_functions() -> tuple[int, int] | None:
+    """The addresses of ``PQgetCopyData`` and ``PQfreemem`` in the libpq psycopg's connections use, for
+    the compiled reading loop; None when that library cannot be told for sure (then the reader reads
+    one message at a time through psycopg, as its reference does).
+
+    psycopg's binary wheel carries its own libpq (``psycopg_binary.libs``), which is the one loaded
+    into this process from there; another libpq may be loaded beside it (psycopg2's wheel carries one
+    too), so the library is found by its folder, never by name alone, and must report the version
+    psycopg reports (``PQlibVersion``: the same build, so the same ``PGconn``)."""
+    if pq.__impl__ != "binary" or "psycopg_binary" not in sys.modules:
+        return None
+    wheel_libs = Path(sys.modules["psycopg_binary"].__file__ or "").resolve().parent.parent / "psycopg_binary.libs"
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            loaded = {line.split(maxsplit=5)[-1].strip() for line in maps if "/libpq" in line}
+    except OSError:
+        return None
+    found = sorted(p for p in loaded if Path(p).parent == wheel_libs and Path(p).name.startswith("libpq"))
+    if len(found) != 1:
+        return None
+    try:
+        libpq = ctypes.CDLL(found[0])  # already loaded: the same handle, nothing loaded again
+    except OSError:
+        return None
+    libpq.PQlibVersion.restype = ctypes.c_int
+    if libpq.PQlibVersion() != pq.version():
+        return None
+    get_copy_data = ctypes.cast(libpq.PQgetCopyData, ctypes.c_void_p).value
+    free_memory = ctypes.cast(libpq.PQfreemem, ctypes.c_void_p).value
+    return (get_copy_data, free_memory) if get_copy_data and free_memory else None
 
 
 def copy_out_text(conn: psycopg.Connection[Any], query: sql.Composable, compiled: bool = COMPILED) -> bytearray:
@@ -30,7 +67,7 @@ def copy_out_text(conn: psycopg.Connection[Any], query: sql.Composable, compiled
     lines laid end to end as the server sent them. The server's error (a ``statement_timeout``'s
     ``QueryCanceled``, say) is raised as psycopg raises it, after the connection is idle again.
     ``compiled``: the buffered rows are taken by the compiled hot path where it and libpq's
-    functions can be had (``replication_protocol.libpq_copy_functions``), else by the reference loop."""
+    functions can be had (``libpq_copy_functions``), else by the reference loop."""
     if not conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE:
         return psycopg_copy_out(conn, query)
     functions = libpq_copy_functions() if compiled else None

@@ -32,7 +32,8 @@ from sequin_provider.pgoutput import (
     int_to_lsn,
     lsn_to_int,
 )
-from sequin_provider.replication_protocol import ReplicationProtocolError, ReplicationStream, libpq_copy_functions
+from sequin_provider.pq_copy import libpq_copy_functions
+from sequin_provider.replication_protocol import ReplicationProtocolError, ReplicationStream
 
 log = logging.getLogger(__name__)
 

@@ -16,18 +16,16 @@ reply gets that same position. That is the invariant DESIGN §2.8 asks for, kept
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import struct
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, NoReturn
 
 import psycopg
 from psycopg import pq
 from psycopg.conninfo import make_conninfo
+
+from sequin_provider.pq_copy import libpq_copy_functions
 
 PG_EPOCH_OFFSET_US = 946_684_800_000_000
 """Microseconds from the Unix epoch to PostgreSQL's (2000-01-01), for status message clocks."""
@@ -45,39 +43,6 @@ RowTaker = Callable[[int, int, int, list[Any], int, int], tuple[int, int, int, b
 """The compiled reading loop bound to a decoder (``PgOutputDecoder.take_rows``): called with libpq's
 ``PGconn *``, the addresses of ``PQgetCopyData`` and ``PQfreemem``, the list to append change rows
 to and its limits; returns (rows appended, their bytes, code, message) (``_pgoutput_c.read_rows``)."""
-
-
-@functools.cache
-def libpq_copy_functions() -> tuple[int, int] | None:
-    """The addresses of ``PQgetCopyData`` and ``PQfreemem`` in the libpq psycopg's connections use, for
-    the compiled reading loop; None when that library cannot be told for sure (then the reader reads
-    one message at a time through psycopg, as its reference does).
-
-    psycopg's binary wheel carries its own libpq (``psycopg_binary.libs``), which is the one loaded
-    into this process from there; another libpq may be loaded beside it (psycopg2's wheel carries one
-    too), so the library is found by its folder, never by name alone, and must report the version
-    psycopg reports (``PQlibVersion``: the same build, so the same ``PGconn``)."""
-    if pq.__impl__ != "binary" or "psycopg_binary" not in sys.modules:
-        return None
-    wheel_libs = Path(sys.modules["psycopg_binary"].__file__ or "").resolve().parent.parent / "psycopg_binary.libs"
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-            loaded = {line.split(maxsplit=5)[-1].strip() for line in maps if "/libpq" in line}
-    except OSError:
-        return None
-    found = sorted(p for p in loaded if Path(p).parent == wheel_libs and Path(p).name.startswith("libpq"))
-    if len(found) != 1:
-        return None
-    try:
-        libpq = ctypes.CDLL(found[0])  # already loaded: the same handle, nothing loaded again
-    except OSError:
-        return None
-    libpq.PQlibVersion.restype = ctypes.c_int
-    if libpq.PQlibVersion() != pq.version():
-        return None
-    get_copy_data = ctypes.cast(libpq.PQgetCopyData, ctypes.c_void_p).value
-    free_memory = ctypes.cast(libpq.PQfreemem, ctypes.c_void_p).value
-    return (get_copy_data, free_memory) if get_copy_data and free_memory else None
 
 
 def quote_option(value: str) -> str:

@@ -10,8 +10,7 @@ import psycopg
 import pytest
 from psycopg import pq, sql
 
-from sequin_provider.pq_copy import copy_out_text, psycopg_copy_out
-from sequin_provider.replication_protocol import libpq_copy_functions
+from sequin_provider.pq_copy import copy_out_text, libpq_copy_functions, psycopg_copy_out
 
 BOTH = pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "reference"])
 """The compiled ``copy_out_into`` and its reference loop, each held to psycopg's own COPY."""

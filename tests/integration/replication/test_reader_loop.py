@@ -20,6 +20,7 @@ from psycopg import pq
 from devtools.stream_process import wait_for
 from sequin_provider.config import TableConfig
 from sequin_provider.pgoutput import Begin, Commit, PgOutputDecoder, TypeRegistry, as_string
+from sequin_provider.pq_copy import libpq_copy_functions
 from sequin_provider.replication import (
     REPLICATION_SESSION_OPTIONS,
     ChangeReader,
@@ -27,7 +28,7 @@ from sequin_provider.replication import (
     ensure_publication,
     int_to_lsn,
 )
-from sequin_provider.replication_protocol import ReplicationStream, libpq_copy_functions
+from sequin_provider.replication_protocol import ReplicationStream
 from tests.support.postgres import execute
 
 pytestmark = pytest.mark.skipif(
