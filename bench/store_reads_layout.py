@@ -34,6 +34,7 @@ from typing import Any
 
 import psutil
 import psycopg
+from psycopg import sql
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -91,17 +92,14 @@ def rendered_pages(dsn: str, rows: int) -> Pages:
 
 def copied_pages(conn: psycopg.Connection[Any], select: str, pages: int) -> Pages:
     """``select`` (with a ``{page}`` placeholder: the page's id) as one COPY binary payload per page."""
-    out: Pages = []
-    for page in range(1, pages + 1):
-        chunks = bytearray()
-        with conn.cursor() as cur, cur.copy(f"COPY ({select.format(page=page)}) TO STDOUT (FORMAT binary)") as copy:
-            for chunk in copy:
-                chunks += chunk
-        out.append(bytes(chunks))
-    return out
+    return [
+        bytes(copy_out_text(conn, sql.SQL(f"COPY ({select.format(page=page)}) TO STDOUT (FORMAT binary)")))
+        for page in range(1, pages + 1)
+    ]
 
 
 def backend_cpu(pid: int) -> float:
+    """A store backend's CPU seconds so far (user + system)."""
     times = psutil.Process(pid).cpu_times()
     return times.user + times.system
 
@@ -122,13 +120,20 @@ def emptied(conn: psycopg.Connection[Any], table: str) -> int:
     """Empty ``table`` and checkpoint; returns the WAL position after."""
     conn.execute(f"TRUNCATE {table}")
     conn.execute("CHECKPOINT")
+    return wal_position(conn)
+
+
+def wal_position(conn: psycopg.Connection[Any]) -> int:
+    """The server's current WAL position, in bytes."""
     return int(conn.execute("SELECT pg_current_wal_lsn() - '0/0'").fetchone()[0])
 
 
 def measured(
     conn: psycopg.Connection[Any], table: str, reads: int, seconds: float, cpu: float, wal_from: int
 ) -> dict[str, float]:
-    wal = int(conn.execute("SELECT pg_current_wal_lsn() - '0/0'").fetchone()[0]) - wal_from
+    """A layout's figures per read: the rate, the backends' ``cpu`` seconds, the relation's size and
+    the WAL written since ``wal_from``."""
+    wal = wal_position(conn) - wal_from
     size = int(conn.execute("SELECT pg_total_relation_size(%s)", (table,)).fetchone()[0])
     return {
         "reads_per_s": reads / seconds,
