@@ -33,10 +33,12 @@ id carries its block's position, the ordinal and the nonce), each run on its lay
 
 Reported per layout: messages/s received and acked (wall), the store backends' CPU per message
 (the four consumers' sessions, or over HTTP the API's pool; autovacuum and the background writers
-are not counted), over HTTP the API process's CPU per message too, and a
-check of every run's deliveries: no message acked twice, and each group's acked messages a prefix
-of the group (a group's message is never acked before an earlier one was); over HTTP, that the
-messages the store settled are the ones the consumers counted. Prints a Markdown table and writes
+are not counted), over HTTP the API process's CPU per message too. Every run's deliveries are
+checked: no message received twice, and none received before the ack of its group's previous
+message was sent; over HTTP, the messages the store settled must be the ones the consumers counted.
+Before the rounds, each layout runs on 20,000 messages over 100 groups, so that a head holds several
+messages of a group and a receive that handed out a later one would fail that check (the benchmark's
+50,000 groups never put two of a group in one head). Prints a Markdown table and writes
 bench/results/store_receive_layout.json. Not a test: no thresholds.
 """
 
@@ -51,6 +53,7 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -306,34 +309,49 @@ def serve_blocks_api(config: str, port: int) -> int:
     return sequin(["--config", config, "api", "--port", str(port)])
 
 
-Acked = list[tuple[int, int]]
-"""Positions (commit_lsn, commit_idx) a consumer acked."""
+Position = tuple[int, int]
+"""A message's (commit_lsn, commit_idx)."""
 
 
-def rows_consumer(args: tuple[str, float, Any]) -> tuple[Acked, float]:
+@dataclass
+class Consumed:
+    """What one consumer process did: each receive's positions with the time it returned, each ack's
+    positions with the time it was sent (``time.monotonic``, one clock for all processes), and its
+    session's backend CPU seconds."""
+
+    received: list[tuple[float, list[Position]]] = field(default_factory=list)
+    acked: list[tuple[float, list[Position]]] = field(default_factory=list)
+    cpu: float = 0.0
+
+
+def rows_consumer(args: tuple[str, float, Any]) -> Consumed:
     """Receive + ack with the product's ``stream_queue`` on a session set up as the API's, until
-    the deadline; returns the positions acked and the session's backend CPU seconds."""
+    the deadline."""
     dsn, seconds, barrier = args
-    acked: Acked = []
+    done = Consumed()
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("SET jit = off")
-        started, pid = None, conn.info.backend_pid
+        pid = conn.info.backend_pid
         barrier.wait()
         started, deadline = backend_cpu(pid), time.monotonic() + seconds
         while time.monotonic() < deadline:
             got = stream_queue.receive(conn, SCHEMA, SINK, BATCH, VISIBILITY_TIMEOUT, MAX_ACK_PENDING)
-            if got:
-                settled = stream_queue.ack(conn, SCHEMA, SINK, [d.ack_id for d in got])
-                if settled != len(got):
-                    raise RuntimeError(f"an ack settled {settled} of {len(got)} messages")
-                acked.extend(stream_queue.parse_ack_id(d.ack_id)[:2] for d in got)  # type: ignore[index]
-        return acked, backend_cpu(pid) - started
+            if not got:
+                continue
+            positions = [stream_queue.parse_ack_id(d.ack_id)[:2] for d in got]  # type: ignore[index]
+            done.received.append((time.monotonic(), positions))
+            done.acked.append((time.monotonic(), positions))
+            settled = stream_queue.ack(conn, SCHEMA, SINK, [d.ack_id for d in got])
+            if settled != len(got):
+                raise RuntimeError(f"an ack settled {settled} of {len(got)} messages")
+        done.cpu = backend_cpu(pid) - started
+    return done
 
 
-def blocks_consumer(args: tuple[str, float, Any]) -> tuple[Acked, float]:
+def blocks_consumer(args: tuple[str, float, Any]) -> Consumed:
     """``rows_consumer`` on the blocks prototype: one call to receive, one to ack."""
     dsn, seconds, barrier = args
-    acked: Acked = []
+    done = Consumed()
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("SET jit = off")
         pid = conn.info.backend_pid
@@ -343,33 +361,44 @@ def blocks_consumer(args: tuple[str, float, Any]) -> tuple[Acked, float]:
             got = conn.execute(RECEIVE_CALL, (SINK, BATCH, MAX_ACK_PENDING, VISIBILITY_TIMEOUT, NONCES)).fetchall()
             if not got:
                 continue
+            positions = [(r[4], r[5]) for r in got]
+            done.received.append((time.monotonic(), positions))
+            done.acked.append((time.monotonic(), positions))
             settled = conn.execute(
                 ACK_CALL,
                 (SINK, *(int_array(r[i] for r in got) for i in range(4))),  # block lsn, idx, ordinal, nonce
             ).fetchone()[0]
             if settled != len(got):
                 raise RuntimeError(f"an ack settled {settled} of {len(got)} messages")
-            acked.extend((r[4], r[5]) for r in got)
-        return acked, backend_cpu(pid) - started
+        done.cpu = backend_cpu(pid) - started
+    return done
 
 
-def checked(acked: Acked, messages: int) -> None:
-    """Raise unless no message was acked twice and each group's acked messages are a prefix of it
-    (message ``i``, at position (1000 + i // 10, i % 10), is in group ``i % GROUPS``)."""
-    numbers = [(lsn - 1000) * 10 + idx for lsn, idx in acked]
-    seen = set(numbers)
-    if len(seen) != len(numbers):
-        raise SystemExit(f"{len(numbers) - len(seen)} messages were acked twice")
-    if any(not 0 <= i < messages for i in seen):
-        raise SystemExit("a message outside the filled ones was acked")
-    out_of_order = [i for i in seen if i >= GROUPS and i - GROUPS not in seen]
-    if out_of_order:
-        raise SystemExit(f"{len(out_of_order)} messages were acked before an earlier one of their group")
+def checked(consumed: list[Consumed], messages: int, groups: int) -> int:
+    """How many messages were acked; raises unless none was received twice and no message of a group
+    was received before the ack of the group's previous message was sent (message ``i``, at position
+    (1000 + i // 10, i % 10), is in group ``i % groups``)."""
+    received: dict[int, float] = {}
+    ack_sent: dict[int, float] = {}
+    for done in consumed:
+        for at, positions in done.received:
+            for lsn, idx in positions:
+                i = (lsn - 1000) * 10 + idx
+                if i in received or not 0 <= i < messages:
+                    raise SystemExit(f"message {i} was received twice, or was never written")
+                received[i] = at
+        for at, positions in done.acked:
+            ack_sent.update(((lsn - 1000) * 10 + idx, at) for lsn, idx in positions)
+    early = [i for i, at in received.items() if i >= groups and not ack_sent.get(i - groups, at) < at]
+    if early:
+        raise SystemExit(f"{len(early)} messages were received before their group's previous one was acked")
+    return len(ack_sent)
 
 
-def prepare(layout: str, store: str, messages: int) -> None:
-    """``messages`` filled anew in ``layout``, every one available, the pending counter at 0."""
-    fill(store, messages, GROUPS)
+def prepare(layout: str, store: str, messages: int, groups: int = GROUPS) -> None:
+    """``messages`` over ``groups`` filled anew in ``layout``, every one available, the pending
+    counter at 0."""
+    fill(store, messages, groups)
     with psycopg.connect(store, autocommit=True) as conn:
         conn.execute(f"TRUNCATE {SCHEMA}.bench_blocks, {SCHEMA}.bench_block_state, {SCHEMA}.bench_block_acked")
         conn.execute(f"UPDATE {SCHEMA}.stream_pending SET pending = 0")
@@ -394,21 +423,43 @@ def settled(layout: str, store: str, messages: int) -> int:
     return int(total)
 
 
-def run(layout: str, store: str, messages: int, seconds: float) -> dict[str, float]:
-    """One run of ``layout`` straight against the store: the messages filled anew, then received and
-    acked by ``CONSUMERS`` processes for ``seconds``."""
-    prepare(layout, store, messages)
+def consume(layout: str, store: str, seconds: float) -> tuple[list[Consumed], float]:
+    """``CONSUMERS`` processes receiving and acking ``layout`` for ``seconds``; what each did and the
+    seconds to count a rate over."""
     consumer = rows_consumer if layout == "rows" else blocks_consumer
     with mp.Manager() as manager:
         barrier = manager.Barrier(CONSUMERS)
         with mp.get_context("spawn").Pool(CONSUMERS) as pool:
             started = time.monotonic()
-            results = pool.map(consumer, [(store, seconds, barrier)] * CONSUMERS)
+            consumed = pool.map(consumer, [(store, seconds, barrier)] * CONSUMERS)
             elapsed = max(min(time.monotonic() - started, seconds + 0.5), seconds)
-    acked = [p for positions, _ in results for p in positions]
-    checked(acked, messages)
-    cpu = sum(c for _, c in results)
-    return {"messages_per_s": len(acked) / elapsed, "cpu_us_per_message": cpu / len(acked) * 1e6, "acked": len(acked)}
+    return consumed, elapsed
+
+
+def run(layout: str, store: str, messages: int, seconds: float) -> dict[str, float]:
+    """One run of ``layout`` straight against the store: the messages filled anew, then received and
+    acked by ``CONSUMERS`` processes for ``seconds``."""
+    prepare(layout, store, messages)
+    consumed, elapsed = consume(layout, store, seconds)
+    acked = checked(consumed, messages, GROUPS)
+    cpu = sum(done.cpu for done in consumed)
+    return {"messages_per_s": acked / elapsed, "cpu_us_per_message": cpu / acked * 1e6, "acked": acked}
+
+
+ORDER_MESSAGES, ORDER_GROUPS = 20_000, 100
+"""The ordering check's shape: a group's messages 100 apart, so the head a receive reads holds
+several of each group and only the group's first may go out."""
+
+
+def check_order(layout: str, store: str) -> int:
+    """``layout`` received and acked for 3 s on a stream whose head holds several messages of each
+    group (``ORDER_GROUPS``), every delivery checked (``checked``); returns how many were acked. With
+    the benchmark's 50,000 groups a head never holds two of a group, so its runs cannot catch a
+    receive that hands out a group's later message: this can (its prototype without ``DISTINCT ON``
+    fails it)."""
+    prepare(layout, store, ORDER_MESSAGES, ORDER_GROUPS)
+    consumed, _ = consume(layout, store, 3.0)
+    return checked(consumed, ORDER_MESSAGES, ORDER_GROUPS)
 
 
 def store_backends_cpu(store: str) -> dict[int, float]:
@@ -530,6 +581,8 @@ def main() -> int:
             for statement in (_TABLES, _RECEIVE, _ACK):
                 conn.execute(_sql(statement))
             conn.execute(f"INSERT INTO {SCHEMA}.stream_pending (sink, pending) VALUES (%s, 0)", (SINK,))
+        for layout in layouts:
+            print(f"bench: {layout}: group order held for {check_order(layout, store):,} messages", flush=True)
         for round_ in range(args.rounds):
             for layout in ("rows", "blocks") if round_ % 2 == 0 else ("blocks", "rows"):
                 result = run(layout, store, args.messages, args.seconds)
