@@ -1,6 +1,7 @@
 """What a receive + ack costs the store with messages as a row each (today) or in blocks of many.
 
-    .venv/bin/python bench/store_receive_layout.py [--messages 300000] [--seconds 5] [--rounds 4] [--no-http]
+    .venv/bin/python bench/store_receive_layout.py [--messages 300000] [--seconds 5] [--rounds 4]
+        [--consumers 4] [--batch 100] [--no-http]
 
 A design measurement, not a feature's benchmark, and the second half of ``store_reads_layout.py``:
 blocks of 100 messages cost the store a quarter of a row per message to write, but only pay if
@@ -39,7 +40,8 @@ message was sent; over HTTP, the messages the store settled must be the ones the
 Before the rounds, each layout runs on 20,000 messages over 100 groups, so that a head holds several
 messages of a group and a receive that handed out a later one would fail that check (the benchmark's
 50,000 groups never put two of a group in one head). Prints a Markdown table and writes
-bench/results/store_receive_layout.json. Not a test: no thresholds.
+bench/results/store_receive_layout.json (another ``--consumers``/``--batch``:
+store_receive_layout_<consumers>x<batch>.json). Not a test: no thresholds.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ SINK = "bench"
 GROUPS = 50_000
 """Distinct groups of the filled messages: message ``i`` is in group ``i % GROUPS``."""
 CONSUMERS, BATCH = 4, 100
+"""The load ``make bench`` measures the pull API with (``--consumers``, ``--batch``)."""
 BLOCK = 100
 """Messages per block."""
 VISIBILITY_TIMEOUT, MAX_ACK_PENDING = 30.0, 1_000_000
@@ -324,10 +327,10 @@ class Consumed:
     cpu: float = 0.0
 
 
-def rows_consumer(args: tuple[str, float, Any]) -> Consumed:
-    """Receive + ack with the product's ``stream_queue`` on a session set up as the API's, until
-    the deadline."""
-    dsn, seconds, barrier = args
+def rows_consumer(args: tuple[str, float, Any, int]) -> Consumed:
+    """Receive + ack with the product's ``stream_queue`` on a session set up as the API's, ``batch``
+    at a time, until the deadline."""
+    dsn, seconds, barrier, batch = args
     done = Consumed()
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("SET jit = off")
@@ -335,7 +338,7 @@ def rows_consumer(args: tuple[str, float, Any]) -> Consumed:
         barrier.wait()
         started, deadline = backend_cpu(pid), time.monotonic() + seconds
         while time.monotonic() < deadline:
-            got = stream_queue.receive(conn, SCHEMA, SINK, BATCH, VISIBILITY_TIMEOUT, MAX_ACK_PENDING)
+            got = stream_queue.receive(conn, SCHEMA, SINK, batch, VISIBILITY_TIMEOUT, MAX_ACK_PENDING)
             if not got:
                 continue
             positions = [stream_queue.parse_ack_id(d.ack_id)[:2] for d in got]  # type: ignore[index]
@@ -348,9 +351,9 @@ def rows_consumer(args: tuple[str, float, Any]) -> Consumed:
     return done
 
 
-def blocks_consumer(args: tuple[str, float, Any]) -> Consumed:
+def blocks_consumer(args: tuple[str, float, Any, int]) -> Consumed:
     """``rows_consumer`` on the blocks prototype: one call to receive, one to ack."""
-    dsn, seconds, barrier = args
+    dsn, seconds, barrier, batch = args
     done = Consumed()
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("SET jit = off")
@@ -358,7 +361,7 @@ def blocks_consumer(args: tuple[str, float, Any]) -> Consumed:
         barrier.wait()
         started, deadline = backend_cpu(pid), time.monotonic() + seconds
         while time.monotonic() < deadline:
-            got = conn.execute(RECEIVE_CALL, (SINK, BATCH, MAX_ACK_PENDING, VISIBILITY_TIMEOUT, NONCES)).fetchall()
+            got = conn.execute(RECEIVE_CALL, (SINK, batch, MAX_ACK_PENDING, VISIBILITY_TIMEOUT, NONCES)).fetchall()
             if not got:
                 continue
             positions = [(r[4], r[5]) for r in got]
@@ -423,24 +426,32 @@ def settled(layout: str, store: str, messages: int) -> int:
     return int(total)
 
 
-def consume(layout: str, store: str, seconds: float) -> tuple[list[Consumed], float]:
-    """``CONSUMERS`` processes receiving and acking ``layout`` for ``seconds``; what each did and the
-    seconds to count a rate over."""
+@dataclass(frozen=True)
+class Load:
+    """How many consumer processes receive and ack at once, and their batch size."""
+
+    consumers: int = CONSUMERS
+    batch: int = BATCH
+
+
+def consume(layout: str, store: str, seconds: float, load: Load) -> tuple[list[Consumed], float]:
+    """``load.consumers`` processes receiving and acking ``layout`` for ``seconds``; what each did
+    and the seconds to count a rate over."""
     consumer = rows_consumer if layout == "rows" else blocks_consumer
     with mp.Manager() as manager:
-        barrier = manager.Barrier(CONSUMERS)
-        with mp.get_context("spawn").Pool(CONSUMERS) as pool:
+        barrier = manager.Barrier(load.consumers)
+        with mp.get_context("spawn").Pool(load.consumers) as pool:
             started = time.monotonic()
-            consumed = pool.map(consumer, [(store, seconds, barrier)] * CONSUMERS)
+            consumed = pool.map(consumer, [(store, seconds, barrier, load.batch)] * load.consumers)
             elapsed = max(min(time.monotonic() - started, seconds + 0.5), seconds)
     return consumed, elapsed
 
 
-def run(layout: str, store: str, messages: int, seconds: float) -> dict[str, float]:
+def run(layout: str, store: str, messages: int, seconds: float, load: Load) -> dict[str, float]:
     """One run of ``layout`` straight against the store: the messages filled anew, then received and
-    acked by ``CONSUMERS`` processes for ``seconds``."""
+    acked under ``load`` for ``seconds``."""
     prepare(layout, store, messages)
-    consumed, elapsed = consume(layout, store, seconds)
+    consumed, elapsed = consume(layout, store, seconds, load)
     acked = checked(consumed, messages, GROUPS)
     cpu = sum(done.cpu for done in consumed)
     return {"messages_per_s": acked / elapsed, "cpu_us_per_message": cpu / acked * 1e6, "acked": acked}
@@ -451,14 +462,14 @@ ORDER_MESSAGES, ORDER_GROUPS = 20_000, 100
 several of each group and only the group's first may go out."""
 
 
-def check_order(layout: str, store: str) -> int:
+def check_order(layout: str, store: str, load: Load) -> int:
     """``layout`` received and acked for 3 s on a stream whose head holds several messages of each
     group (``ORDER_GROUPS``), every delivery checked (``checked``); returns how many were acked. With
     the benchmark's 50,000 groups a head never holds two of a group, so its runs cannot catch a
     receive that hands out a group's later message: this can (its prototype without ``DISTINCT ON``
     fails it)."""
     prepare(layout, store, ORDER_MESSAGES, ORDER_GROUPS)
-    consumed, _ = consume(layout, store, 3.0)
+    consumed, _ = consume(layout, store, 3.0, load)
     return checked(consumed, ORDER_MESSAGES, ORDER_GROUPS)
 
 
@@ -472,14 +483,14 @@ def store_backends_cpu(store: str) -> dict[int, float]:
 
 
 def run_http(
-    layout: str, url: str, token: str, api_pid: int, store: str, messages: int, seconds: float
+    layout: str, url: str, token: str, api_pid: int, store: str, messages: int, seconds: float, load: Load
 ) -> dict[str, float]:
-    """One run of ``layout`` over HTTP: ``CONSUMERS`` ``http.client`` consumers at batch ``BATCH``
-    against the API serving it (process ``api_pid``), as ``make bench``'s pull API section."""
+    """One run of ``layout`` over HTTP: ``load`` in ``http.client`` consumers against the API serving
+    it (process ``api_pid``), as ``make bench``'s pull API section."""
     prepare(layout, store, messages)
     api = psutil.Process(api_pid)
     api_from, store_from = sum(api.cpu_times()[:2]), store_backends_cpu(store)
-    rate = run_consumers(http_consumer, url, token, CONSUMERS, BATCH, seconds)
+    rate = run_consumers(http_consumer, url, token, load.consumers, load.batch, seconds)
     api_cpu, store_to = sum(api.cpu_times()[:2]) - api_from, store_backends_cpu(store)
     store_cpu = sum(cpu - store_from.get(pid, 0.0) for pid, cpu in store_to.items())
     done = settled(layout, store, messages)
@@ -493,7 +504,9 @@ def run_http(
     }
 
 
-def http_rounds(pg: EmbeddedPostgres, store: str, args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
+def http_rounds(
+    pg: EmbeddedPostgres, store: str, args: argparse.Namespace, load: Load
+) -> dict[str, list[dict[str, float]]]:
     """``--rounds`` interleaved rounds over HTTP: an API process as shipped for the rows, one with
     the prototype's receive and ack for the blocks, both on the store's sink ``SINK``."""
     source = pg.create_database("bench")
@@ -526,7 +539,7 @@ def http_rounds(pg: EmbeddedPostgres, store: str, args: argparse.Namespace) -> d
         for round_ in range(args.rounds):
             for layout in ("rows", "blocks") if round_ % 2 == 0 else ("blocks", "rows"):
                 url = f"http://127.0.0.1:{ports[layout]}"
-                result = run_http(layout, url, token, apis[layout].pid, store, args.messages, args.seconds)
+                result = run_http(layout, url, token, apis[layout].pid, store, args.messages, args.seconds, load)
                 results[layout].append(result)
                 print(
                     f"bench: over HTTP, round {round_ + 1}, {layout}: {result['messages_per_s']:,.0f} messages/s,"
@@ -569,9 +582,12 @@ def main() -> int:
     parser.add_argument("--messages", type=int, default=300_000)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--consumers", type=int, default=CONSUMERS, help="consumer processes at once")
+    parser.add_argument("--batch", type=int, default=BATCH, help="each receive's batch_size")
     parser.add_argument("--no-http", dest="http", action="store_false", help="only the store, no HTTP rounds")
     add_pg_setting_argument(parser)
     args = parser.parse_args()
+    load = Load(args.consumers, args.batch)
     layouts: dict[str, list[dict[str, float]]] = {"rows": [], "blocks": []}
     over_http: dict[str, list[dict[str, float]]] = {}
     with EmbeddedPostgres(use_env_dsn=False, settings=dict(args.pg_setting)) as pg:
@@ -582,10 +598,10 @@ def main() -> int:
                 conn.execute(_sql(statement))
             conn.execute(f"INSERT INTO {SCHEMA}.stream_pending (sink, pending) VALUES (%s, 0)", (SINK,))
         for layout in layouts:
-            print(f"bench: {layout}: group order held for {check_order(layout, store):,} messages", flush=True)
+            print(f"bench: {layout}: group order held for {check_order(layout, store, load):,} messages", flush=True)
         for round_ in range(args.rounds):
             for layout in ("rows", "blocks") if round_ % 2 == 0 else ("blocks", "rows"):
-                result = run(layout, store, args.messages, args.seconds)
+                result = run(layout, store, args.messages, args.seconds, load)
                 layouts[layout].append(result)
                 print(
                     f"bench: round {round_ + 1}, {layout}: {result['messages_per_s']:,.0f} messages/s,"
@@ -593,9 +609,9 @@ def main() -> int:
                     flush=True,
                 )
         if args.http:
-            over_http = http_rounds(pg, store, args)
+            over_http = http_rounds(pg, store, args, load)
     shape = (
-        f"{CONSUMERS} processes at batch {BATCH}, {args.seconds:g} s each, {args.messages:,} messages over"
+        f"{load.consumers} processes at batch {load.batch}, {args.seconds:g} s each, {args.messages:,} messages over"
         f" {GROUPS:,} groups; median of {args.rounds} (min–max)"
     )
     summary = {
@@ -618,15 +634,16 @@ def main() -> int:
                 ("store_cpu_us_per_message", "store backends, µs of CPU per message", "{:.1f}"),
             ),
         )
-    out = ROOT / "bench" / "results" / "store_receive_layout.json"
+    shaped = "" if load == Load() else f"_{load.consumers}x{load.batch}"
+    out = ROOT / "bench" / "results" / f"store_receive_layout{shaped}.json"
     out.write_text(
         json.dumps(
             {
                 "messages": args.messages,
                 "seconds": args.seconds,
                 "rounds": args.rounds,
-                "consumers": CONSUMERS,
-                "batch": BATCH,
+                "consumers": load.consumers,
+                "batch": load.batch,
                 "block": BLOCK,
                 "pg_settings": dict(args.pg_setting),
                 "run_at": time.strftime("%Y-%m-%d %H:%M"),
