@@ -1,7 +1,7 @@
 """What a receive + ack costs the store with messages as a row each (today) or in blocks of many.
 
     .venv/bin/python bench/store_receive_layout.py [--messages 300000] [--seconds 5] [--rounds 4]
-        [--consumers 4] [--batch 100] [--no-http]
+        [--consumers 4] [--batch 100] [--block 100] [--no-http]
 
 A design measurement, not a feature's benchmark, and the second half of ``store_reads_layout.py``:
 blocks of 100 messages cost the store a quarter of a row per message to write, but only pay if
@@ -40,8 +40,8 @@ message was sent; over HTTP, the messages the store settled must be the ones the
 Before the rounds, each layout runs on 20,000 messages over 100 groups, so that a head holds several
 messages of a group and a receive that handed out a later one would fail that check (the benchmark's
 50,000 groups never put two of a group in one head). Prints a Markdown table and writes
-bench/results/store_receive_layout.json (another ``--consumers``/``--batch``:
-store_receive_layout_<consumers>x<batch>.json). Not a test: no thresholds.
+bench/results/store_receive_layout.json (another ``--consumers``/``--batch``/``--block``:
+store_receive_layout_<consumers>x<batch>[_block<n>].json). Not a test: no thresholds.
 """
 
 from __future__ import annotations
@@ -246,17 +246,17 @@ SELECT sink, first_lsn, first_idx, n, array_fill(0, ARRAY[n]), array_fill('-infi
        array_fill(0, ARRAY[n])
 FROM blocks
 """
-"""The filled rows of ``stream_messages`` as blocks of ``BLOCK``, in position order, each with its
+"""The filled rows of ``stream_messages`` as blocks of ``{block}``, in position order, each with its
 state (every message available)."""
 
 
-def _sql(template: str) -> str:
+def _sql(template: str, block: int = BLOCK) -> str:
     """``template`` with the store's schema, the block size, the head growth and the pieces of the
     product it shares (``READ_DATA``, ``DURABLE_COMMIT``) filled in."""
     s = sql.Identifier(SCHEMA)
     data = sql.SQL(READ_DATA).format(m=sql.Identifier("m"), s=s, t=sql.Identifier("tpl")).as_string(None)
     return template.format(
-        s=s.as_string(None), block=BLOCK, growth=stream_queue.HEAD_GROWTH, data=data, durable=DURABLE_COMMIT
+        s=s.as_string(None), block=block, growth=stream_queue.HEAD_GROWTH, data=data, durable=DURABLE_COMMIT
     )
 
 
@@ -398,7 +398,7 @@ def checked(consumed: list[Consumed], messages: int, groups: int) -> int:
     return len(ack_sent)
 
 
-def prepare(layout: str, store: str, messages: int, groups: int = GROUPS) -> None:
+def prepare(layout: str, store: str, messages: int, block: int, groups: int = GROUPS) -> None:
     """``messages`` over ``groups`` filled anew in ``layout``, every one available, the pending
     counter at 0."""
     fill(store, messages, groups)
@@ -406,7 +406,7 @@ def prepare(layout: str, store: str, messages: int, groups: int = GROUPS) -> Non
         conn.execute(f"TRUNCATE {SCHEMA}.bench_blocks, {SCHEMA}.bench_block_state, {SCHEMA}.bench_block_acked")
         conn.execute(f"UPDATE {SCHEMA}.stream_pending SET pending = 0")
         if layout == "blocks":
-            conn.execute(_sql(_BLOCKS_FROM_ROWS), {"sink": SINK})
+            conn.execute(_sql(_BLOCKS_FROM_ROWS, block), {"sink": SINK})
             conn.execute(f"TRUNCATE {SCHEMA}.stream_messages")
             conn.execute(f"VACUUM ANALYZE {SCHEMA}.bench_blocks, {SCHEMA}.bench_block_state")
         conn.execute("CHECKPOINT")
@@ -428,10 +428,12 @@ def settled(layout: str, store: str, messages: int) -> int:
 
 @dataclass(frozen=True)
 class Load:
-    """How many consumer processes receive and ack at once, and their batch size."""
+    """How many consumer processes receive and ack at once, their batch size, and the messages per
+    block of the blocks layout."""
 
     consumers: int = CONSUMERS
     batch: int = BATCH
+    block: int = BLOCK
 
 
 def consume(layout: str, store: str, seconds: float, load: Load) -> tuple[list[Consumed], float]:
@@ -450,7 +452,7 @@ def consume(layout: str, store: str, seconds: float, load: Load) -> tuple[list[C
 def run(layout: str, store: str, messages: int, seconds: float, load: Load) -> dict[str, float]:
     """One run of ``layout`` straight against the store: the messages filled anew, then received and
     acked under ``load`` for ``seconds``."""
-    prepare(layout, store, messages)
+    prepare(layout, store, messages, load.block)
     consumed, elapsed = consume(layout, store, seconds, load)
     acked = checked(consumed, messages, GROUPS)
     cpu = sum(done.cpu for done in consumed)
@@ -468,7 +470,7 @@ def check_order(layout: str, store: str, load: Load) -> int:
     the benchmark's 50,000 groups a head never holds two of a group, so its runs cannot catch a
     receive that hands out a group's later message: this can (its prototype without ``DISTINCT ON``
     fails it)."""
-    prepare(layout, store, ORDER_MESSAGES, ORDER_GROUPS)
+    prepare(layout, store, ORDER_MESSAGES, load.block, ORDER_GROUPS)
     consumed, _ = consume(layout, store, 3.0, load)
     return checked(consumed, ORDER_MESSAGES, ORDER_GROUPS)
 
@@ -487,7 +489,7 @@ def run_http(
 ) -> dict[str, float]:
     """One run of ``layout`` over HTTP: ``load`` in ``http.client`` consumers against the API serving
     it (process ``api_pid``), as ``make bench``'s pull API section."""
-    prepare(layout, store, messages)
+    prepare(layout, store, messages, load.block)
     api = psutil.Process(api_pid)
     api_from, store_from = sum(api.cpu_times()[:2]), store_backends_cpu(store)
     rate = run_consumers(http_consumer, url, token, load.consumers, load.batch, seconds)
@@ -555,10 +557,10 @@ def http_rounds(
 
 
 def table(
-    title: str, layouts: dict[str, list[dict[str, float]]], keys: tuple[tuple[str, str, str], ...]
+    title: str, layouts: dict[str, list[dict[str, float]]], keys: tuple[tuple[str, str, str], ...], block: int
 ) -> dict[str, Any]:
     """Print ``layouts``' runs as a Markdown table of ``keys`` (key, column, format): median (min–max)."""
-    names = {"rows": "a row per message (today)", "blocks": f"blocks of {BLOCK} (prototype)"}
+    names = {"rows": "a row per message (today)", "blocks": f"blocks of {block} (prototype)"}
     print(f"\n{title}\n")
     print("| layout | " + " | ".join(column for _, column, _ in keys) + " |")
     print("|---|" + "---:|" * len(keys))
@@ -584,10 +586,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--consumers", type=int, default=CONSUMERS, help="consumer processes at once")
     parser.add_argument("--batch", type=int, default=BATCH, help="each receive's batch_size")
+    parser.add_argument("--block", type=int, default=BLOCK, help="messages per block (at most 255)")
     parser.add_argument("--no-http", dest="http", action="store_false", help="only the store, no HTTP rounds")
     add_pg_setting_argument(parser)
     args = parser.parse_args()
-    load = Load(args.consumers, args.batch)
+    if not 0 < args.block < 1 << ORDINAL_BITS:
+        parser.error(f"--block: 1 to {(1 << ORDINAL_BITS) - 1} (an ack id's ordinal)")
+    load = Load(args.consumers, args.batch, args.block)
     layouts: dict[str, list[dict[str, float]]] = {"rows": [], "blocks": []}
     over_http: dict[str, list[dict[str, float]]] = {}
     with EmbeddedPostgres(use_env_dsn=False, settings=dict(args.pg_setting)) as pg:
@@ -595,7 +600,7 @@ def main() -> int:
         with psycopg.connect(store, autocommit=True) as conn:
             migrate(conn, SCHEMA)
             for statement in (_TABLES, _RECEIVE, _ACK):
-                conn.execute(_sql(statement))
+                conn.execute(_sql(statement, load.block))
             conn.execute(f"INSERT INTO {SCHEMA}.stream_pending (sink, pending) VALUES (%s, 0)", (SINK,))
         for layout in layouts:
             print(f"bench: {layout}: group order held for {check_order(layout, store, load):,} messages", flush=True)
@@ -622,6 +627,7 @@ def main() -> int:
                 ("messages_per_s", "messages/s", "{:,.0f}"),
                 ("cpu_us_per_message", "store backends, µs of CPU per message", "{:.1f}"),
             ),
+            load.block,
         )
     }
     if over_http:
@@ -633,8 +639,13 @@ def main() -> int:
                 ("api_cpu_us_per_message", "the API process, µs of CPU per message", "{:.1f}"),
                 ("store_cpu_us_per_message", "store backends, µs of CPU per message", "{:.1f}"),
             ),
+            load.block,
         )
-    shaped = "" if load == Load() else f"_{load.consumers}x{load.batch}"
+    shaped = (
+        ""
+        if load == Load()
+        else f"_{load.consumers}x{load.batch}" + (f"_block{load.block}" if load.block != BLOCK else "")
+    )
     out = ROOT / "bench" / "results" / f"store_receive_layout{shaped}.json"
     out.write_text(
         json.dumps(
@@ -644,7 +655,7 @@ def main() -> int:
                 "rounds": args.rounds,
                 "consumers": load.consumers,
                 "batch": load.batch,
-                "block": BLOCK,
+                "block": load.block,
                 "pg_settings": dict(args.pg_setting),
                 "run_at": time.strftime("%Y-%m-%d %H:%M"),
                 "median": summary,
