@@ -57,7 +57,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 import psycopg
@@ -327,52 +327,47 @@ class Consumed:
     cpu: float = 0.0
 
 
-def rows_consumer(args: tuple[str, float, Any, int]) -> Consumed:
-    """Receive + ack with the product's ``stream_queue`` on a session set up as the API's, ``batch``
-    at a time, until the deadline."""
-    dsn, seconds, barrier, batch = args
-    done = Consumed()
+Claim = tuple[list[Position], Callable[[], int]]
+"""A receive's messages (their positions; none: nothing deliverable) and the call that acks them,
+returning how many it settled."""
+
+
+def rows_claim(conn: psycopg.Connection[Any], batch: int) -> Claim:
+    """A receive with the product's ``stream_queue``, and its ack."""
+    got = stream_queue.receive(conn, SCHEMA, SINK, batch, VISIBILITY_TIMEOUT, MAX_ACK_PENDING)
+    positions = [stream_queue.parse_ack_id(d.ack_id)[:2] for d in got]  # type: ignore[index]
+    return positions, lambda: stream_queue.ack(conn, SCHEMA, SINK, [d.ack_id for d in got])
+
+
+def blocks_claim(conn: psycopg.Connection[Any], batch: int) -> Claim:
+    """A receive on the blocks prototype, and its ack: one function call each."""
+    got = conn.execute(RECEIVE_CALL, (SINK, batch, MAX_ACK_PENDING, VISIBILITY_TIMEOUT, NONCES)).fetchall()
+    ack = (SINK, *(int_array(r[i] for r in got) for i in range(4)))  # block lsn, idx, ordinal, nonce
+    return [(r[4], r[5]) for r in got], lambda: int(conn.execute(ACK_CALL, ack).fetchone()[0])
+
+
+CLAIMS = {"rows": rows_claim, "blocks": blocks_claim}
+
+
+def consumer(args: tuple[str, str, float, Any, int]) -> Consumed:
+    """Receive + ack ``layout``'s messages ``batch`` at a time on a session set up as the API's, until
+    the deadline (a consumer process of ``consume``)."""
+    layout, dsn, seconds, barrier, batch = args
+    claim, done = CLAIMS[layout], Consumed()
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("SET jit = off")
         pid = conn.info.backend_pid
         barrier.wait()
         started, deadline = backend_cpu(pid), time.monotonic() + seconds
         while time.monotonic() < deadline:
-            got = stream_queue.receive(conn, SCHEMA, SINK, batch, VISIBILITY_TIMEOUT, MAX_ACK_PENDING)
-            if not got:
+            positions, ack = claim(conn, batch)
+            if not positions:
                 continue
-            positions = [stream_queue.parse_ack_id(d.ack_id)[:2] for d in got]  # type: ignore[index]
             done.received.append((time.monotonic(), positions))
             done.acked.append((time.monotonic(), positions))
-            settled = stream_queue.ack(conn, SCHEMA, SINK, [d.ack_id for d in got])
-            if settled != len(got):
-                raise RuntimeError(f"an ack settled {settled} of {len(got)} messages")
-        done.cpu = backend_cpu(pid) - started
-    return done
-
-
-def blocks_consumer(args: tuple[str, float, Any, int]) -> Consumed:
-    """``rows_consumer`` on the blocks prototype: one call to receive, one to ack."""
-    dsn, seconds, barrier, batch = args
-    done = Consumed()
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("SET jit = off")
-        pid = conn.info.backend_pid
-        barrier.wait()
-        started, deadline = backend_cpu(pid), time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            got = conn.execute(RECEIVE_CALL, (SINK, batch, MAX_ACK_PENDING, VISIBILITY_TIMEOUT, NONCES)).fetchall()
-            if not got:
-                continue
-            positions = [(r[4], r[5]) for r in got]
-            done.received.append((time.monotonic(), positions))
-            done.acked.append((time.monotonic(), positions))
-            settled = conn.execute(
-                ACK_CALL,
-                (SINK, *(int_array(r[i] for r in got) for i in range(4))),  # block lsn, idx, ordinal, nonce
-            ).fetchone()[0]
-            if settled != len(got):
-                raise RuntimeError(f"an ack settled {settled} of {len(got)} messages")
+            settled = ack()
+            if settled != len(positions):
+                raise RuntimeError(f"an ack settled {settled} of {len(positions)} messages")
         done.cpu = backend_cpu(pid) - started
     return done
 
@@ -439,12 +434,11 @@ class Load:
 def consume(layout: str, store: str, seconds: float, load: Load) -> tuple[list[Consumed], float]:
     """``load.consumers`` processes receiving and acking ``layout`` for ``seconds``; what each did
     and the seconds to count a rate over."""
-    consumer = rows_consumer if layout == "rows" else blocks_consumer
     with mp.Manager() as manager:
         barrier = manager.Barrier(load.consumers)
         with mp.get_context("spawn").Pool(load.consumers) as pool:
             started = time.monotonic()
-            consumed = pool.map(consumer, [(store, seconds, barrier, load.batch)] * load.consumers)
+            consumed = pool.map(consumer, [(layout, store, seconds, barrier, load.batch)] * load.consumers)
             elapsed = max(min(time.monotonic() - started, seconds + 0.5), seconds)
     return consumed, elapsed
 
