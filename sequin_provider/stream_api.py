@@ -8,6 +8,8 @@ are JSON ``{"code": ..., "summary": ...}`` with status 400, 401, 403, 404, 413, 
 Long polls (``wait_for``) wake as soon as the stream app makes new messages visible (NOTIFY on
 ``store.VISIBLE_CHANNEL``) and re-check at least every second, which also catches visibility
 timeouts expiring and nacks from other API processes. ``max_waiting`` is enforced per API process.
+Receives of a sink share its claims: one at a time per process, the receives that arrived meanwhile
+claiming together (``receive_rounds``).
 
 A receive whose client disconnects stops at once: a long poll watches its connection while it waits
 and gives up its ``max_waiting`` slot; nothing is claimed once the client is gone, and messages
@@ -46,6 +48,7 @@ from sequin_provider import stream_queue
 from sequin_provider.config import SequinConfig
 from sequin_provider.metrics.api import ApiMetrics
 from sequin_provider.receive_params import InvalidReceiveParameter, ReceiveParams, parse_receive
+from sequin_provider.receive_rounds import ReceiveRounds
 from sequin_provider.store import VISIBLE_CHANNEL
 
 log = logging.getLogger(__name__)
@@ -213,6 +216,7 @@ class StreamService:
         self._tokens: dict[str, tuple[str, float]] = {}
         self._waiting: dict[str, int] = {}
         self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._receive_rounds: dict[tuple[asyncio.AbstractEventLoop, str], ReceiveRounds[stream_queue.Delivery]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
         self._stopping = False
@@ -391,13 +395,7 @@ class StreamService:
         (visible again at once, its delivery not counted)."""
         if await client.gone():
             return []
-        got: list[stream_queue.Delivery] = await run_in_threadpool(
-            self._run,
-            stream,
-            lambda conn: stream_queue.receive(
-                conn, stream.schema, stream.name, batch_size, stream.visibility_timeout, stream.max_ack_pending
-            ),
-        )
+        got = await self._rounds(stream).receive(batch_size)
         if got and await client.gone():
             ack_ids = [d.ack_id for d in got]
             try:
@@ -415,6 +413,27 @@ class StreamService:
             self._set_event(stream.name)  # visible again: other long polls may take them
             return []
         return got
+
+    def _rounds(self, stream: Stream) -> ReceiveRounds[stream_queue.Delivery]:
+        """The sink's receive rounds in the running event loop (``receive_rounds``): one claim of a
+        sink at a time in this process, shared by the receives waiting for it."""
+        loop = asyncio.get_running_loop()
+        rounds = self._receive_rounds.get((loop, stream.name))
+        if rounds is None:
+            self._receive_rounds = {k: v for k, v in self._receive_rounds.items() if k[0] is loop}
+
+            async def claim(batch_size: int) -> list[stream_queue.Delivery]:
+                self.metrics.claims.labels(stream.name).inc()
+                return await run_in_threadpool(
+                    self._run,
+                    stream,
+                    lambda conn: stream_queue.receive(
+                        conn, stream.schema, stream.name, batch_size, stream.visibility_timeout, stream.max_ack_pending
+                    ),
+                )
+
+            rounds = self._receive_rounds[(loop, stream.name)] = ReceiveRounds(claim)
+        return rounds
 
     async def ack(self, stream: Stream, ack_ids: list[uuid.UUID]) -> int:
         count = int(

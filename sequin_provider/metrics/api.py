@@ -39,9 +39,15 @@ class ApiMetrics:
             ["sink"],
             registry=r,
         )
+        self.claims = Counter(
+            "sequin_api_store_claims",
+            "Claims of messages from the store for receives: one serves every receive of the sink waiting for it",
+            ["sink"],
+            registry=r,
+        )
         r.register(OutstandingCollector(stores, schema))
         for sink in sinks:
-            for counter in (self.receives, self.received, self.acked, self.nacked, self.rejected):
+            for counter in (self.receives, self.received, self.acked, self.nacked, self.rejected, self.claims):
                 counter.labels(sink)
 
     def render(self) -> bytes:

@@ -209,6 +209,45 @@ def test_long_poll_returns_when_a_message_arrives_and_max_waiting_answers_429(
     assert after.status_code == 200 and after.json() == {"data": []}  # waiters are counted down again
 
 
+def test_receives_arriving_while_a_claim_is_in_flight_share_the_next_claim(api: tuple[str, Path, httpx.Client]) -> None:
+    """One claim of a sink at a time in an API process (``receive_rounds``): the first receive's
+    claim is held up in the store (the sink's pending counter locked), three more arrive meanwhile
+    and wait in the API, not in the store; then one claim serves the three, each its batch, every
+    message once and in position order across the split."""
+    dsn, _, client = api
+    put(dsn, "kv", [(i, 0, f"g{i}") for i in range(1, 31)])
+    execute(dsn, "INSERT INTO sequin.stream_pending (sink, pending) VALUES ('kv', 0) ON CONFLICT DO NOTHING")
+    answers: dict[str, list[dict[str, Any]]] = {}
+
+    def receiving(key: str, batch_size: int) -> threading.Thread:
+        thread = threading.Thread(target=lambda: answers.__setitem__(key, receive(client, "kv", batch_size=batch_size)))
+        thread.start()
+        return thread
+
+    def waiting_on_the_counter(watcher: psycopg.Connection[Any]) -> int:
+        row = watcher.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+    with psycopg.connect(dsn) as blocker, psycopg.connect(dsn, autocommit=True) as watcher:
+        blocker.execute("SELECT * FROM sequin.stream_pending WHERE sink = 'kv' FOR UPDATE")
+        threads = [receiving("first", 10)]
+        wait_for(lambda: waiting_on_the_counter(watcher) == 1, 10, interval=0.05, what="the first claim to wait")
+        threads += [receiving(f"then{i}", 5) for i in range(3)]
+        time.sleep(1.0)  # the three are in the API by now
+        assert waiting_on_the_counter(watcher) == 1  # they wait for the claim in flight, not in the store
+        blocker.rollback()
+        for thread in threads:
+            thread.join(timeout=30)
+    assert positions(answers["first"]) == [(i, 0) for i in range(1, 11)]
+    shares = sorted(positions(answers[f"then{i}"]) for i in range(3))
+    assert shares == [[(i, 0) for i in range(start, start + 5)] for start in (11, 16, 21)]
+    metrics = client.get("/metrics").text
+    assert 'sequin_api_store_claims_total{sink="kv"} 2.0' in metrics
+    assert 'sequin_api_receive_requests_total{sink="kv"} 4.0' in metrics
+
+
 def test_bad_requests_get_the_documented_error_and_leave_the_stream_alone(api: tuple[str, Path, httpx.Client]) -> None:
     dsn, config_path, client = api
     put(dsn, "kv", [(5, 0, "a"), (6, 0, "b")])
