@@ -130,6 +130,11 @@ class ClientConnection:
         self._request = request
         self._gone = False
 
+    def known_gone(self) -> bool:
+        """True once the client is known to have disconnected (``gone`` or ``watching`` saw it),
+        without asking the server."""
+        return self._gone
+
     async def gone(self) -> bool:
         """True once the client has disconnected."""
         if not self._gone:
@@ -217,6 +222,7 @@ class StreamService:
         self._waiting: dict[str, int] = {}
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self._receive_rounds: dict[tuple[asyncio.AbstractEventLoop, str], ReceiveRounds[stream_queue.Delivery]] = {}
+        self._rounds_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
         self._stopping = False
@@ -395,44 +401,63 @@ class StreamService:
         (visible again at once, its delivery not counted)."""
         if await client.gone():
             return []
-        got = await self._rounds(stream).receive(batch_size)
+        rounds = self._rounds(stream)
+        self.metrics.claim_waits.labels(stream.name).inc()
+        try:
+            got = await rounds.receive(batch_size, client.known_gone)
+        finally:
+            self.metrics.claim_waits.labels(stream.name).dec()
         if got and await client.gone():
-            ack_ids = [d.ack_id for d in got]
-            try:
-                await run_in_threadpool(
-                    self._run, stream, lambda conn: stream_queue.release(conn, stream.schema, stream.name, ack_ids)
-                )
-            except psycopg.Error as exc:
-                log.warning(
-                    "stream API: could not release %d messages of %r claimed for a client that went (%s);"
-                    " they come back after the visibility timeout",
-                    len(got),
-                    stream.name,
-                    str(exc).strip(),
-                )
-            self._set_event(stream.name)  # visible again: other long polls may take them
+            await self._release(stream, got)
             return []
         return got
+
+    async def _release(self, stream: Stream, got: list[stream_queue.Delivery]) -> None:
+        """Give back messages claimed for a client that went: visible again at once, their delivery
+        not counted (or, when the store cannot be reached, after their visibility timeout)."""
+        ack_ids = [d.ack_id for d in got]
+        try:
+            await run_in_threadpool(
+                self._run, stream, lambda conn: stream_queue.release(conn, stream.schema, stream.name, ack_ids)
+            )
+        except psycopg.Error as exc:
+            log.warning(
+                "stream API: could not release %d messages of %r claimed for a client that went (%s);"
+                " they come back after the visibility timeout",
+                len(got),
+                stream.name,
+                str(exc).strip(),
+            )
+        self._set_event(stream.name)  # visible again: other long polls may take them
 
     def _rounds(self, stream: Stream) -> ReceiveRounds[stream_queue.Delivery]:
         """The sink's receive rounds in the running event loop (``receive_rounds``): one claim of a
         sink at a time in this process, shared by the receives waiting for it."""
         loop = asyncio.get_running_loop()
-        rounds = self._receive_rounds.get((loop, stream.name))
-        if rounds is None:
-            self._receive_rounds = {k: v for k, v in self._receive_rounds.items() if k[0] is loop}
+        with self._rounds_lock:
+            rounds = self._receive_rounds.get((loop, stream.name))
+            if rounds is None:
+                self._receive_rounds = {k: v for k, v in self._receive_rounds.items() if not k[0].is_closed()}
 
-            async def claim(batch_size: int) -> list[stream_queue.Delivery]:
-                self.metrics.claims.labels(stream.name).inc()
-                return await run_in_threadpool(
-                    self._run,
-                    stream,
-                    lambda conn: stream_queue.receive(
-                        conn, stream.schema, stream.name, batch_size, stream.visibility_timeout, stream.max_ack_pending
-                    ),
-                )
+                async def claim(batch_size: int) -> list[stream_queue.Delivery]:
+                    self.metrics.claims.labels(stream.name).inc()
+                    return await run_in_threadpool(
+                        self._run,
+                        stream,
+                        lambda conn: stream_queue.receive(
+                            conn,
+                            stream.schema,
+                            stream.name,
+                            batch_size,
+                            stream.visibility_timeout,
+                            stream.max_ack_pending,
+                        ),
+                    )
 
-            rounds = self._receive_rounds[(loop, stream.name)] = ReceiveRounds(claim)
+                async def abandon(got: list[stream_queue.Delivery]) -> None:
+                    await self._release(stream, got)
+
+                rounds = self._receive_rounds[(loop, stream.name)] = ReceiveRounds(claim, abandon)
         return rounds
 
     async def ack(self, stream: Stream, ack_ids: list[uuid.UUID]) -> int:

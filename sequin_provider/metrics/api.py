@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -45,10 +45,17 @@ class ApiMetrics:
             ["sink"],
             registry=r,
         )
+        self.claim_waits = Gauge(
+            "sequin_api_receives_in_claim_rounds",
+            "Receives waiting for a claim of the store or in one (a round serves every receive waiting)",
+            ["sink"],
+            registry=r,
+        )
         r.register(OutstandingCollector(stores, schema))
         for sink in sinks:
             for counter in (self.receives, self.received, self.acked, self.nacked, self.rejected, self.claims):
                 counter.labels(sink)
+            self.claim_waits.labels(sink)
 
     def render(self) -> bytes:
         """The exposition text (reads the store: call it off the event loop)."""

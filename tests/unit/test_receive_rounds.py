@@ -11,19 +11,42 @@ from typing import Any
 from sequin_provider.receive_rounds import ReceiveRounds
 
 
+class GivenBack:
+    """What the rounds gave back (``abandon``)."""
+
+    def __init__(self) -> None:
+        self.messages: list[int] = []
+
+    async def __call__(self, messages: list[int]) -> None:
+        self.messages += messages
+
+
+def rounds_of(claims: HeldClaims, round_max: int = 1000) -> tuple[ReceiveRounds[int], GivenBack]:
+    given_back = GivenBack()
+    return ReceiveRounds(claims, given_back, round_max), given_back
+
+
 class HeldClaims:
-    """Claims that wait until the test releases them; each hands out the next ``available`` numbers."""
+    """Claims that wait until the test lets them through: all of them (``release``), or the n-th
+    alone (``let(n)``); each hands out the next ``available`` numbers."""
 
     def __init__(self, available: int = 10_000, fail: BaseException | None = None) -> None:
         self.asked: list[int] = []
         self.release = asyncio.Event()
+        self.gates: dict[int, asyncio.Event] = {}
         self.next = 0
         self.available = available
         self.fail = fail
 
+    def let(self, n: int) -> None:
+        self.gates.setdefault(n, asyncio.Event()).set()
+
     async def __call__(self, n: int) -> list[int]:
         self.asked.append(n)
-        await self.release.wait()
+        gate = self.gates.setdefault(len(self.asked) - 1, asyncio.Event())
+        await next(
+            asyncio.as_completed([asyncio.ensure_future(self.release.wait()), asyncio.ensure_future(gate.wait())])
+        )
         if self.fail is not None:
             raise self.fail
         got = list(range(self.next, min(self.next + n, self.available)))
@@ -47,7 +70,7 @@ def run(coroutine: Any) -> Any:
 def test_receives_waiting_for_a_claim_share_the_next_one_in_arrival_order() -> None:
     async def scenario() -> None:
         claims = HeldClaims()
-        rounds = ReceiveRounds(claims)
+        rounds, given_back = rounds_of(claims)
         tasks = await started(rounds, 10, 5, 5, 3)
         assert claims.asked == [10]  # the first claims alone; the others wait for it
         claims.release.set()
@@ -61,7 +84,7 @@ def test_receives_waiting_for_a_claim_share_the_next_one_in_arrival_order() -> N
 def test_a_short_claim_goes_to_the_earliest_receives_first() -> None:
     async def scenario() -> None:
         claims = HeldClaims(available=17)
-        rounds = ReceiveRounds(claims)
+        rounds, given_back = rounds_of(claims)
         tasks = await started(rounds, 10, 5, 5)
         claims.release.set()
         assert await asyncio.gather(*tasks) == [list(range(10)), [10, 11, 12, 13, 14], [15, 16]]
@@ -72,7 +95,7 @@ def test_a_short_claim_goes_to_the_earliest_receives_first() -> None:
 def test_a_round_claims_at_most_its_size_and_the_rest_wait_for_the_next() -> None:
     async def scenario() -> None:
         claims = HeldClaims()
-        rounds = ReceiveRounds(claims, round_max=10)
+        rounds, _ = rounds_of(claims, round_max=10)
         tasks = await started(rounds, 4, 4, 4, 4, 20)
         claims.release.set()
         results = await asyncio.gather(*tasks)
@@ -86,7 +109,7 @@ def test_a_round_claims_at_most_its_size_and_the_rest_wait_for_the_next() -> Non
 def test_a_failed_claim_fails_every_receive_of_its_round_and_the_next_round_claims_again() -> None:
     async def scenario() -> None:
         claims = HeldClaims(fail=ConnectionError("store down"))
-        rounds = ReceiveRounds(claims)
+        rounds, given_back = rounds_of(claims)
         tasks = await started(rounds, 1, 2, 3)
         claims.release.set()
         results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -101,36 +124,59 @@ def test_a_failed_claim_fails_every_receive_of_its_round_and_the_next_round_clai
 def test_a_receive_cancelled_while_it_waits_is_left_out_of_the_round() -> None:
     async def scenario() -> None:
         claims = HeldClaims()
-        rounds = ReceiveRounds(claims)
+        rounds, given_back = rounds_of(claims)
         first, cancelled, last = await started(rounds, 10, 5, 5)
         cancelled.cancel()
         await asyncio.sleep(0)
         claims.release.set()
         assert await first == list(range(10))
         assert await last == list(range(10, 15))
-        assert cancelled.cancelled() and claims.asked == [10, 5]
+        assert cancelled.cancelled() and claims.asked == [10, 5] and given_back.messages == []
 
     run(scenario())
 
 
-def test_a_receive_cancelled_while_its_round_claims_leaves_the_round_to_the_others() -> None:
-    """The round goes on (shielded): the others get their shares; the cancelled receive's share was
-    claimed for nobody (in the API: back after the visibility timeout, as for a consumer that died)."""
+def test_receives_cancelled_while_their_round_claims_leave_it_to_the_others_and_give_theirs_back() -> None:
+    """The round goes on (shielded, holding the sink's one claim) for the receives still there; the
+    shares of the cancelled ones are given back (in the API: released, visible again at once)."""
 
     async def scenario() -> None:
         claims = HeldClaims()
-        rounds = ReceiveRounds(claims)
-        first, *others = await started(rounds, 10, 5, 5)
-        claims.release.set()
+        rounds, given_back = rounds_of(claims)
+        first, *others = await started(rounds, 10, 5, 5, 5)
+        claims.let(0)
         assert await first == list(range(10))
-        claims.release.clear()
-        leader, follower = others
+        leader, taken, last = others
         await asyncio.sleep(0)
-        assert claims.asked == [10, 10]  # the two waiting claim together, the claim held
-        leader.cancel()
+        assert claims.asked == [10, 15]  # the three waiting claim together, the claim held
+        leader.cancel()  # the receive that started the round
+        await asyncio.sleep(0)
+        taken.cancel()  # one taken into it, waiting for its share
+        await asyncio.sleep(0)
+        later = asyncio.create_task(rounds.receive(5))
+        await asyncio.sleep(0)
+        assert claims.asked == [10, 15]  # the round still holds the sink's one claim
+        claims.release.set()
+        assert await last == list(range(20, 25))
+        assert await later == list(range(25, 30))
+        assert leader.cancelled() and taken.cancelled()
+        await asyncio.sleep(0)
+        assert sorted(given_back.messages) == list(range(10, 20))
+
+    run(scenario())
+
+
+def test_a_receive_whose_client_is_known_gone_is_left_out_of_its_round() -> None:
+    async def scenario() -> None:
+        claims = HeldClaims()
+        rounds, _ = rounds_of(claims)
+        first = asyncio.create_task(rounds.receive(10))
+        await asyncio.sleep(0)
+        gone = asyncio.create_task(rounds.receive(5, gone=lambda: True))
+        live = asyncio.create_task(rounds.receive(5))
         await asyncio.sleep(0)
         claims.release.set()
-        assert await follower == list(range(15, 20))
-        assert leader.cancelled()
+        assert (await first, await gone, await live) == (list(range(10)), [], list(range(10, 15)))
+        assert claims.asked == [10, 5]
 
     run(scenario())

@@ -235,8 +235,9 @@ def test_receives_arriving_while_a_claim_is_in_flight_share_the_next_claim(api: 
         threads = [receiving("first", 10)]
         wait_for(lambda: waiting_on_the_counter(watcher) == 1, 10, interval=0.05, what="the first claim to wait")
         threads += [receiving(f"then{i}", 5) for i in range(3)]
-        time.sleep(1.0)  # the three are in the API by now
-        assert waiting_on_the_counter(watcher) == 1  # they wait for the claim in flight, not in the store
+        in_rounds = 'sequin_api_receives_in_claim_rounds{sink="kv"} 4.0'
+        wait_for(lambda: in_rounds in client.get("/metrics").text, 10, interval=0.05, what="four receives in rounds")
+        assert waiting_on_the_counter(watcher) == 1  # three wait for the claim in flight, not in the store
         blocker.rollback()
         for thread in threads:
             thread.join(timeout=30)
@@ -246,6 +247,7 @@ def test_receives_arriving_while_a_claim_is_in_flight_share_the_next_claim(api: 
     metrics = client.get("/metrics").text
     assert 'sequin_api_store_claims_total{sink="kv"} 2.0' in metrics
     assert 'sequin_api_receive_requests_total{sink="kv"} 4.0' in metrics
+    assert 'sequin_api_receives_in_claim_rounds{sink="kv"} 0.0' in metrics
 
 
 def test_bad_requests_get_the_documented_error_and_leave_the_stream_alone(api: tuple[str, Path, httpx.Client]) -> None:
