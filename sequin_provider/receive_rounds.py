@@ -66,11 +66,6 @@ class ReceiveRounds(Generic[T]):
         self._claiming = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()  # rounds and give-backs running (strong references)
 
-    @property
-    def waiting(self) -> int:
-        """Receives waiting for a round (not in one yet)."""
-        return len(self._waiting)
-
     async def receive(self, batch_size: int, gone: Callable[[], bool] = lambda: False) -> list[T]:
         """Up to ``batch_size`` messages, from this receive's own claim or a round it shared;
         nothing when ``gone()`` (its client is known to have left) by the time a round would take it."""
@@ -98,12 +93,13 @@ class ReceiveRounds(Generic[T]):
         while self._waiting and total + self._waiting[0].batch_size <= limit:
             taken.append(self._waiting.popleft())
             total += taken[-1].batch_size
+        live = []
         for wanted in taken:
             wanted.taken = True
-        live = [w for w in taken if not w.gone()]
-        for wanted in taken:
-            if wanted not in live:
+            if wanted.gone():
                 wanted.share.set_result([])
+            else:
+                live.append(wanted)
         task = self._run(self._claim_shares(live, sum(w.batch_size for w in live)))
         task.add_done_callback(lambda _: self._claiming.release())
         return task
@@ -128,9 +124,7 @@ class ReceiveRounds(Generic[T]):
 
     def _give_back(self, share: asyncio.Future[list[T]]) -> None:
         """A share nobody will read (its receive was cancelled): its messages given back."""
-        if share.cancelled() or share.exception() is not None:
-            return
-        if share.result():
+        if not share.cancelled() and share.exception() is None and share.result():
             self._run(self._abandon(share.result()))
 
     def _run(self, coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:

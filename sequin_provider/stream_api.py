@@ -22,6 +22,7 @@ traceback).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -402,11 +403,11 @@ class StreamService:
         if await client.gone():
             return []
         rounds = self._rounds(stream)
-        self.metrics.claim_waits.labels(stream.name).inc()
+        self.metrics.in_claim_rounds.labels(stream.name).inc()
         try:
             got = await rounds.receive(batch_size, client.known_gone)
         finally:
-            self.metrics.claim_waits.labels(stream.name).dec()
+            self.metrics.in_claim_rounds.labels(stream.name).dec()
         if got and await client.gone():
             await self._release(stream, got)
             return []
@@ -454,10 +455,8 @@ class StreamService:
                         ),
                     )
 
-                async def abandon(got: list[stream_queue.Delivery]) -> None:
-                    await self._release(stream, got)
-
-                rounds = self._receive_rounds[(loop, stream.name)] = ReceiveRounds(claim, abandon)
+                rounds = ReceiveRounds(claim, functools.partial(self._release, stream))
+                self._receive_rounds[(loop, stream.name)] = rounds
         return rounds
 
     async def ack(self, stream: Stream, ack_ids: list[uuid.UUID]) -> int:

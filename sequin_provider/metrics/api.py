@@ -45,7 +45,7 @@ class ApiMetrics:
             ["sink"],
             registry=r,
         )
-        self.claim_waits = Gauge(
+        self.in_claim_rounds = Gauge(
             "sequin_api_receives_in_claim_rounds",
             "Receives waiting for a claim of the store or in one (a round serves every receive waiting)",
             ["sink"],
@@ -55,7 +55,7 @@ class ApiMetrics:
         for sink in sinks:
             for counter in (self.receives, self.received, self.acked, self.nacked, self.rejected, self.claims):
                 counter.labels(sink)
-            self.claim_waits.labels(sink)
+            self.in_claim_rounds.labels(sink)
 
     def render(self) -> bytes:
         """The exposition text (reads the store: call it off the event loop)."""
