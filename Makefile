@@ -18,7 +18,7 @@ export SEQUIN_PG_CACHE ?= $(CURDIR)/var/postgres
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py requirements.lock sequin_provider/_pgoutput_c.c
+$(STAMP): pyproject.toml setup.py requirements.lock sequin_provider/_pgoutput_c.c sequin_provider/_ack_ids_c.c
 	@command -v java >/dev/null || { echo "Java 17+ is required for Spark (apt-get install openjdk-17-jre-headless)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

@@ -73,6 +73,7 @@ from bench.store_reads_layout import backend_cpu  # noqa: E402
 from bench.stream_throughput import add_pg_setting_argument  # noqa: E402
 from devtools.embedded_postgres import EmbeddedPostgres, free_port  # noqa: E402
 from devtools.stream_process import wait_for  # noqa: E402
+from sequin_provider import ack_ids as ack_id_codec  # noqa: E402
 from sequin_provider import stream_queue  # noqa: E402
 from sequin_provider.config import load_config  # noqa: E402
 from sequin_provider.provisioning import initialize  # noqa: E402
@@ -331,24 +332,22 @@ def blocks_receive(
         RECEIVE_CALL.replace(SCHEMA, schema, 1), (sink, batch_size, max_ack_pending, visibility_timeout, NONCES)
     ).fetchall()
     rows.sort(key=lambda r: (r[4], r[5]))
-    return [
-        stream_queue.Delivery(stream_queue.ack_id(bl, bi << ORDINAL_BITS | o, nonce), data)
-        for bl, bi, o, nonce, _, _, data in rows
-    ]
+    ids = ack_id_codec.ack_ids([(bl, bi << ORDINAL_BITS | o, nonce) for bl, bi, o, nonce, _, _, _ in rows])
+    return [stream_queue.Delivery(ack_id, row[6]) for ack_id, row in zip(ids, rows)]
 
 
 def blocks_ack(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: list[str | uuid.UUID]) -> int:
     """``stream_queue.ack`` on the blocks."""
-    parsed = [p for p in dict.fromkeys(map(stream_queue.parse_ack_id, ack_ids)) if p is not None]
+    blocks, positions, nonces = ack_id_codec.positions(ack_ids)
     return int(
         conn.execute(
             ACK_CALL.replace(SCHEMA, schema, 1),
             (
                 sink,
-                int_array(p[0] for p in parsed),
-                int_array(p[1] >> ORDINAL_BITS for p in parsed),
-                int_array(p[1] & ((1 << ORDINAL_BITS) - 1) for p in parsed),
-                int_array(p[2] for p in parsed),
+                int_array(blocks),
+                int_array(p >> ORDINAL_BITS for p in positions),
+                int_array(p & ((1 << ORDINAL_BITS) - 1) for p in positions),
+                int_array(nonces),
             ),
         ).fetchone()[0]
     )
@@ -386,7 +385,7 @@ returning how many it settled."""
 def rows_claim(conn: psycopg.Connection[Any], batch: int) -> Claim:
     """A receive with the product's ``stream_queue``, and its ack."""
     got = stream_queue.receive(conn, SCHEMA, SINK, batch, VISIBILITY_TIMEOUT, MAX_ACK_PENDING)
-    positions = [stream_queue.parse_ack_id(d.ack_id)[:2] for d in got]  # type: ignore[index]
+    positions = [ack_id_codec.parse_ack_id(d.ack_id)[:2] for d in got]  # type: ignore[index]
     return positions, lambda: stream_queue.ack(conn, SCHEMA, SINK, [d.ack_id for d in got])
 
 

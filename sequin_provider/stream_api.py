@@ -123,42 +123,52 @@ BEARER_SCHEME = {"type": "http", "scheme": "bearer", "description": "an API toke
 
 
 class ClientConnection:
-    """Whether a request's client is still connected. ``gone()`` asks the server now; ``watching(wake)``
-    sets ``wake`` as soon as the client disconnects (the server's ``http.disconnect``), for a long
-    poll. Call after the request's body was read."""
+    """Whether a request's client is still connected, watched from inside ``async with``: one task
+    waits for the server's ``http.disconnect`` (enter after the request's body was read). ``gone()``
+    reads what it saw, and ``watching(wake)`` has it set ``wake`` too, for a long poll.
+
+    Asking the server instead (Starlette's ``Request.is_disconnected``, a cancelled receive) cost
+    43 µs per question, two per receive; the task costs about 10 µs per request. A client that went
+    before its receive was served is seen once the receive awaits, so its claim is released
+    (``StreamService._claim``)."""
 
     def __init__(self, request: Request) -> None:
         self._request = request
         self._gone = False
+        self._wakes: set[asyncio.Event] = set()
+        self._watch: asyncio.Task[None] | None = None
 
-    def known_gone(self) -> bool:
-        """True once the client is known to have disconnected (``gone`` or ``watching`` saw it),
-        without asking the server."""
-        return self._gone
+    async def __aenter__(self) -> ClientConnection:
+        self._watch = asyncio.create_task(self._watch_disconnect())
+        return self
 
-    async def gone(self) -> bool:
-        """True once the client has disconnected."""
-        if not self._gone:
-            self._gone = await self._request.is_disconnected()
-        return self._gone
+    async def __aexit__(self, *_: object) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._watch
 
-    @asynccontextmanager
-    async def watching(self, wake: asyncio.Event) -> AsyncIterator[None]:
-        """While inside, a disconnect sets ``wake``."""
-
-        async def watch() -> None:
-            while (await self._request.receive())["type"] != "http.disconnect":
-                pass
-            self._gone = True
+    async def _watch_disconnect(self) -> None:
+        while (await self._request.receive())["type"] != "http.disconnect":
+            pass
+        self._gone = True
+        for wake in self._wakes:
             wake.set()
 
-        task = asyncio.create_task(watch())
+    def gone(self) -> bool:
+        """True once the client is known to have disconnected."""
+        return self._gone
+
+    @contextmanager
+    def watching(self, wake: asyncio.Event) -> Iterator[None]:
+        """While inside, a disconnect sets ``wake``."""
+        self._wakes.add(wake)
         try:
+            if self._gone:
+                wake.set()
             yield
         finally:
-            task.cancel()
-            with suppress(asyncio.CancelledError):
-                await task
+            self._wakes.discard(wake)
 
 
 @dataclass(frozen=True)
@@ -382,13 +392,13 @@ class StreamService:
         waiters = self._waiters.setdefault(stream.name, set())
         waiters.add(wake)
         try:
-            async with client.watching(wake):
+            with client.watching(wake):
                 deadline = time.monotonic() + wait_for_ms / 1000.0
                 while not self._stopping:
                     wake.clear()  # before the claim: a wake-up during it is not lost
                     got = await self._claim(stream, batch_size, client)
                     remaining = deadline - time.monotonic()
-                    if got or remaining <= 0 or await client.gone():
+                    if got or remaining <= 0 or client.gone():
                         return got
                     with suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(wake.wait(), timeout=min(remaining, RECHECK_SECONDS))
@@ -400,15 +410,15 @@ class StreamService:
     async def _claim(self, stream: Stream, batch_size: int, client: ClientConnection) -> list[stream_queue.Delivery]:
         """Claim messages for a client still connected; what was claimed while it went is released
         (visible again at once, its delivery not counted)."""
-        if await client.gone():
+        if client.gone():
             return []
         rounds = self._rounds(stream)
         self.metrics.in_claim_rounds.labels(stream.name).inc()
         try:
-            got = await rounds.receive(batch_size, client.known_gone)
+            got = await rounds.receive(batch_size, client.gone)
         finally:
             self.metrics.in_claim_rounds.labels(stream.name).dec()
-        if got and await client.gone():
+        if got and client.gone():
             await self._release(stream, got)
             return []
         return got
@@ -630,7 +640,8 @@ def create_app(config: SequinConfig, service: StreamService | None = None) -> Fa
             asked = parse_receive(request.query_params, await request.body())
         except InvalidReceiveParameter as exc:
             raise ApiError(400, "bad_request", str(exc)) from None
-        got = await service.receive(stream, asked.batch_size, asked.wait_for_ms, ClientConnection(request))
+        async with ClientConnection(request) as client:
+            got = await service.receive(stream, asked.batch_size, asked.wait_for_ms, client)
         service.metrics.receives.labels(name).inc()
         if got:
             service.metrics.received.labels(name).inc(len(got))

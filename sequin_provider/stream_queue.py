@@ -9,7 +9,7 @@ its table while it is (its ``barrier`` column, migration 12).
 Received messages are invisible for the visibility timeout; ``ack`` deletes them (and keeps their
 positions in the acked ledger until the slot has passed them, so a replayed micro-batch does not
 bring them back: a sink is one consumer group), ``nack`` makes them visible at once; an ack id
-carries its message's position (``ack_id``). Concurrent receivers
+carries its message's position (``ack_ids``). Concurrent receivers
 never get the same message: rows are claimed with ``FOR UPDATE SKIP LOCKED``. API tokens are stored
 as SHA-256 hashes only.
 The queries are the store's (``store.stream_queue``, ``store.tokens``); this module decides how much a
@@ -22,58 +22,22 @@ import hashlib
 import secrets
 import uuid
 from contextlib import suppress
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import psycopg
 
+from sequin_provider import ack_ids as ack_id_codec
 from sequin_provider import store
 from sequin_provider.exceptions import SequinError
 
 TOKEN_PREFIX = "sqn_"
 
 
-@dataclass(frozen=True)
-class Delivery:
+class Delivery(NamedTuple):
     """One received message: the id to ack/nack it with and its JSON text."""
 
     ack_id: str
     data: str
-
-
-_IDX_BITS, _NONCE_BITS = 31, 28
-_NONCE_LIMIT = 1 << _NONCE_BITS
-_LOW62 = (1 << 62) - 1
-
-
-def ack_id(commit_lsn: int, commit_idx: int, nonce: int) -> str:
-    """The ack id of one delivery: an RFC 9562 version-8 UUID holding the message's position and the
-    delivery's random nonce, so an ack finds its message by primary key (no ack-id index to write) and
-    the ack id of an earlier delivery of the same message matches nothing."""
-    if not (0 <= commit_lsn < 1 << 63 and 0 <= commit_idx < 1 << _IDX_BITS and 0 <= nonce < _NONCE_LIMIT):
-        raise ValueError(f"position ({commit_lsn}, {commit_idx}) or nonce {nonce} out of range")
-    value = (commit_lsn << (_IDX_BITS + _NONCE_BITS)) | (commit_idx << _NONCE_BITS) | nonce  # 122 bits
-    u = (value >> 74 << 80) | (0x8 << 76) | ((value >> 62 & 0xFFF) << 64) | (0b10 << 62) | (value & _LOW62)
-    h = f"{u:032x}"
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
-
-
-def parse_ack_id(ack_id: str | uuid.UUID) -> tuple[int, int, int] | None:
-    """(commit_lsn, commit_idx, nonce) of an ack id made by ``ack_id``; None for a UUID of another
-    version or variant (any other version-8 UUID parses too, and matches a message only if its
-    position and nonce do). Raises ValueError for text that is not a UUID."""
-    u = (ack_id if isinstance(ack_id, uuid.UUID) else uuid.UUID(ack_id)).int
-    if u >> 76 & 0xF != 0x8 or u >> 62 & 0b11 != 0b10:
-        return None
-    value = (u >> 80 << 74) | ((u >> 64 & 0xFFF) << 62) | (u & _LOW62)
-    return value >> (_IDX_BITS + _NONCE_BITS), value >> _NONCE_BITS & ((1 << _IDX_BITS) - 1), value & (_NONCE_LIMIT - 1)
-
-
-def _parsed(ack_ids: Sequence[str | uuid.UUID]) -> tuple[list[int], list[int], list[int]]:
-    """The positions and nonces of ``ack_ids`` as ``store.Deliveries``, each once; ids that are not
-    ours are left out."""
-    parsed = [p for p in dict.fromkeys(map(parse_ack_id, ack_ids)) if p is not None]
-    return [p[0] for p in parsed], [p[1] for p in parsed], [p[2] for p in parsed]
 
 
 RECOUNT_SECONDS = 5.0
@@ -118,7 +82,7 @@ def receive(
     received by nobody until their visibility times out, as for a consumer that died holding them).
     """
     first = store.claim_first(
-        conn, schema, sink, batch_size, max_ack_pending, HEAD_GROWTH, visibility_timeout, _NONCE_LIMIT
+        conn, schema, sink, batch_size, max_ack_pending, HEAD_GROWTH, visibility_timeout, ack_id_codec.NONCE_LIMIT
     )
     if first is None:
         return []
@@ -165,7 +129,7 @@ def _claim_more(
                 only_redeliveries,
                 limit - len(claimed),
                 visibility_timeout,
-                _NONCE_LIMIT,
+                ack_id_codec.NONCE_LIMIT,
             )
             claimed = claimed + got
             # Read further while too few were claimed and the head did not hold every visible
@@ -184,7 +148,8 @@ def _positions(claimed: list[store.Claimed]) -> store.Deliveries:
 
 def _deliveries(claimed: list[store.Claimed]) -> list[Delivery]:
     """Claimed messages in position order, with their ack ids."""
-    return [Delivery(ack_id(lsn, idx, nonce), data) for lsn, idx, nonce, data in sorted(claimed)]
+    in_order = sorted(claimed)
+    return [Delivery(ack_id, row[3]) for ack_id, row in zip(ack_id_codec.ack_ids(in_order), in_order)]
 
 
 def ack(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequence[str | uuid.UUID]) -> int:
@@ -194,19 +159,19 @@ def ack(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequence
     acked ledger until the slot has passed it (``store.prune_acked``), so a micro-batch replayed
     after a crash of the stream app skips it; and the ack is durable when it returns (a crash of
     the store does not undo an ack its consumer was told of)."""
-    return store.ack_messages(conn, schema, sink, _parsed(ack_ids))
+    return store.ack_messages(conn, schema, sink, ack_id_codec.positions(ack_ids))
 
 
 def nack(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequence[str | uuid.UUID]) -> int:
     """Make the messages delivered with ``ack_ids`` visible again at once (their ack ids expire)."""
-    return store.nack_messages(conn, schema, sink, _parsed(ack_ids))
+    return store.nack_messages(conn, schema, sink, ack_id_codec.positions(ack_ids))
 
 
 def release(conn: psycopg.Connection[Any], schema: str, sink: str, ack_ids: Sequence[str | uuid.UUID]) -> int:
     """Give back messages claimed for a client that disconnected before their answer was sent: a
     nack that also takes back the delivery count, since nobody received them (a message claimed
     again since, with another ack id, is left alone)."""
-    return store.release_messages(conn, schema, sink, _parsed(ack_ids))
+    return store.release_messages(conn, schema, sink, ack_id_codec.positions(ack_ids))
 
 
 # ---------------------------------------------------------------------------------------------

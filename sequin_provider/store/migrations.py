@@ -177,7 +177,7 @@ CREATE INDEX IF NOT EXISTS buffered_messages_group ON {schema}.buffered_messages
     ),
     # Receiving a message updates no indexed column, so the update is HOT (no index entries, the
     # new version on the same page, which the fillfactor leaves room for):
-    # - an ack id encodes its message's position and a random nonce (stream_queue.ack_id), so an ack
+    # - an ack id encodes its message's position and a random nonce (ack_ids.format_ack_id), so an ack
     #   finds its message by primary key: no ack-id index;
     # - the count of pending messages (max_ack_pending) is kept in stream_pending by every receive,
     #   ack and nack: no index on state.

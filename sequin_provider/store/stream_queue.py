@@ -18,7 +18,7 @@ from sequin_provider.store.stream import READ_DATA, READS_RELEASED, TEMPLATE_JOI
 
 Deliveries = tuple[list[int], list[int], list[int]]
 """Deliveries to settle, as three parallel lists: their messages' commit LSNs, commit indexes and
-delivery nonces (what an ack id carries: ``stream_queue.parse_ack_id``)."""
+delivery nonces (what an ack id carries: ``ack_ids.parse_ack_id``)."""
 
 Claimed = tuple[int, int, int, str]
 """A claimed message: (commit_lsn, commit_idx, ack nonce, data JSON)."""

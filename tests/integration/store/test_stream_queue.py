@@ -1,4 +1,5 @@
-"""The consumer-group queries under the pull API: ack ids, the pending counter, HOT receives.
+"""The consumer-group queries under the pull API: the pending counter, HOT receives (ack ids:
+tests/unit/test_ack_ids.py).
 
 Real Postgres. The API's HTTP behaviour is tested in test_stream_api.py; these tests pin what the
 queries keep in the store.
@@ -43,23 +44,6 @@ def conn(dsn: str) -> psycopg.Connection:
     with psycopg.connect(dsn, autocommit=True) as c:  # autocommit: each receive has its own now()
         store.migrate(c)
         yield c
-
-
-def test_an_ack_id_holds_the_position_and_a_nonce_and_no_other_uuid_matches() -> None:
-    cases = [(0, 0, 0), ((1 << 63) - 1, (1 << 31) - 1, (1 << 28) - 1), (0x16B3F28, 7, 12345)]
-    for lsn, idx, nonce in cases:
-        text = stream_queue.ack_id(lsn, idx, nonce)
-        parsed = uuid.UUID(text)
-        assert str(parsed) == text and parsed.version == 8 and parsed.variant == uuid.RFC_4122
-        assert stream_queue.parse_ack_id(text) == stream_queue.parse_ack_id(parsed) == (lsn, idx, nonce)
-    assert stream_queue.ack_id(1, 2, 3) != stream_queue.ack_id(1, 2, 4) != stream_queue.ack_id(1, 3, 3)
-    assert stream_queue.parse_ack_id(str(uuid.uuid4())) is None  # not ours: matches nothing
-    assert stream_queue.parse_ack_id(uuid.UUID(int=0)) is None
-    for bad in [(-1, 0, 0), (1 << 63, 0, 0), (0, 1 << 31, 0), (0, 0, 1 << 28), (0, -1, 0)]:
-        with pytest.raises(ValueError):
-            stream_queue.ack_id(*bad)
-    with pytest.raises(ValueError):
-        stream_queue.parse_ack_id("not-a-uuid")
 
 
 def test_the_pending_counter_follows_receives_acks_nacks_redeliveries_and_stale_ids(
