@@ -80,15 +80,16 @@ static PyObject *format_one(PyObject *lsn_o, PyObject *idx_o, PyObject *nonce_o)
 }
 
 static PyObject *ack_ids(PyObject *self, PyObject *claimed) {
-    PyObject *rows = PySequence_Fast(claimed, "ack_ids() takes a sequence of claimed rows");
+    /* a tuple of its own: an error message's str() runs Python code, which must not change it under us */
+    PyObject *rows = PySequence_Tuple(claimed);
     if (rows == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(rows);
+    Py_ssize_t n = PyTuple_GET_SIZE(rows);
     PyObject *result = PyList_New(n);
     if (result == NULL)
         goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *row = PySequence_Fast_GET_ITEM(rows, i);
+        PyObject *row = PyTuple_GET_ITEM(rows, i);
         if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) < 3) {
             PyErr_SetString(PyExc_TypeError, "a claimed row is a tuple (lsn, idx, nonce, ...)");
             goto fail;
@@ -118,6 +119,12 @@ static int hex_value(Py_UCS4 c) {
 
 /* A UUID's canonical text (8-4-4-4-12 hex digits, either case) as (uhi, ulo): 0, or 1 otherwise. */
 static int parse_text(PyObject *s, uint64_t *uhi, uint64_t *ulo) {
+#if PY_VERSION_HEX < 0x030C0000
+    if (PyUnicode_READY(s) < 0) { /* a legacy string: leave it to the reference */
+        PyErr_Clear();
+        return 1;
+    }
+#endif
     if (PyUnicode_GET_LENGTH(s) != 36)
         return 1;
     int kind = PyUnicode_KIND(s);
@@ -161,6 +168,17 @@ static int parse_uuid(PyObject *u, uint64_t *uhi, uint64_t *ulo) {
     return PyErr_Occurred() ? -1 : 0;
 }
 
+/* A 64-bit hash of a 122-bit value (splitmix64's finisher over both halves). */
+static uint64_t mix(uint64_t hi, uint64_t lo) {
+    uint64_t x = lo ^ (hi * UINT64_C(0x9E3779B97F4A7C15));
+    x ^= x >> 30;
+    x *= UINT64_C(0xBF58476D1CE4E5B9);
+    x ^= x >> 27;
+    x *= UINT64_C(0x94D049BB133111EB);
+    x ^= x >> 31;
+    return x;
+}
+
 typedef struct {
     uint64_t hi, lo; /* the value (position and nonce); slot empty when used == 0 */
     int used;
@@ -170,13 +188,15 @@ static PyObject *positions(PyObject *self, PyObject *args) {
     PyObject *ids, *uuid_type;
     if (!PyArg_ParseTuple(args, "OO", &ids, &uuid_type))
         return NULL;
-    PyObject *items = PySequence_Fast(ids, "positions() takes a sequence of ack ids");
+    /* a tuple of its own: isinstance() and a UUID's int run Python code, which must not change it under us */
+    PyObject *items = PySequence_Tuple(ids);
     if (items == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
-    size_t slots = 16;
-    while (slots < (size_t)n * 2)
-        slots <<= 1;
+    Py_ssize_t n = PyTuple_GET_SIZE(items);
+    int bits = 4;
+    while (((size_t)1 << bits) < (size_t)n * 2)
+        bits++;
+    size_t slots = (size_t)1 << bits;
     Seen *seen = calloc(slots, sizeof(Seen));
     PyObject *lsns = PyList_New(0), *idxs = PyList_New(0), *nonces = PyList_New(0), *result = NULL;
     if (seen == NULL) {
@@ -186,7 +206,7 @@ static PyObject *positions(PyObject *self, PyObject *args) {
     if (lsns == NULL || idxs == NULL || nonces == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(items, i);
+        PyObject *item = PyTuple_GET_ITEM(items, i);
         uint64_t uhi, ulo;
         if (PyUnicode_CheckExact(item)) {
             if (parse_text(item, &uhi, &ulo) != 0) { /* another form: the reference's */
@@ -208,7 +228,7 @@ static PyObject *positions(PyObject *self, PyObject *args) {
             continue; /* not ours */
         uint64_t vhi = ((uhi >> 16) << 10) | ((uhi & 0xFFF) >> 2);
         uint64_t vlo = ((uhi & 0x3) << 62) | (ulo & LOW62);
-        size_t h = (size_t)((vlo * UINT64_C(0x9E3779B97F4A7C15)) ^ (vhi * UINT64_C(0xC2B2AE3D27D4EB4F))) & (slots - 1);
+        size_t h = (size_t)(mix(vhi, vlo) >> (64 - bits)); /* the high bits: every input bit moves them */
         while (seen[h].used && !(seen[h].hi == vhi && seen[h].lo == vlo))
             h = (h + 1) & (slots - 1);
         if (seen[h].used)

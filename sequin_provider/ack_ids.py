@@ -62,7 +62,8 @@ COMPILED = _compiled is not None
 
 
 def ack_ids(claimed: Sequence[tuple[int, int, int, object]], compiled: bool = COMPILED) -> list[str]:
-    """The ack id of each claimed row ``(commit_lsn, commit_idx, nonce, ...)`` (``format_ack_id``)."""
+    """The ack id of each claimed row, a tuple ``(commit_lsn, commit_idx, nonce, ...)`` of ints
+    (``format_ack_id``)."""
     if compiled:
         return _compiled.ack_ids(claimed)  # type: ignore[union-attr]
     return [format_ack_id(row[0], row[1], row[2]) for row in claimed]
@@ -72,6 +73,8 @@ def positions(ack_ids: Sequence[str | uuid.UUID], compiled: bool = COMPILED) -> 
     """``parse_positions``: compiled for ``uuid.UUID`` objects and UUIDs' canonical text, the
     reference for any other form ``uuid.UUID`` takes (braces, no hyphens, a ``urn:uuid:`` prefix)."""
     if compiled:
+        if not isinstance(ack_ids, (list, tuple)):
+            ack_ids = list(ack_ids)  # read twice when the reference takes over
         found = _compiled.positions(ack_ids, uuid.UUID)  # type: ignore[union-attr]
         if found is not None:
             return found  # type: ignore[no-any-return]
