@@ -67,12 +67,13 @@ class SparkCluster:
         )
 
     def state(self) -> dict[str, Any] | None:
-        """The master's JSON status page (workers, applications), or None while it does not answer."""
+        """The master's JSON status page (workers, applications), or None while it does not answer
+        with one (starting, its web UI has answered ``/json/`` with its HTML page)."""
         try:
             response = httpx.get(f"http://127.0.0.1:{self.ui_port}/json/", timeout=5)
-        except httpx.HTTPError:
+            return response.json() if response.is_success else None  # type: ignore[no-any-return]
+        except (httpx.HTTPError, ValueError):
             return None
-        return response.json() if response.is_success else None  # type: ignore[no-any-return]
 
     def start(self) -> SparkCluster:
         """Start the master (``wait_ready`` starts the workers once the master answers)."""
