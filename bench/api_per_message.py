@@ -10,7 +10,7 @@ In this process, no server: per ``--batch`` messages, CPU time (``time.process_t
     body holds them, compiled and by the reference;
 and per request, a disconnect checked by Starlette's ``Request.is_disconnected`` (a cancelled receive,
 twice per receive before ``ClientConnection`` watched with one task) beside one watch task started
-and cancelled. Both ways must give the same ids and positions (checked). Prints a Markdown table and
+and cancelled (``stream_api.ClientConnection`` entered and left). Both ways must give the same ids and positions (checked). Prints a Markdown table and
 writes bench/results/api_per_message.json. Not a test: no thresholds.
 """
 
@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 from starlette.requests import Request  # noqa: E402
 
 from sequin_provider import ack_ids  # noqa: E402
+from sequin_provider.stream_api import ClientConnection  # noqa: E402
 
 RUNS = 5
 
@@ -48,8 +49,9 @@ def cpu_us(work: Callable[[], Any], repeat: int, per: int) -> float:
 
 
 def disconnect_checks(repeat: int) -> dict[str, float]:
-    """µs per request: Starlette's ``is_disconnected`` against a watch task, on a receive that waits
-    as a server's does for a connected client."""
+    """µs per request: Starlette's ``is_disconnected`` against ``stream_api.ClientConnection`` (its
+    watch task started, looked at and cancelled), on a receive that waits as a server's does for a
+    connected client."""
 
     async def measure() -> dict[str, float]:
         never = asyncio.Event()
@@ -64,13 +66,8 @@ def disconnect_checks(repeat: int) -> dict[str, float]:
             await Request(scope, receive).is_disconnected()
 
         async def watch() -> None:
-            task = asyncio.create_task(receive())
-            await asyncio.sleep(0)
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+            async with ClientConnection(Request(scope, receive)) as client:
+                client.gone()
 
         out = {}
         for name, check in (("is_disconnected", ask), ("watch_task", watch)):

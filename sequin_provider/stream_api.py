@@ -128,8 +128,8 @@ class ClientConnection:
     reads what it saw, and ``watching(wake)`` has it set ``wake`` too, for a long poll.
 
     Asking the server instead (Starlette's ``Request.is_disconnected``, a cancelled receive) cost
-    26 µs per question, two per receive; the task costs about 13 µs per request
-    (``bench/api_per_message.py``). It takes its first look on entering, so a client gone already
+    24 µs per question, two per receive; the watch costs about 17 µs per request, its task started,
+    looked at and cancelled (``bench/api_per_message.py``). It takes its first look on entering, so a client gone already
     is seen before any claim; one that goes while its messages are claimed gets them released
     (``StreamService._claim``)."""
 
