@@ -5,9 +5,10 @@
 One run on a fresh embedded cluster (source and store in separate databases):
   (a) ``COPY (SELECT * FROM t) TO STDOUT`` of the table: the read limit;
   (b) a full backfill into a Sequin Stream sink with the stream app running and the table idle
-      (``--idle-runs`` times, the stream table emptied in between, as if consumers had taken the
-      previous run's reads: the first run of a fresh cluster also creates, among other things, the
-      WAL segments that later runs recycle, as a store that has taken such bursts before does):
+      (``--idle-runs`` times, the stream table emptied in between as consumers empty it, their
+      acks deleting the previous run's reads and a VACUUM after them: the first run of a fresh
+      cluster also creates, among other things, the table's pages and the WAL segments that later
+      runs reuse, as a store that has taken such bursts before does):
       rows/s from ``sequin backfill start`` to the last read durable in the sink, and from the
       backfill's ``running`` to ``completed`` (without the start of its local Spark);
   (b') the same into a sink with a filter, whose reads go through the stream app's Spark
@@ -82,10 +83,14 @@ def bench_config(dsn: str, store_dsn: str, checkpoint: Path, filtered: bool) -> 
 
 
 def empty_stream_table(store_dsn: str) -> None:
-    """The stream table emptied between runs (as if the sink's consumers had taken every read) and
-    a checkpoint, so each run starts from the same store."""
+    """The stream table emptied between runs as the sink's consumers and autovacuum empty it (their
+    acks delete every read, then a VACUUM), and a checkpoint, so each run starts from the same
+    store. The table keeps its pages (migration 20, ``vacuum_truncate`` off), as a store that took
+    the previous run's burst does; before that migration this was a ``TRUNCATE``, which also gives
+    them back (docs/performance.md, "Backfills")."""
     with psycopg.connect(store_dsn, autocommit=True) as conn:
-        conn.execute("TRUNCATE sequin.stream_messages")
+        conn.execute("DELETE FROM sequin.stream_messages")
+        conn.execute("VACUUM sequin.stream_messages")
         conn.execute("CHECKPOINT")
 
 

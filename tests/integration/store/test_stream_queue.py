@@ -214,6 +214,32 @@ def test_a_message_row_writes_one_index_entry(conn: psycopg.Connection) -> None:
     assert [i[0].split(" USING ")[1] for i in indexes] == ["btree (sink, commit_lsn, commit_idx)"]
 
 
+def test_a_burst_s_pages_are_kept_when_consumers_empty_the_table_and_the_next_burst_reuses_them(
+    dsn: str, conn: psycopg.Connection
+) -> None:
+    """Migration 20: a VACUUM after consumers acked every message leaves the stream table's pages
+    (no ACCESS EXCLUSIVE lock to cut them off, which stops receives and writes while held), and the
+    next burst fills those pages instead of extending the file one page at a time again (0.6 µs of
+    CPU per backfill read on PostgreSQL 15; docs/performance.md, "Backfills")."""
+
+    def pages() -> int:
+        return int(conn.execute("SELECT pg_relation_size('sequin.stream_messages') / 8192").fetchone()[0])
+
+    def burst(first: int) -> None:
+        put_stream_messages(dsn, SINK, [(first + i, 0, f"g{i}") for i in range(3000)])
+        while got := stream_queue.receive(conn, "sequin", SINK, 500, 30, 1_000_000):
+            assert stream_queue.ack(conn, "sequin", SINK, [d.ack_id for d in got]) == len(got)
+
+    burst(1)
+    grown = pages()
+    conn.execute("VACUUM sequin.stream_messages")
+    assert conn.execute("SELECT count(*) FROM sequin.stream_messages").fetchone()[0] == 0
+    assert pages() == grown > 10
+    burst(10_001)
+    conn.execute("VACUUM sequin.stream_messages")
+    assert grown <= pages() < grown * 1.1  # the second burst's messages went into the first one's pages
+
+
 def test_concurrent_receivers_acks_nacks_and_timeouts_keep_each_group_in_order(
     dsn: str, conn: psycopg.Connection
 ) -> None:
