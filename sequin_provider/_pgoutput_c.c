@@ -273,17 +273,55 @@ fail:
     return NULL;
 }
 
-/* Raise UnicodeDecodeError when bytes that are not copied into the output are not UTF-8. */
-static int check_utf8(const char *s, Py_ssize_t n) {
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if ((unsigned char)s[i] >= 0x80) {
-            PyObject *text = PyUnicode_DecodeUTF8(s, n, "strict");
-            if (text == NULL)
-                return -1;
-            Py_DECREF(text);
-            return 0;
+/* Whether s[0:n] is UTF-8 as Python's strict decoder takes it (RFC 3629: no overlong forms, no
+ * surrogates, nothing above U+10FFFF), without building the text: ASCII eight bytes at a time, then
+ * each sequence by its lead byte. */
+static int utf8_valid(const unsigned char *s, Py_ssize_t n) {
+    Py_ssize_t i = 0;
+    while (i < n) {
+        if (n - i >= 8) {
+            uint64_t word;
+            memcpy(&word, s + i, 8);
+            if ((word & UINT64_C(0x8080808080808080)) == 0) {
+                i += 8;
+                continue;
+            }
+        }
+        unsigned char c = s[i];
+        if (c < 0x80) {
+            i++;
+        } else if (c >= 0xC2 && c <= 0xDF) {
+            if (n - i < 2 || (s[i + 1] & 0xC0) != 0x80)
+                return 0;
+            i += 2;
+        } else if (c >= 0xE0 && c <= 0xEF) {
+            if (n - i < 3 || (s[i + 1] & 0xC0) != 0x80 || (s[i + 2] & 0xC0) != 0x80)
+                return 0;
+            if ((c == 0xE0 && s[i + 1] < 0xA0) || (c == 0xED && s[i + 1] > 0x9F))
+                return 0; /* overlong, or a surrogate */
+            i += 3;
+        } else if (c >= 0xF0 && c <= 0xF4) {
+            if (n - i < 4 || (s[i + 1] & 0xC0) != 0x80 || (s[i + 2] & 0xC0) != 0x80 || (s[i + 3] & 0xC0) != 0x80)
+                return 0;
+            if ((c == 0xF0 && s[i + 1] < 0x90) || (c == 0xF4 && s[i + 1] > 0x8F))
+                return 0; /* overlong, or above U+10FFFF */
+            i += 4;
+        } else {
+            return 0; /* a continuation byte first, C0/C1 (overlong) or F5-FF */
         }
     }
+    return 1;
+}
+
+/* Raise UnicodeDecodeError when bytes that are not copied into the output are not UTF-8: Python's
+ * decoder raises it (its own message and position), asked only when utf8_valid found a fault. */
+static int check_utf8(const char *s, Py_ssize_t n) {
+    if (utf8_valid((const unsigned char *)s, n))
+        return 0;
+    PyObject *text = PyUnicode_DecodeUTF8(s, n, "strict");
+    if (text == NULL)
+        return -1;
+    Py_DECREF(text);
     return 0;
 }
 

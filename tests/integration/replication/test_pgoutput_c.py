@@ -450,3 +450,26 @@ def test_hostile_copy_pages_fail_alike(copy_page: tuple[str, bytes]) -> None:
         outcomes.append(want)
     assert {o for o in outcomes if isinstance(o, type)} == {DecodeError}  # every failure is a clear DecodeError
     assert sum(isinstance(o, type) for o in outcomes) > 500 and sum(type(o) is tuple for o in outcomes) > 200
+
+
+def test_utf8_is_checked_as_python_checks_it_at_every_offset(copy_page: tuple[str, bytes]) -> None:
+    """The compiled renderer checks a page's UTF-8 itself (ASCII eight bytes at a time, then each
+    sequence by its lead byte) and asks Python's decoder only for the error: every edge of RFC 3629
+    (overlong forms, surrogates, beyond U+10FFFF, cut sequences), at every offset within an eight-byte
+    word, must be taken or refused exactly as the reference does."""
+    dsn, data = copy_page
+    compiled, reference, rel = page_decoders(dsn)
+    first = data[: data.index(b"\n") + 1]
+    assert first.startswith(b"a\t")
+    valid = ["é", "€", "😀", "\U0010ffff", "\ud7ff", "\ue000", "\u0800", "\u0080"]
+    invalid = [
+        b"\xc0\x80", b"\xc1\xbf", b"\xe0\x80\x80", b"\xe0\x9f\xbf", b"\xed\xa0\x80", b"\xed\xbf\xbf",
+        b"\xf0\x80\x80\x80", b"\xf0\x8f\xbf\xbf", b"\xf4\x90\x80\x80", b"\xf5\x80\x80\x80", b"\xff", b"\x80",
+        b"\xc3", b"\xe2\x82", b"\xf0\x9f\x98", b"\xc3\xc3", b"\xe2\x28\xa1",
+    ]  # fmt: skip
+    for text in [v.encode("utf-8", "surrogatepass") for v in valid] + invalid:
+        for pad in range(10):
+            page = b"x" * pad + text + b"y" * (9 - pad) + first[1:]
+            got, want = copy_outcome(compiled, rel, page), copy_outcome(reference, rel, page)
+            assert got == want, (text, pad, got, want)
+            assert (want is DecodeError) == (text in invalid), (text, pad, want)
