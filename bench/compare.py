@@ -40,7 +40,6 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
-import httpx
 import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -205,6 +204,7 @@ class OurWebhookSink(Contender):
         self.server: Any = None
         self.url = f"http://127.0.0.1:{port}"
         self.retried = 0
+        self.count = webhook_endpoint.ReceivedCount(self.url)
         self._stop = threading.Event()
         self._retry: threading.Thread | None = None
         super().__init__("this project -> webhook sink (local HTTP server)", self._count, work / "webhook-latency.csv")
@@ -223,7 +223,7 @@ class OurWebhookSink(Contender):
             self.retried += sum(r.delivered for r in results)
 
     def _count(self) -> int:
-        return int(httpx.get(self.url, timeout=10).text)
+        return self.count()
 
     def start(self) -> None:
         self.server = mp.get_context("spawn").Process(
@@ -243,6 +243,7 @@ class OurWebhookSink(Contender):
         if self.retried:
             print(f"bench: {self.retried} webhook messages were parked and delivered by the buffer retry", flush=True)
         self.app.stop()
+        self.count.close()
         if self.server is not None:
             self.server.terminate()
 

@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.app_config import app_config, sink  # noqa: E402
+from bench.webhook_endpoint import ReceivedCount  # noqa: E402
 from devtools.embedded_postgres import EmbeddedPostgres, free_port  # noqa: E402
 from devtools.stream_process import StreamAppProcess, wait_for  # noqa: E402
 from sequin_provider import store, stream_queue  # noqa: E402
@@ -313,9 +314,10 @@ def main() -> int:
         results["webhook_server_limit"] = server_limit(f"{hook_url}/hook", 100, args.seconds)
         print(f"bench: webhook server limit: {results['webhook_server_limit']:,.0f} messages/s", flush=True)
         app = StreamAppProcess(config_path, work / "app.log").start()
+        received = ReceivedCount(hook_url)
         try:
             app.wait_streaming(store_dsn)
-            base = int(httpx.get(hook_url).text)
+            base = received()
             started = time.time()
             with psycopg.connect(dsn, autocommit=True) as conn:
                 for lo in range(1, args.changes + 1, 500):
@@ -324,7 +326,7 @@ def main() -> int:
                         (lo, min(lo + 499, args.changes)),
                     )
             wait_for(
-                lambda: int(httpx.get(hook_url).text) >= base + args.changes,
+                lambda: received() >= base + args.changes,
                 900,
                 interval=0.1,
                 what="the webhook server to receive every change",
@@ -332,6 +334,7 @@ def main() -> int:
             results["webhook_e2e"] = args.changes / (time.time() - started)
             print(f"bench: webhook sink end to end: {results['webhook_e2e']:,.0f} changes/s", flush=True)
         finally:
+            received.close()
             app.stop()
             server.terminate()
 
