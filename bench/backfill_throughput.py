@@ -94,6 +94,17 @@ def empty_stream_table(store_dsn: str) -> None:
         conn.execute("CHECKPOINT")
 
 
+def wal_segments(dsn: str) -> int:
+    """How many WAL segment files the cluster has. A new cluster creates a segment (16 MB written
+    out, in pages the machine has not used yet) for each 16 MB of WAL until its checkpoints have
+    enough old ones to recycle; a 1,000,000-row backfill writes about 400 MB of WAL, and a run that
+    created its segments measured 186,097-247,049 rows/s against 338,342-383,415 for the next runs,
+    which recycled theirs (docs/performance.md, "Backfills"). A benchmark prints the segments each
+    run added, so a run that paid for them is seen as such."""
+    with psycopg.connect(dsn) as conn:
+        return int(conn.execute("SELECT count(*) FROM pg_ls_waldir()").fetchone()[0])  # type: ignore[index]
+
+
 def copy_seconds(dsn: str) -> float:
     started = time.monotonic()
     with psycopg.connect(dsn) as conn, conn.cursor() as cur, cur.copy("COPY (SELECT * FROM events) TO STDOUT") as copy:
@@ -376,8 +387,10 @@ def main() -> int:
 
             def measured(key: str, sink: str, label: str, config: Path = config_path) -> float:
                 """Run one backfill into ``sink``, record it under ``key`` and print it; its seconds."""
+                segments = wal_segments(dsn)
                 with CpuSampler() as cpu:
                     seconds, line, started_at = run_backfill(config, args.rows, sink)
+                results[f"{key}_new_wal_segments"] = wal_segments(dsn) - segments
                 running = running_seconds(store_dsn, sink)
                 in_sink = in_sink_seconds(store_dsn, sink, started_at)
                 per_row = {k: v / args.rows * 1e6 for k, v in sorted(cpu.totals().items(), key=lambda kv: -kv[1])}
@@ -401,7 +414,8 @@ def main() -> int:
                 print(
                     f"bench: backfill, {label}: {seconds:.1f}s to its exit ({args.rows / seconds:,.0f} rows/s);"
                     f" all rows in the sink after {in_sink:.1f}s ({args.rows / in_sink:,.0f} rows/s); running"
-                    f" {running:.1f}s, {args.rows / running:,.0f} rows/s -- {line}",
+                    f" {running:.1f}s, {args.rows / running:,.0f} rows/s; {results[f'{key}_new_wal_segments']} new WAL"
+                    f" segments -- {line}",
                     flush=True,
                 )
                 return seconds
