@@ -95,12 +95,11 @@ def empty_stream_table(store_dsn: str) -> None:
 
 
 def wal_segments(dsn: str) -> int:
-    """How many WAL segment files the cluster has. A new cluster creates a segment (16 MB written
-    out, in pages the machine has not used yet) for each 16 MB of WAL until its checkpoints have
-    enough old ones to recycle; a 1,000,000-row backfill writes about 400 MB of WAL, and a run that
-    created its segments measured 186,097-247,049 rows/s against 338,342-383,415 for the next runs,
-    which recycled theirs (docs/performance.md, "Backfills"). A benchmark prints the segments each
-    run added, so a run that paid for them is seen as such."""
+    """How many WAL segment files the cluster has. A new cluster creates a 16 MB segment for each 16
+    MB of WAL until its checkpoints have old ones to recycle (a 1,000,000-row backfill writes about
+    400 MB); a benchmark prints the segments each run added, so a run that created them is seen as
+    such (docs/performance.md, "Backfills": about 3 ms of CPU each, a small part of why a fresh
+    cluster's first runs are slower)."""
     with psycopg.connect(dsn) as conn:
         return int(conn.execute("SELECT count(*) FROM pg_ls_waldir()").fetchone()[0])  # type: ignore[index]
 

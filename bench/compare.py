@@ -463,9 +463,8 @@ def backfill_section(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 )
             # the same command with a backfill server up: it takes the backfill, no Spark start of its own
             # Its first backfill is a warm-up, reported apart, as the stream's contenders get a run's
-            # worth of warm-up: until then the new cluster created WAL segments for most runs (each of
-            # 16 MB, in pages the machine had not used), which later runs recycle as any cluster that
-            # has run a while does (``wal_segments``).
+            # worth of warm-up: a fresh server's first backfills on a fresh cluster ran slowest
+            # (docs/performance.md, "Backfills"); each run says how many WAL segments it created.
             server = BackfillServerProcess(config, work / "backfill-server.log").start()
             try:
                 server.wait_up()
