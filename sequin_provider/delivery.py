@@ -241,11 +241,13 @@ def push_in_group_order(
     parked_groups: set[str] | Mapping[str, tuple[int, int]],
     barred: Collection[str] = (),
     held: Collection[str] = (),
+    pool: ThreadPoolExecutor | None = None,
 ) -> PushResult:
     """Deliver ``messages`` (in position order) through ``send``, in order within each group.
 
     Groups are spread over ``lanes`` that send concurrently; each lane sends its messages in
-    order, ``batch_size`` per request. A request that fails parks all its messages with the
+    order, ``batch_size`` per request, on a thread of ``pool`` (a caller's pool kept between
+    batches, of ``lanes`` threads; without one, a pool for this call). A request that fails parks all its messages with the
     error (one attempt made); a failed transform parks its message; after either, and for groups
     already in ``parked_groups``, every later message of the group is parked behind them
     without being tried. ``parked_groups`` maps a group to the position of its first parked
@@ -262,9 +264,11 @@ def push_in_group_order(
     result = PushResult()
     heads = parked_groups if isinstance(parked_groups, Mapping) else dict.fromkeys(parked_groups, HELD_WHOLE)
     if not messages.barriers and not barred:
-        _send_lanes(sink, messages, range(len(messages)), send, batch_size, lanes, heads, result)
+        _send_lanes(sink, messages, range(len(messages)), send, batch_size, lanes, heads, result, pool)
     else:
-        _send_through_barriers(sink, messages, send, batch_size, lanes, dict(heads), set(barred), set(held), result)
+        _send_through_barriers(
+            sink, messages, send, batch_size, lanes, dict(heads), set(barred), set(held), result, pool
+        )
     result.parked.sort(key=lambda r: (r.commit_lsn, r.commit_idx))
     return result
 
@@ -282,6 +286,7 @@ def _send_lanes(
     lanes: int,
     heads: Mapping[str, tuple[int, int]],
     result: PushResult,
+    pool: ThreadPoolExecutor | None = None,
 ) -> None:
     """``push_in_group_order`` for the messages at ``indices`` (in position order), none of them a truncate."""
     lock = threading.Lock()
@@ -343,9 +348,11 @@ def _send_lanes(
     if len(by_lane) <= 1:
         for lane in by_lane.values():
             run_lane(lane)
+    elif pool is not None:
+        list(pool.map(run_lane, by_lane.values()))
     else:
-        with ThreadPoolExecutor(max_workers=len(by_lane), thread_name_prefix=f"push-{sink}") as pool:
-            list(pool.map(run_lane, by_lane.values()))
+        with ThreadPoolExecutor(max_workers=len(by_lane), thread_name_prefix=f"push-{sink}") as own:
+            list(own.map(run_lane, by_lane.values()))
 
 
 def _send_through_barriers(
@@ -358,6 +365,7 @@ def _send_through_barriers(
     barred: set[str],
     held: set[str],
     result: PushResult,
+    pool: ThreadPoolExecutor | None = None,
 ) -> None:
     """``push_in_group_order`` of a batch with truncates, or behind a parked one: the messages
     between two truncates go as usual (``_send_lanes``), each truncate alone in between. Rare, so
@@ -368,7 +376,7 @@ def _send_through_barriers(
 
     def flush_segment() -> None:
         if segment:
-            _send_lanes(sink, messages, list(segment), send, batch_size, lanes, heads, result)
+            _send_lanes(sink, messages, list(segment), send, batch_size, lanes, heads, result, pool)
             segment.clear()
             heads.update(dict.fromkeys((r.group_id for r in result.parked), HELD_WHOLE))
 

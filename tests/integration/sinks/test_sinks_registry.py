@@ -43,6 +43,8 @@ PACKAGE = Path(__file__).resolve().parents[3] / "sequin_provider"
 
 DELIVERED: dict[str, list[list[str]]] = {}
 """What each in-memory destination got: one list per request."""
+SENDERS: list[threading.Thread] = []
+"""The thread of each request, in the order sent."""
 REFUSE: set[str] = set()
 """Messages the destination refuses (a failing request)."""
 _LOCK = threading.Lock()
@@ -68,6 +70,7 @@ class MemoryListSink(PushSink):
             raise DeliveryError("memory list: refused")
         with _LOCK:
             DELIVERED.setdefault(self.name, []).append(list(messages))
+            SENDERS.append(threading.current_thread())
 
 
 class MemoryListKind(DestinationKind):
@@ -103,6 +106,7 @@ class MemoryListKind(DestinationKind):
 def memory_kind() -> Iterator[DestinationKind]:
     registered = registry.register(MemoryListKind())
     DELIVERED.clear()
+    SENDERS.clear()
     REFUSE.clear()
     yield registered
     registry.unregister(MemoryListKind.name)
@@ -213,6 +217,35 @@ def _rendered(ids: list[int], groups: str) -> RenderedRows:
         pa.array([f"{n}:0" for n in ids]),
         pa.array([f'{{"record": {{"id": {n}}}}}' for n in ids]),
     )
+
+
+def test_a_pushed_kinds_lanes_run_on_threads_kept_from_batch_to_batch(memory_kind: DestinationKind, dsn: str) -> None:
+    """The driver delivers every micro-batch: its lanes' threads are started once, not per batch
+    (a pool per batch cost 0.9 ms of CPU for 16 lanes), and each batch still goes in group order."""
+    config = _config(dsn, {"type": "memory_list", "list_name": "L", "batch_size": 1})
+    sink = config.sinks[0]
+    with psycopg.connect(dsn) as conn:
+        store.migrate(conn, "sequin")
+        conn.commit()
+
+    def batch(first: int) -> Outgoing:
+        out = Outgoing()
+        for n in range(first, first + 16):  # groups a-d, four messages each
+            out.extend(Outgoing([n], [0], ["abcd"[n % 4]], [f"{n}:0"], [f'{{"n":{n}}}']))
+        return out
+
+    pusher = sink.destination.kind.pusher(sink)
+    keeper = SequinStreamSink(dsn, "sequin")
+    try:
+        assert pusher.deliver(batch(0), keeper, "sequin") == (16, 0)
+        first = set(SENDERS)
+        assert pusher.deliver(batch(16), keeper, "sequin") == (16, 0)
+    finally:
+        keeper.close()
+    assert set(SENDERS[16:]) <= first  # no thread started for the second batch
+    sent = [json.loads(m)["n"] for request in DELIVERED["L"] for m in request]
+    for group in range(4):  # each group's messages in order, the first batch's before the second's
+        assert [n for n in sent if n % 4 == group] == list(range(group, 32, 4))
 
 
 def test_a_stored_kinds_writer_copies_holds_parked_groups_and_parks_failed_transforms(dsn: str) -> None:
