@@ -246,12 +246,13 @@ def push_in_group_order(
     """Deliver ``messages`` (in position order) through ``send``, in order within each group.
 
     Groups are spread over ``lanes`` that send concurrently; each lane sends its messages in
-    order, ``batch_size`` per request, on a thread of ``pool`` (a caller's pool kept between
-    batches, of ``lanes`` threads; without one, a pool for this call). A request that fails parks all its messages with the
-    error (one attempt made); a failed transform parks its message; after either, and for groups
-    already in ``parked_groups``, every later message of the group is parked behind them
-    without being tried. ``parked_groups`` maps a group to the position of its first parked
-    message (``buffer.parked_heads``: messages before it are sent), or is a set (all are held).
+    order, ``batch_size`` per request, on a thread of ``pool`` (a caller's pool of ``lanes``
+    threads kept between batches; without one, a pool for this call). A request that fails
+    parks all its messages with the error (one attempt made); a failed transform parks its
+    message; after either, and for groups already in ``parked_groups``, every later message of
+    the group is parked behind them without being tried. ``parked_groups`` maps a group to the
+    position of its first parked message (``buffer.parked_heads``: messages before it are
+    sent), or is a set (all are held).
     The caller writes ``parked`` to the buffer before the batch completes.
 
     A truncate (``messages.barriers``) is a barrier for its table: the messages before it are
